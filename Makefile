@@ -1,0 +1,27 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python tools/demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check amxopt tests tools
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

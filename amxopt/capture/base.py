@@ -1,0 +1,136 @@
+"""Plain capture: torch.export (non-strict) of a model as it is, with dynamic dims where possible.
+
+An adapter subclasses :class:`Adapter` to move a model family's data-dependent pre-processing out
+of the graph (``graph_inputs``), to swap in the module that is exported (``export_module``) and to
+patch the model while it is traced (``tracing``). Everything else is shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+logger = logging.getLogger(__name__)
+
+
+class CaptureError(RuntimeError):
+    """torch.export could not capture the model as one graph."""
+
+
+class Adapter:
+    """Plain capture of any module; subclasses add per-family knowledge.
+
+    Args:
+        model: the module to capture (not modified, except inside ``tracing``).
+        provider: provider name for amxopt ops the adapter routes into the graph.
+    """
+
+    name = "plain"
+
+    def __init__(self, model: nn.Module, provider: str = "reference") -> None:
+        self.model_name = type(model).__name__
+        self.provider = provider
+        self._signature = inspect.signature(model.forward)
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        return True
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """Name every argument of a call the way ``model.forward`` would receive it."""
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self.model_name}.forward: {e}") from None
+        out = dict(bound.arguments)
+        for name, p in self._signature.parameters.items():
+            if p.kind is inspect.Parameter.VAR_KEYWORD and name in out:
+                out.update(out.pop(name))
+            elif p.kind is inspect.Parameter.VAR_POSITIONAL and name in out:
+                if out[name]:
+                    raise TypeError(f"{self.model_name}.forward: extra positional args are not supported")
+                del out[name]
+        return out
+
+    def graph_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
+        """The eager part of a call: returns the keyword inputs of the exported graph."""
+        return call
+
+    def export_module(self, model: nn.Module) -> nn.Module:
+        return model
+
+    @contextlib.contextmanager
+    def tracing(self, model: nn.Module):
+        yield
+
+    def dynamic_shapes(self, graph_inputs: dict[str, Any]) -> dict[str, Any]:
+        """Let export decide (Dim.AUTO) for every dim of every tensor input."""
+        auto = torch.export.Dim.AUTO
+
+        def spec(x):
+            return {i: auto for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
+
+        return {k: pytree.tree_map(spec, v) for k, v in graph_inputs.items()}
+
+
+@dataclasses.dataclass
+class Captured:
+    """One exported graph and how to feed it.
+
+    ``guards`` is export's input check, taken out of the graph so that passes never see it: it
+    raises when a call's shapes fall outside what the graph was captured for.
+    """
+
+    gm: fx.GraphModule
+    dynamic: bool
+    guards: nn.Module | None
+    note: str = ""
+
+    def check(self, graph_inputs: dict[str, Any]) -> None:
+        if self.guards is not None:
+            self.guards(*pytree.tree_leaves(graph_inputs))
+
+
+def export(model: nn.Module, adapter: Adapter, graph_inputs: dict[str, Any], dynamic: bool) -> Captured:
+    """Export ``adapter.export_module(model)`` on ``graph_inputs``; dynamic first, then static."""
+    module = adapter.export_module(model)
+    attempts = [True, False] if dynamic else [False]
+    errors = []
+    for dyn in attempts:
+        shapes = adapter.dynamic_shapes(graph_inputs) if dyn else None
+        try:
+            with adapter.tracing(model), torch.no_grad():
+                ep = torch.export.export(module, (), dict(graph_inputs), dynamic_shapes=shapes, strict=False)
+        except Exception as e:  # noqa: BLE001 - export raises many types; all mean "not captured"
+            errors.append(f"{'dynamic' if dyn else 'static'}: {type(e).__name__}: {_first_line(e)}")
+            logger.info("amxopt: %s export of %s failed: %s", "dynamic" if dyn else "static", adapter.model_name, e)
+            continue
+        gm = ep.module()
+        note = "" if dyn or not dynamic else f"dynamic export failed ({errors[0]}); shapes are static"
+        return Captured(gm=gm, dynamic=dyn, guards=_take_guards(gm), note=note)
+    raise CaptureError(
+        f"amxopt: torch.export could not capture {adapter.model_name} as one graph "
+        f"(adapter {adapter.name!r}): " + "; ".join(errors)
+    )
+
+
+def _take_guards(gm: fx.GraphModule) -> nn.Module | None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+            guards = gm.get_submodule("_guards_fn")
+            gm.recompile()
+            return guards
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__

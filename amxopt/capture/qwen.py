@@ -1,0 +1,195 @@
+"""Adapters for the Qwen3-VL / Qwen3-Omni vision encoders and the Qwen3-Omni audio encoder.
+
+Their stock forward loops over segments in Python (``torch.split(lengths.tolist())``) and derives
+rotary/position indices from ``grid_thw`` with ``.tolist()``, which torch.export cannot capture.
+transformers lets callers pass all of that precomputed as kwargs; these adapters compute it
+eagerly with transformers' own helpers, validate the call, and route attention to
+``amxopt.varlen_attention`` so each layer's attention is one graph node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from amxopt.capture.attention import routed_attention
+from amxopt.capture.base import Adapter
+
+
+class _QwenAdapter(Adapter):
+    classes: tuple[str, ...] = ()
+    dynamic_dims: dict[str, tuple[int, ...]] = {}
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        return type(model).__name__ in cls.classes
+
+    def tracing(self, model: nn.Module):
+        return routed_attention(model)
+
+    def dynamic_shapes(self, graph_inputs: dict[str, Any]) -> dict[str, Any]:
+        # Token/segment counts vary per call; feature widths are fixed by the weights.
+        auto = torch.export.Dim.AUTO
+        return {k: {d: auto for d in self.dynamic_dims.get(k, ())} for k in graph_inputs}
+
+    def _reject_extras(self, call: dict[str, Any], allowed: set[str]) -> None:
+        extra = {k for k, v in call.items() if v is not None and k not in allowed}
+        if extra:
+            raise ValueError(f"amxopt: {self.model_name} is optimized without these arguments: {sorted(extra)}")
+
+
+class QwenVisionAdapter(_QwenAdapter):
+    """Qwen3-VL / Qwen3-Omni vision encoder: ``(hidden_states [T, C*t*p*p], grid_thw [N, 3])``."""
+
+    name = "qwen3_vision"
+    classes = ("Qwen3VLVisionModel", "Qwen3OmniMoeVisionEncoder")
+    dynamic_dims = {"hidden_states": (0,), "cu_seqlens": (0,), "position_ids": (0,), "interp_indices": (0,),
+                    "interp_weights": (0,)}
+
+    def __init__(self, model: nn.Module, provider: str = "reference") -> None:
+        super().__init__(model, provider)
+        cfg = model.config
+        self.merge = cfg.spatial_merge_size
+        self.patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+        self.grid_side = model.num_grid_per_side
+        self.interp_mode = model.interpolation_mode
+        self.align_corners = model.interpolation_align_corners
+
+    def graph_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
+        from transformers.vision_utils import (
+            get_vision_cu_seqlens,
+            get_vision_interpolation_indices_and_weights,
+            get_vision_position_ids,
+        )
+
+        self._reject_extras(call, {"hidden_states", "grid_thw"})
+        x, grid = call.get("hidden_states"), call.get("grid_thw")
+        self._validate(x, grid)
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            grid,
+            num_grid_per_side=self.grid_side,
+            mode=self.interp_mode,
+            align_corners=self.align_corners,
+            spatial_merge_size=self.merge,
+        )
+        return {
+            "hidden_states": x,
+            "cu_seqlens": get_vision_cu_seqlens(grid),
+            "position_ids": get_vision_position_ids(grid, self.merge),
+            "interp_indices": indices,
+            "interp_weights": weights,
+        }
+
+    def _validate(self, x, grid) -> None:
+        who = f"amxopt: {self.model_name}"
+        if not isinstance(x, torch.Tensor) or not isinstance(grid, torch.Tensor):
+            raise TypeError(f"{who} needs tensors hidden_states and grid_thw")
+        if x.dim() != 2 or x.shape[1] != self.patch_dim or not x.is_floating_point():
+            raise ValueError(
+                f"{who}: hidden_states must be float [num_patches, {self.patch_dim}], "
+                f"got {x.dtype} {tuple(x.shape)}"
+            )
+        if grid.dim() != 2 or grid.shape[1] != 3 or grid.is_floating_point():
+            raise ValueError(f"{who}: grid_thw must be an integer [num_images, 3], got {grid.dtype} {tuple(grid.shape)}")
+        if bool((grid <= 0).any()) or bool((grid[:, 1:] % self.merge != 0).any()):
+            raise ValueError(
+                f"{who}: every grid_thw entry must be positive with h and w divisible by the spatial "
+                f"merge size {self.merge}, got {grid.tolist()}"
+            )
+        patches = int(grid.prod(-1).sum())
+        if patches != x.shape[0]:
+            raise ValueError(
+                f"{who}: grid_thw {grid.tolist()} describes {patches} patches but hidden_states has "
+                f"{x.shape[0]} rows"
+            )
+
+    def export_module(self, model: nn.Module) -> nn.Module:
+        return _VisionGraph(model)
+
+
+class _VisionGraph(nn.Module):
+    """The part of the vision encoder that is captured: everything after the eager metadata."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden_states, cu_seqlens, position_ids, interp_indices, interp_weights):
+        # grid_thw is only read by the metadata helpers, all of which get their result precomputed;
+        # max_seqlen=0 means "unknown" to amxopt.varlen_attention (kernels read cu_seqlens).
+        return self.model(
+            hidden_states,
+            grid_thw=None,
+            cu_seqlens=cu_seqlens,
+            position_ids=position_ids,
+            interp_indices=interp_indices,
+            interp_weights=interp_weights,
+            max_seqlen=0,
+        )
+
+
+class QwenAudioAdapter(_QwenAdapter):
+    """Qwen3-Omni audio encoder: ``(input_features [mel, frames], feature_lens [batch])``."""
+
+    name = "qwen3_omni_audio"
+    classes = ("Qwen3OmniMoeAudioEncoder",)
+    dynamic_dims = {"padded_feature": (0, 2), "chunk_lengths": (0,), "valid_indices": (0,), "cu_seqlens": (0,)}
+
+    def __init__(self, model: nn.Module, provider: str = "reference") -> None:
+        super().__init__(model, provider)
+        cfg = model.config
+        self.n_mels = cfg.num_mel_bins
+        self.n_window = cfg.n_window
+        self.n_window_infer = cfg.n_window_infer
+
+    def graph_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
+        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qo
+
+        self._reject_extras(call, {"input_features", "feature_lens"})
+        feats, lens = call.get("input_features"), call.get("feature_lens")
+        self._validate(feats, lens)
+        padded, chunk_lengths = qo.chunk_and_pad_features(feats, lens, self.n_window)
+        return {
+            "padded_feature": padded,
+            "chunk_lengths": chunk_lengths,
+            "valid_indices": qo.get_valid_indices(chunk_lengths, self.n_window),
+            "cu_seqlens": qo.get_audio_cu_seqlens(chunk_lengths, lens, self.n_window_infer, self.n_window),
+        }
+
+    def _validate(self, feats, lens) -> None:
+        who = f"amxopt: {self.model_name}"
+        if not isinstance(feats, torch.Tensor) or not isinstance(lens, torch.Tensor):
+            raise TypeError(f"{who} needs tensors input_features and feature_lens")
+        if feats.dim() != 2 or feats.shape[0] != self.n_mels or not feats.is_floating_point():
+            raise ValueError(
+                f"{who}: input_features must be float [{self.n_mels}, frames], got {feats.dtype} {tuple(feats.shape)}"
+            )
+        if lens.dim() != 1 or lens.is_floating_point() or bool((lens <= 0).any()):
+            raise ValueError(f"{who}: feature_lens must be positive integers [batch], got {lens}")
+        if int(lens.sum()) != feats.shape[1]:
+            raise ValueError(
+                f"{who}: feature_lens {lens.tolist()} sum to {int(lens.sum())} frames but input_features has "
+                f"{feats.shape[1]}"
+            )
+
+    def export_module(self, model: nn.Module) -> nn.Module:
+        return _AudioGraph(model)
+
+
+class _AudioGraph(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, padded_feature, chunk_lengths, valid_indices, cu_seqlens):
+        return self.model(
+            input_features=None,
+            feature_lens=None,
+            padded_feature=padded_feature,
+            chunk_lengths=chunk_lengths,
+            valid_indices=valid_indices,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=0,
+        )

@@ -1,0 +1,65 @@
+"""Adapter for diffusers' WanTransformer3DModel.
+
+Stock Wan exports as one graph (dense SDPA attention, no data-dependent Python), so this adapter
+only checks the call against the model's config, so that a wrong latent shape fails with a clear
+message instead of deep inside export, and keeps the batch dim static.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from amxopt.capture.base import Adapter
+
+
+class WanAdapter(Adapter):
+    """``(hidden_states [B, C, F, H, W], timestep [B], encoder_hidden_states [B, L, text_dim])``."""
+
+    name = "wan"
+
+    def __init__(self, model: nn.Module, provider: str = "reference") -> None:
+        super().__init__(model, provider)
+        cfg = model.config
+        self.in_channels = cfg.in_channels
+        self.patch = tuple(cfg.patch_size)
+        self.text_dim = cfg.text_dim
+        # The rotary table covers this many positions per axis (in patches).
+        self.rope_len = cfg.rope_max_seq_len
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        return type(model).__name__ == "WanTransformer3DModel"
+
+    def graph_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
+        who = f"amxopt: {self.model_name}"
+        x, text = call.get("hidden_states"), call.get("encoder_hidden_states")
+        if not isinstance(x, torch.Tensor) or x.dim() != 5 or x.shape[1] != self.in_channels:
+            raise ValueError(
+                f"{who}: hidden_states must be latents [B, {self.in_channels}, F, H, W], "
+                f"got {getattr(x, 'shape', type(x).__name__)}"
+            )
+        if any(d % p for d, p in zip(x.shape[2:], self.patch)):
+            raise ValueError(f"{who}: latent {tuple(x.shape[2:])} is not divisible by the patch size {self.patch}")
+        if not isinstance(text, torch.Tensor) or text.dim() != 3 or text.shape[2] != self.text_dim:
+            raise ValueError(
+                f"{who}: encoder_hidden_states must be [B, L, {self.text_dim}], "
+                f"got {getattr(text, 'shape', type(text).__name__)}"
+            )
+        if call.get("attention_kwargs"):
+            raise ValueError(f"{who}: attention_kwargs are not supported, got {call['attention_kwargs']}")
+        return call
+
+    def dynamic_shapes(self, graph_inputs: dict[str, Any]) -> dict[str, Any]:
+        # Frames, height and width vary as multiples of the patch (so the patchify stays exact and
+        # replace_patch_embed can prove it); text length varies freely; everything else is static.
+        shapes: dict[str, Any] = {k: ({} if isinstance(v, torch.Tensor) else None) for k, v in graph_inputs.items()}
+        latent = {}
+        for axis, (name, p) in enumerate(zip(("frames", "height", "width"), self.patch), start=2):
+            dim = torch.export.Dim(f"latent_{name}_patches", min=1, max=self.rope_len)
+            latent[axis] = dim * p if p > 1 else dim
+        shapes["hidden_states"] = latent
+        shapes["encoder_hidden_states"] = {1: torch.export.Dim.AUTO}
+        return shapes

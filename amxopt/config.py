@@ -1,0 +1,32 @@
+"""AmxConfig: every knob of amxopt.optimize, passed explicitly (never read from globals)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class AmxConfig:
+    """Options for :func:`amxopt.optimize`.
+
+    Args:
+        provider: kernel family behind the ``amxopt`` ops: ``"auto"`` picks the best available
+            one, or name one of :func:`amxopt.ops.providers.available_providers`.
+        passes: names of the passes to run, in order; ``None`` runs ``DEFAULT_PASSES``.
+        dynamic: capture with dynamic sequence/frame dimensions where export allows; when
+            ``False`` (or when dynamic export fails) every new input signature is re-captured.
+        fuse_activation: fold a following gelu/silu into ``amxopt.linear``'s epilogue.
+        release_weights: drop the unpacked originals from the graph once they are packed.
+        max_recaptures: bound on cached graphs per optimized model (one per input signature).
+
+    Example::
+
+        opt = amxopt.optimize(model, inputs, config=AmxConfig(provider="reference"))
+    """
+
+    provider: str = "auto"
+    passes: tuple[str, ...] | None = None
+    dynamic: bool = True
+    fuse_activation: bool = True
+    release_weights: bool = True
+    max_recaptures: int = 8

@@ -1,0 +1,111 @@
+"""Plain-ATen implementations of every amxopt op: the oracle for all tests and the fallback provider.
+
+Readable over fast: each function is the definition of what its op computes. Inputs have been
+validated by ``amxopt.ops.library`` before they get here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_ACTIVATIONS = {
+    "none": lambda y: y,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    # The reference layout is the plain [N, K] matrix, in its own contiguous storage.
+    return weight.detach().contiguous().clone()
+
+
+def linear(
+    x: torch.Tensor,
+    packed_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    out_features: int,
+) -> torch.Tensor:
+    return _ACTIVATIONS[activation](F.linear(x, packed_weight[:out_features], bias))
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    # max_seqlen_* are sizing hints for blocked kernels; the reference reads the bounds directly.
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    gqa = q.shape[1] != k.shape[1]
+    for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
+        if q1 == q0:
+            continue
+        qs, ks, vs = (t.transpose(0, 1) for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        mask = None
+        if causal:
+            # Bottom-right aligned, as flash-attention defines causal for len_q != len_k.
+            rows = torch.arange(q1 - q0).unsqueeze(1) + (k1 - k0) - (q1 - q0)
+            mask = rows >= torch.arange(k1 - k0).unsqueeze(0)
+        if k1 == k0 or (mask is not None and not mask.any(dim=1).all()):
+            # Rows that see no key: define their output as zeros (flash-attention's convention).
+            seg = _masked_attention(qs, ks, vs, mask, scale, gqa)
+        else:
+            seg = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[q0:q1] = seg.transpose(0, 1)
+    return out
+
+
+def _masked_attention(q, k, v, mask, scale, gqa):
+    if gqa:
+        rep = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return (probs @ v.float()).to(q.dtype)
+
+
+def patch_embed(
+    x: torch.Tensor,
+    packed_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    kernel_size: list[int],
+    out_channels: int,
+) -> torch.Tensor:
+    b, c, t, h, w = x.shape
+    kt, kh, kw = kernel_size
+    nt, nh, nw = t // kt, h // kh, w // kw
+    patches = (
+        x.reshape(b, c, nt, kt, nh, kh, nw, kw)
+        .permute(0, 2, 4, 6, 1, 3, 5, 7)
+        .reshape(b * nt * nh * nw, c * kt * kh * kw)
+    )
+    y = F.linear(patches, packed_weight[:out_channels], bias)
+    return y.reshape(b, nt, nh, nw, out_channels).permute(0, 4, 1, 2, 3)
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    w = None if weight is None else weight.float()
+    b = None if bias is None else bias.float()
+    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)

@@ -1,0 +1,65 @@
+"""The rewrite passes. Order is data: ``DEFAULT_PASSES`` runs first to last.
+
+Attention and patch embedding go first (they change layouts around their nodes), norms before
+Linear (a norm feeding a Linear is matched on its own), and weight packing last, once every amxopt
+op that reads a constant weight exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from torch import fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from amxopt.config import AmxConfig
+from amxopt.passes.pack_weights import pack_weights
+from amxopt.passes.replace_attention import replace_attention
+from amxopt.passes.replace_linear import replace_linear
+from amxopt.passes.replace_norms import replace_norms
+from amxopt.passes.replace_patch_embed import replace_patch_embed
+
+Pass = Callable[[fx.GraphModule, AmxConfig], PassResult]
+
+DEFAULT_PASSES: tuple[Pass, ...] = (
+    replace_attention,
+    replace_patch_embed,
+    replace_norms,
+    replace_linear,
+    pack_weights,
+)
+PASSES: dict[str, Pass] = {p.__name__: p for p in DEFAULT_PASSES}
+
+
+@dataclasses.dataclass(frozen=True)
+class PassRecord:
+    """What one pass did: its name, whether it changed the graph, graph text before and after."""
+
+    name: str
+    modified: bool
+    before: str
+    after: str
+
+
+def selected_passes(config: AmxConfig) -> tuple[Pass, ...]:
+    if config.passes is None:
+        return DEFAULT_PASSES
+    unknown = [n for n in config.passes if n not in PASSES]
+    if unknown:
+        raise ValueError(f"amxopt: unknown passes {unknown}; known: {list(PASSES)}")
+    return tuple(PASSES[n] for n in config.passes)
+
+
+def run_passes(gm: fx.GraphModule, config: AmxConfig, keep_text: bool = False) -> list[PassRecord]:
+    """Run the configured passes in order on ``gm`` (in place); return what each did."""
+    records = []
+    for p in selected_passes(config):
+        before = gm.print_readable(print_output=False) if keep_text else ""
+        result = p(gm, config)
+        after = result.graph_module.print_readable(print_output=False) if keep_text else ""
+        records.append(PassRecord(p.__name__, result.modified, before, after))
+    return records
+
+
+__all__ = ["DEFAULT_PASSES", "PASSES", "PassRecord", "run_passes", "selected_passes"] + list(PASSES)

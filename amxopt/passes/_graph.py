@@ -1,0 +1,124 @@
+"""Graph mechanics shared by the passes: inserting traced replacements, notes, clean-up."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+# node.meta keys written by the passes and read by the report.
+REPLACED = "amxopt_replaced"  # on a new amxopt node: the aten op it replaced
+LEFT = "amxopt_left"  # on an aten node a pass chose to keep: why
+_KEEP_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node")
+
+
+def val(node: Any) -> Any:
+    """The fake value export recorded for ``node`` (or ``node`` itself if it is not a Node)."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Positional-or-keyword argument of a call_function node, with the schema default."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def insert_traced(node: fx.Node, fn: Callable, args: list[Any], replaced: str) -> fx.Node:
+    """Trace ``fn(*args)`` on the fake values of its Node args and inline it before ``node``.
+
+    Non-Node ``args`` are bound as constants. The new nodes get fake values (symbolic where the
+    capture was dynamic) and ``node``'s source metadata. Returns the node holding the result.
+    """
+    graph = node.graph
+    node_pos = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
+    inputs = [args[i] for i in node_pos]
+
+    def bound(*tensors):
+        full = list(args)
+        for i, t in zip(node_pos, tensors):
+            full[i] = t
+        return fn(*full)
+
+    fakes = [val(a) for a in inputs]
+    fake_mode = detect_fake_mode(fakes)
+    with fake_mode:
+        sub = make_fx(bound, tracing_mode="real")(*fakes)
+    env: dict[fx.Node, Any] = {}
+    placeholders = iter(inputs)
+    result = None
+    with graph.inserting_before(node):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(placeholders)
+            elif n.op == "output":
+                result = env[n.args[0]]
+            else:
+                new = graph.node_copy(n, lambda x: env[x])
+                new.meta.update({k: node.meta[k] for k in _KEEP_META if k in node.meta})
+                env[n] = new
+    for n in env.values():
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "amxopt":
+            if n.target.__name__ != "pack_linear_weight":
+                n.meta[REPLACED] = replaced
+    return result
+
+
+def replace_node(old: fx.Node, new: fx.Node, *extra_dead: fx.Node) -> None:
+    """Point every user of ``old`` at ``new`` and erase ``old`` (then ``extra_dead``, if unused)."""
+    old.replace_all_uses_with(new)
+    old.graph.erase_node(old)
+    for n in extra_dead:
+        if not n.users:
+            n.graph.erase_node(n)
+
+
+def leave(node: fx.Node, reason: str) -> None:
+    node.meta[LEFT] = reason
+
+
+def is_constant(node: Any) -> bool:
+    """A tensor fixed at load time: a parameter/buffer, possibly reshaped or cast."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "get_attr":
+        return True
+    return (
+        node.op == "call_function"
+        and node.target in _CONST_OPS
+        and all(is_constant(a) for a in node.all_input_nodes)
+        and bool(node.all_input_nodes)
+    )
+
+
+_aten = torch.ops.aten
+_CONST_OPS = {
+    _aten.view.default,
+    _aten.reshape.default,
+    _aten.to.dtype,
+    _aten._to_copy.default,
+    _aten.t.default,
+    _aten.contiguous.default,
+}
+
+
+def cleanup(gm: fx.GraphModule) -> None:
+    """Shared end of every pass: drop dead nodes, check the graph, regenerate code."""
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+
+
+def dtype_of(node: Any) -> torch.dtype | None:
+    v = val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+@functools.cache
+def op_name(target: Any) -> str:
+    return str(target).replace("torch.ops.", "") if not isinstance(target, str) else target

@@ -1,0 +1,100 @@
+"""pack_weights: fold ``amxopt.pack_linear_weight(constant)`` into packed buffers at load time.
+
+Why: packing (VNNI for the AMX kernels) costs a full pass over the weight; done once here, the
+graph only reads packed buffers. The unpacked originals are deleted from the GraphModule when
+nothing else uses them (``AmxConfig.release_weights``), so the optimized model holds one copy of
+each weight. A weight also read by a non-amxopt node is packed and kept (the report says so).
+
+    before:  w = get_attr[blocks.0.attn.qkv.weight];  p = amxopt.pack_linear_weight(w);  amxopt.linear(x, p, ...)
+    after:   p = get_attr[_packed.blocks_0_attn_qkv_weight];                          amxopt.linear(x, p, ...)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.fx.passes.infra.pass_base import PassResult
+
+from amxopt.config import AmxConfig
+from amxopt.passes._graph import cleanup, is_constant, leave
+
+_PACK = torch.ops.amxopt.pack_linear_weight.default
+PACKED_PREFIX = "_packed"
+
+
+def _evaluate(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
+    """Run the constant subgraph ending at ``node`` (get_attr plus reshapes/casts) eagerly."""
+    if node not in memo:
+        if node.op == "get_attr":
+            memo[node] = _fetch(gm, node.target)
+        else:
+            args = fx.node.map_arg(node.args, lambda n: _evaluate(n, gm, memo))
+            kwargs = fx.node.map_arg(node.kwargs, lambda n: _evaluate(n, gm, memo))
+            memo[node] = node.target(*args, **kwargs)
+    return memo[node]
+
+
+def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def _delete(gm: fx.GraphModule, target: str) -> None:
+    owner, _, name = target.rpartition(".")
+    delattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def _source_attr(node: fx.Node) -> fx.Node | None:
+    while node.op != "get_attr":
+        if not node.all_input_nodes:
+            return None
+        node = node.all_input_nodes[0]
+    return node
+
+
+def pack_weights(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
+    if not hasattr(gm, PACKED_PREFIX):
+        gm.add_module(PACKED_PREFIX, torch.nn.Module())
+    holder = gm.get_submodule(PACKED_PREFIX)
+    memo: dict = {}
+    sources = []
+    n_packed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != _PACK:
+            continue
+        weight = node.args[0]
+        if not is_constant(weight):
+            continue
+        with torch.no_grad():
+            packed = node.target(_evaluate(weight, gm, memo), *node.args[1:])
+        src = _source_attr(weight)
+        name = (src.target if src is not None else node.name).replace(".", "_")
+        while hasattr(holder, name):
+            name += "_"
+        holder.register_buffer(name, packed)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.get_attr(f"{PACKED_PREFIX}.{name}")
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        sources.append(src)
+        n_packed += 1
+    if not n_packed:
+        return PassResult(gm, False)
+    memo.clear()
+    gm.graph.eliminate_dead_code()
+    if config.release_weights:
+        _release(gm, {src.target for src in sources if src is not None})
+    cleanup(gm)
+    return PassResult(gm, True)
+
+
+def _release(gm: fx.GraphModule, targets: set[str]) -> None:
+    """Delete packed weights' originals from ``gm``, unless a remaining node still reads them."""
+    readers = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
+    for target in sorted(targets):
+        if target in readers:
+            users = ", ".join(u.name for u in readers[target].users)
+            leave(readers[target], f"unpacked copy kept: also used by {users}")
+        else:
+            _delete(gm, target)

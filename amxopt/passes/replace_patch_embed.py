@@ -1,0 +1,73 @@
+"""replace_patch_embed: Conv3d whose kernel equals its stride -> ``amxopt.patch_embed`` (one GEMM).
+
+Why: such a convolution is a patchify followed by a matrix multiply; as a GEMM it runs ~75x
+faster than ATen's Conv3d on these shapes (90 ms vs 1.2 ms for Qwen3-VL's 784 patches). Refuses
+(and reports) any other convolution (padding, dilation, groups, overlapping windows, e.g. the Wan
+VAE's causal convs), weights computed in the graph, and inputs not provably divisible by the kernel
+(Conv3d would silently drop the remainder).
+
+    before:  y = aten.conv3d(x, W[O, C, kt, kh, kw], b, stride=[kt, kh, kw])
+    after:   y = amxopt.patch_embed(x, amxopt.pack_linear_weight(W.reshape(O, -1)), b, [kt, kh, kw], O)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.passes.infra.pass_base import PassResult
+
+from amxopt.config import AmxConfig
+from amxopt.passes._graph import arg, cleanup, dtype_of, insert_traced, is_constant, leave, replace_node, val
+from amxopt.patterns import patch_embed_replacement
+
+aten = torch.ops.aten
+
+
+def _triple(v) -> list:
+    return list(v) * 3 if len(v) == 1 else list(v)
+
+
+def _refusal(node: fx.Node) -> str | None:
+    x, w = node.args[0], node.args[1]
+    if not is_constant(w):
+        return "weight is computed in the graph, not a constant"
+    if dtype_of(x) not in (torch.float32, torch.bfloat16) or dtype_of(w) != dtype_of(x):
+        return f"dtypes x={dtype_of(x)} weight={dtype_of(w)} have no kernel"
+    kernel = list(val(w).shape[2:])
+    stride = _triple(arg(node, 3, "stride", [1]))
+    padding = arg(node, 4, "padding", [0])
+    dilation = _triple(arg(node, 5, "dilation", [1]))
+    groups = arg(node, 6, "groups", 1)
+    if stride != kernel:
+        return f"stride {stride} != kernel {kernel} (not a patch embedding)"
+    if isinstance(padding, str) and padding != "valid" or not isinstance(padding, str) and any(padding):
+        return f"padding {padding}"
+    if any(d != 1 for d in dilation) or groups != 1:
+        return f"dilation {dilation} / groups {groups}"
+    xv = val(x)
+    if xv.dim() != 5:
+        return f"input is {xv.dim()}-D, expected [B, C, T, H, W]"
+    if not all(statically_known_true(d % k == 0) for d, k in zip(xv.shape[2:], kernel)):
+        return f"input {tuple(xv.shape)} is not provably divisible by kernel {kernel}"
+    return None
+
+
+def replace_patch_embed(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
+    n_replaced = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.conv3d.default, aten.conv3d.padding):
+            continue
+        reason = _refusal(node)
+        if reason:
+            leave(node, reason)
+            continue
+        fn = functools.partial(patch_embed_replacement, provider=config.provider)
+        args = [node.args[0], node.args[1], arg(node, 2, "bias")]
+        replace_node(node, insert_traced(node, fn, args, "aten.conv3d"))
+        n_replaced += 1
+    if n_replaced:
+        cleanup(gm)
+    return PassResult(gm, n_replaced > 0)

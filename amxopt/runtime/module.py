@@ -1,0 +1,139 @@
+"""OptimizedModule: the rewritten graph(s) behind the original model's call signature.
+
+A call runs the adapter's eager part, checks the inputs against each captured graph's guards and
+runs the first graph that accepts them. A call no graph accepts (a shape outside a static capture,
+a new non-tensor argument) is captured and rewritten on the spot and cached, up to
+``AmxConfig.max_recaptures`` graphs. The source model is referenced (not copied) for that purpose;
+the graphs themselves hold only packed weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from amxopt.capture import Adapter, Captured, export
+from amxopt.config import AmxConfig
+from amxopt.passes import PassRecord, run_passes
+from amxopt.runtime.report import Report
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Graph:
+    captured: Captured
+    dtypes: dict[str, torch.dtype]  # float graph inputs and the dtype they were captured with
+    signature: tuple  # input structure and non-tensor values, which export bakes into the graph
+    report: Report
+    records: list[PassRecord]
+
+
+def build_graph(model: nn.Module, adapter: Adapter, graph_inputs: dict, config: AmxConfig, keep_text: bool = False) -> _Graph:
+    """Capture ``model`` on ``graph_inputs`` and run the passes: one entry of the graph cache."""
+    captured = export(model, adapter, graph_inputs, config.dynamic)
+    _drop_dtype_asserts(captured.gm)
+    records = run_passes(captured.gm, config, keep_text=keep_text)
+    notes = [captured.note] if captured.note else []
+    report = Report.from_graph(
+        captured.gm,
+        model=adapter.model_name,
+        adapter=adapter.name,
+        provider=config.provider,
+        dynamic=captured.dynamic,
+        passes=[(r.name, r.modified) for r in records],
+        notes=notes,
+    )
+    dtypes = {
+        k: v.dtype for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+    }
+    return _Graph(captured, dtypes, _signature(graph_inputs), report, records)
+
+
+def _signature(graph_inputs: dict) -> tuple:
+    leaves, spec = pytree.tree_flatten(graph_inputs)
+    return spec, tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+
+
+def _drop_dtype_asserts(gm: fx.GraphModule) -> None:
+    # export records one dtype assert per .to() call; the graph inputs' dtypes are checked once per
+    # call by OptimizedModule instead, and the asserts would otherwise pin the casts that passes fold.
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target == torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+class OptimizedModule(nn.Module):
+    """An amxopt-optimized model: same call signature and output type as the original.
+
+    Attributes:
+        graph_module: the rewritten ``torch.fx.GraphModule`` of the first capture.
+        report: the rewrite report of that graph.
+    """
+
+    def __init__(self, model: nn.Module, adapter: Adapter, first: _Graph, config: AmxConfig) -> None:
+        super().__init__()
+        self.adapter = adapter
+        self.config = config
+        self._graphs = [first]
+        # Kept for re-capture of calls no graph accepts; a plain ref, so that nn.Module does not
+        # register the source model's weights as part of this module's state.
+        self.__dict__["_source"] = model
+        self.add_module("graph_module", first.captured.gm)
+
+    @property
+    def report(self) -> Report:
+        return self._graphs[0].report
+
+    @property
+    def graphs(self) -> list[fx.GraphModule]:
+        return [g.captured.gm for g in self._graphs]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        graph_inputs = self.adapter.graph_inputs(self.adapter.bind(args, kwargs))
+        self._check_dtypes(graph_inputs)
+        with torch.no_grad():
+            for g in self._graphs:
+                if _accepts(g, graph_inputs):
+                    return g.captured.gm(**graph_inputs)
+            return self._recapture(graph_inputs).captured.gm(**graph_inputs)
+
+    def _check_dtypes(self, graph_inputs: dict) -> None:
+        expected = self._graphs[0].dtypes
+        for name, dtype in expected.items():
+            got = graph_inputs.get(name)
+            if isinstance(got, torch.Tensor) and got.dtype != dtype:
+                raise TypeError(
+                    f"amxopt: {self.adapter.model_name} was optimized for {name} in {dtype}, got {got.dtype}; "
+                    f"cast the input or optimize a {got.dtype} model"
+                )
+
+    def _recapture(self, graph_inputs: dict) -> _Graph:
+        model = self.__dict__["_source"]
+        shapes = {k: tuple(v.shape) for k, v in graph_inputs.items() if isinstance(v, torch.Tensor)}
+        if len(self._graphs) >= self.config.max_recaptures:
+            raise RuntimeError(
+                f"amxopt: {self.adapter.model_name}: {len(self._graphs)} graphs cached (max_recaptures) and "
+                f"none accepts inputs {shapes}"
+            )
+        logger.info("amxopt: re-capturing %s for inputs %s", self.adapter.model_name, shapes)
+        graph = build_graph(model, self.adapter, graph_inputs, dataclasses.replace(self.config, dynamic=False))
+        self._graphs.append(graph)
+        return graph
+
+
+def _accepts(graph: _Graph, graph_inputs: dict) -> bool:
+    if _signature(graph_inputs) != graph.signature:
+        return False
+    try:
+        graph.captured.check(graph_inputs)
+    except AssertionError as e:  # export's guards: "Guard failed: ..."
+        logger.debug("amxopt: graph rejects the call: %s", e)
+        return False
+    return True

@@ -1,0 +1,111 @@
+"""The rewrite report: what amxopt replaced in a graph, what it left alone and why.
+
+Derived from the final graph (the passes leave notes in ``node.meta``), so it can never disagree
+with what actually runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+from torch import fx
+
+from amxopt.passes._graph import LEFT, REPLACED, op_name
+from amxopt.patterns import AMX_KINDS, KIND_TARGETS
+
+aten = torch.ops.aten
+KINDS = tuple(KIND_TARGETS)
+_TARGET_KIND = {t: kind for kind, targets in KIND_TARGETS.items() for t in targets}
+# Compute-heavy ATen ops outside amxopt's op set: listed so the report shows what still runs as ATen.
+_OTHER_COMPUTE = (
+    aten.conv1d.default,
+    aten.conv2d.default,
+    aten.convolution.default,
+    aten.matmul.default,
+    aten.mm.default,
+    aten.bmm.default,
+    aten.addmm.default,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    kind: str  # one of KINDS
+    node: str  # node name in the final graph
+    source: str  # the op it was (replaced) or is (left)
+    detail: str  # amxopt op and provider, or the reason it was left alone
+
+
+@dataclasses.dataclass
+class Report:
+    """What ``amxopt.optimize`` did to one model.
+
+    ``str(report)`` is a readable table; ``counts()`` the replaced nodes by kind; ``left`` every
+    node of a replaceable kind that was kept, with the reason.
+    """
+
+    model: str
+    adapter: str
+    provider: str
+    dynamic: bool
+    passes: list[tuple[str, bool]]
+    replaced: list[Entry]
+    left: list[Entry]
+    other_ops: dict[str, int]
+    notes: list[str]
+
+    @classmethod
+    def from_graph(cls, gm: fx.GraphModule, *, model: str, adapter: str, provider: str, dynamic: bool,
+                   passes: list[tuple[str, bool]], notes: list[str]) -> Report:
+        replaced, left, notes = [], [], list(notes)
+        other: collections.Counter = collections.Counter()
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and LEFT in node.meta:
+                notes.append(f"{node.target}: {node.meta[LEFT]}")
+            if node.op != "call_function":
+                continue
+            if node.target in AMX_KINDS:
+                detail = f"{op_name(node.target).removesuffix('.default')} [{node.args[-1]}]"
+                replaced.append(Entry(AMX_KINDS[node.target], node.name, node.meta.get(REPLACED, "?"), detail))
+            elif node.target in _TARGET_KIND:
+                reason = node.meta.get(LEFT, "no pass matched it")
+                left.append(Entry(_TARGET_KIND[node.target], node.name, op_name(node.target), reason))
+            elif node.target in _OTHER_COMPUTE:
+                other[op_name(node.target)] += 1
+        return cls(model, adapter, provider, dynamic, passes, replaced, left, dict(other), notes)
+
+    def counts(self) -> dict[str, int]:
+        """Replaced nodes by kind: keys ``linear``, ``attention``, ``patch_embed``, ``layer_norm``, ``rms_norm``."""
+        c = collections.Counter(e.kind for e in self.replaced)
+        return {k: c[k] for k in KINDS}
+
+    def left_counts(self) -> dict[str, int]:
+        c = collections.Counter(e.kind for e in self.left)
+        return {k: c[k] for k in KINDS}
+
+    def __str__(self) -> str:
+        lines = [
+            f"amxopt rewrite report: {self.model} (adapter {self.adapter}, provider {self.provider}, "
+            f"{'dynamic' if self.dynamic else 'static'} shapes)",
+            "passes: " + ", ".join(f"{n}{'' if m else ' (no change)'}" for n, m in self.passes),
+            "",
+            f"  {'kind':<12}{'replaced':>9}{'left':>6}   became",
+        ]
+        by_kind = collections.defaultdict(collections.Counter)
+        for e in self.replaced:
+            by_kind[e.kind][e.detail] += 1
+        left = self.left_counts()
+        for kind, n in self.counts().items():
+            became = ", ".join(f"{d} x{c}" for d, c in by_kind[kind].items()) or "-"
+            lines.append(f"  {kind:<12}{n:>9}{left[kind]:>6}   {became}")
+        if self.left:
+            lines += ["", "left alone:"]
+            lines += [f"  {e.kind:<12}{e.node:<28}{e.source:<40}{e.detail}" for e in self.left]
+        if self.other_ops:
+            other = ", ".join(f"{op} x{n}" for op, n in sorted(self.other_ops.items()))
+            lines += ["", f"other compute kept as ATen (outside amxopt's op set): {other}"]
+        if self.notes:
+            lines += ["", "notes:"] + [f"  {n}" for n in self.notes]
+        return "\n".join(lines)
