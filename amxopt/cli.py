@@ -1,0 +1,135 @@
+"""amxopt command line: a thin layer over the library.
+
+    amxopt passes                      the default pass order
+    amxopt info                        CPU features and kernel providers
+    amxopt dump MODEL [--out DIR]      graph before/after every pass + the rewrite report
+    amxopt check MODEL                 optimized vs original: max abs error (fp32 and bf16)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import pathlib
+import sys
+import time
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _cmd_passes(args) -> int:
+    from amxopt.passes import DEFAULT_PASSES
+
+    for i, p in enumerate(DEFAULT_PASSES, 1):
+        summary = (p.__module__ and sys.modules[p.__module__].__doc__ or "").strip().splitlines()[0]
+        print(f"{i}. {summary}")
+    return 0
+
+
+def cpu_features() -> dict[str, bool]:
+    """The CPU features amxopt's kernels care about, from /proc/cpuinfo (Linux)."""
+    wanted = ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512_bf16", "avx512_vnni")
+    try:
+        flags = next(
+            (line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), []
+        )
+    except OSError:
+        flags = []
+    return {f: f in flags for f in wanted}
+
+
+def _cmd_info(args) -> int:
+    from amxopt.ops.providers import available_providers, resolve
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("cpu: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in cpu_features().items()))
+    for name, (ok, why) in available_providers().items():
+        print(f"provider {name:<10} {'available' if ok else 'unavailable'}: {why}")
+    chosen = resolve("auto")
+    for op in ("linear", "varlen_attention", "patch_embed", "layer_norm", "rms_norm"):
+        print(f"  amxopt.{op:<17} -> {chosen}")
+    return 0
+
+
+def _build(args, dtype):
+    from amxopt import models
+
+    model = models.build_model(args.model, dtype)
+    inputs = models.example_inputs(args.model, dtype, size=args.size)
+    return model, inputs
+
+
+def _cmd_dump(args) -> int:
+    from amxopt import AmxConfig
+    from amxopt.capture import find_adapter, split_inputs
+    from amxopt.ops.providers import resolve
+    from amxopt.runtime import build_graph
+
+    config = AmxConfig(provider=resolve(args.provider))
+    model, inputs = _build(args, _DTYPES[args.dtype])
+    adapter = find_adapter(model)(model, config.provider)
+    a, kw = split_inputs(inputs)
+    graph = build_graph(model, adapter, adapter.graph_inputs(adapter.bind(a, kw)), config, keep_text=True)
+    out = pathlib.Path(args.out or f"dumps/{args.model}")
+    out.mkdir(parents=True, exist_ok=True)
+    for i, rec in enumerate(graph.records, 1):
+        (out / f"{i:02d}_{rec.name}.before.txt").write_text(rec.before)
+        (out / f"{i:02d}_{rec.name}.after.txt").write_text(rec.after)
+    (out / "report.txt").write_text(str(graph.report) + "\n")
+    print(graph.report)
+    print(f"\nwrote {len(graph.records)} before/after pairs and report.txt to {out}/")
+    return 0
+
+
+def _cmd_check(args) -> int:
+    import amxopt
+
+    for name in ("fp32", "bf16"):
+        model, inputs = _build(args, _DTYPES[name])
+        t = time.perf_counter()
+        opt = amxopt.optimize(model, inputs, amxopt.AmxConfig(provider=args.provider))
+        took = time.perf_counter() - t
+        err = _max_abs_error(opt(**inputs), model(**inputs))
+        print(f"{name}: optimized in {took:.1f}s, max abs error vs original {err:.3e}, counts {opt.report.counts()}")
+    return 0
+
+
+def _max_abs_error(a, b) -> float:
+    import torch.utils._pytree as pytree
+
+    pairs = zip(pytree.tree_leaves(a), pytree.tree_leaves(b))
+    return max(float((x.float() - y.float()).abs().max()) for x, y in pairs if isinstance(x, torch.Tensor))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="amxopt", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what amxopt does")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("passes", help="list DEFAULT_PASSES in order").set_defaults(fn=_cmd_passes)
+    sub.add_parser("info", help="CPU features and kernel providers").set_defaults(fn=_cmd_info)
+    for name, fn, text in (("dump", _cmd_dump, "write graphs before/after each pass"), ("check", _cmd_check, "equivalence")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("model", help="a zoo name (see amxopt.models.ZOO), e.g. tiny-qwen3-vl-vision")
+        p.add_argument("--size", default=None, help="input size, e.g. 448 (image side), 30 (audio s), 5,32,32")
+        p.add_argument("--provider", default="auto")
+        if name == "dump":
+            p.add_argument("--out", default=None, help="output directory (default dumps/MODEL)")
+            p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+        p.set_defaults(fn=fn)
+    args = parser.parse_args(argv)
+    if getattr(args, "size", None):
+        args.size = _parse_size(args.size)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    return args.fn(args)
+
+
+def _parse_size(text: str):
+    parts = [float(p) if "." in p else int(p) for p in text.split(",")]
+    return parts[0] if len(parts) == 1 else tuple(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

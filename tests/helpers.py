@@ -1,0 +1,61 @@
+"""Shared test helpers: capture-and-run-one-pass, and check_rewrite for end-to-end cases."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+import amxopt
+from amxopt.capture import find_adapter, split_inputs
+from amxopt.capture.base import export
+from amxopt.runtime.module import _drop_dtype_asserts
+
+CONFIG = amxopt.AmxConfig(provider="reference")
+
+
+def captured(model, inputs, dynamic: bool = True) -> tuple[fx.GraphModule, dict]:
+    """Export ``model`` like optimize() does, without running passes; returns (gm, graph inputs)."""
+    adapter = find_adapter(model)(model)
+    args, kwargs = split_inputs(inputs)
+    graph_inputs = adapter.graph_inputs(adapter.bind(args, kwargs))
+    gm = export(model, adapter, graph_inputs, dynamic).gm
+    _drop_dtype_asserts(gm)
+    return gm, graph_inputs
+
+
+def targets(gm: fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def count(gm: fx.GraphModule, target) -> int:
+    return targets(gm).count(target)
+
+
+def max_abs_error(a, b) -> float:
+    leaves = [(x, y) for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)) if isinstance(x, torch.Tensor)]
+    assert leaves, "no tensor outputs to compare"
+    return max(float((x.float() - y.float()).abs().max()) for x, y in leaves)
+
+
+def check_rewrite(model, inputs, expected_counts: dict[str, int], config: amxopt.AmxConfig = CONFIG, **optimize_kw):
+    """Optimize ``model``, check the replaced-node counts, that nothing was left, and fp32 equality.
+
+    Returns the optimized module for further checks.
+    """
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(config, **optimize_kw))
+    counts = opt.report.counts()
+    for kind, n in expected_counts.items():
+        assert counts[kind] == n, f"{kind}: {counts[kind]} replaced, expected {n}\n{opt.report}"
+    assert not opt.report.left, str(opt.report)
+    args, kwargs = split_inputs(inputs)
+    with torch.no_grad():
+        expected = model(*args, **kwargs)
+        actual = opt(*args, **kwargs)
+    assert type(actual) is type(expected)
+    if next(model.parameters()).dtype == torch.float32:
+        for a, e in zip(pytree.tree_leaves(actual), pytree.tree_leaves(expected)):
+            torch.testing.assert_close(a, e)
+    return opt

@@ -1,0 +1,84 @@
+"""End to end: every tiny zoo model optimized, nothing of a replaceable kind left, outputs equal.
+
+fp32: the optimized model matches the original within torch.testing.assert_close defaults.
+bf16: its max abs error against the fp32 original is at most 1.5x that of the original bf16 model.
+Each model is checked at two or more input sizes (dynamic shapes or transparent re-capture).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import amxopt
+from amxopt import models
+from tests.helpers import CONFIG, check_rewrite, max_abs_error
+
+# name -> (expected replaced counts, input sizes: the first is the capture example)
+CASES = {
+    "tiny-qwen3-vl-vision": (
+        # 3 blocks x 4 + merger 2 + 2 deepstack mergers x 2; 3 blocks x 2 LN + 3 merger LNs
+        dict(linear=18, attention=3, patch_embed=1, layer_norm=9, rms_norm=0),
+        [64, (96, 64), [64, 32]],
+    ),
+    "tiny-qwen3-omni-vision": (dict(attention=3, patch_embed=1, rms_norm=0), [64, (64, 128)]),
+    "tiny-qwen3-omni-audio": (dict(linear=2 * 6 + 3, attention=2, layer_norm=2 * 2 + 1), [2, 3.3, [1.2, 0.4]]),
+    "tiny-wan": (dict(attention=4, patch_embed=1, rms_norm=8, layer_norm=7), [None, (2, 6, 10, 20), (3, 8, 8, 7)]),
+}
+
+
+def _outputs_close(actual, expected) -> None:
+    assert type(actual) is type(expected)
+    for a, e in zip(pytree.tree_leaves(actual), pytree.tree_leaves(expected)):
+        torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fp32_equivalence(name):
+    counts, sizes = CASES[name]
+    model = models.build_model(name, torch.float32)
+    opt = check_rewrite(model, models.example_inputs(name, size=sizes[0]), counts)
+    with torch.no_grad():
+        for size in sizes[1:]:
+            inputs = models.example_inputs(name, size=size, seed=1)
+            _outputs_close(opt(**inputs), model(**inputs))
+    assert len(opt.graphs) == 1, f"{name}: dynamic capture did not cover the other sizes ({len(opt.graphs)} graphs)"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bf16_error_bound(name):
+    _, sizes = CASES[name]
+    fp32 = models.build_model(name, torch.float32)
+    bf16 = models.build_model(name, torch.bfloat16)
+    opt = amxopt.optimize(bf16, models.example_inputs(name, torch.bfloat16, size=sizes[0]), CONFIG)
+    assert not opt.report.left, str(opt.report)
+    with torch.no_grad():
+        for size in sizes[:2]:
+            x32 = models.example_inputs(name, torch.float32, size=size, seed=2)
+            x16 = models.example_inputs(name, torch.bfloat16, size=size, seed=2)
+            ref = fp32(**x32)
+            eager_err = max_abs_error(bf16(**x16), ref)
+            opt_err = max_abs_error(opt(**x16), ref)
+            assert opt_err <= 1.5 * eager_err, f"{name} {size}: optimized {opt_err:.3e} vs eager bf16 {eager_err:.3e}"
+
+
+def test_positional_and_keyword_calls_agree():
+    name = "tiny-qwen3-vl-vision"
+    model = models.build_model(name)
+    inputs = models.example_inputs(name)
+    opt = amxopt.optimize(model, (inputs["hidden_states"], inputs["grid_thw"]), CONFIG)
+    with torch.no_grad():
+        _outputs_close(opt(inputs["hidden_states"], inputs["grid_thw"]), opt(**inputs))
+
+
+def test_wan_return_dict_false_recaptures():
+    name = "tiny-wan"
+    model = models.build_model(name)
+    inputs = models.example_inputs(name)
+    opt = amxopt.optimize(model, inputs, CONFIG)
+    with torch.no_grad():
+        out = opt(**inputs, return_dict=False)
+        assert isinstance(out, tuple)
+        torch.testing.assert_close(out[0], model(**inputs).sample)
+    assert len(opt.graphs) == 2

@@ -1,0 +1,295 @@
+"""Per pass: positive (new op present, originals gone), negative (left alone with a reason),
+idempotence (a second run changes nothing), numeric (rewritten graph == original module)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from amxopt.passes import DEFAULT_PASSES, pack_weights, replace_attention, replace_linear, replace_norms
+from amxopt.passes import replace_patch_embed
+from amxopt.passes._graph import LEFT
+from tests.helpers import CONFIG, captured, count, targets
+
+aten = torch.ops.aten
+amx = torch.ops.amxopt
+
+
+def run(p, gm):
+    result = p(gm, CONFIG)
+    return result.modified
+
+
+def left_reasons(gm, target) -> list[str]:
+    return [n.meta.get(LEFT, "") for n in gm.graph.nodes if n.target == target]
+
+
+def assert_same(gm, graph_inputs, module, call_kwargs=None):
+    with torch.no_grad():
+        expected = module(**(call_kwargs or graph_inputs))
+        actual = gm(**graph_inputs)
+    torch.testing.assert_close(actual, expected)
+
+
+# --- replace_linear ----------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self, act: str = "gelu_tanh", bias: bool = True):
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(24, 40, bias=bias), nn.Linear(40, 24, bias=bias), act
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu, "none": lambda t: t}[
+            self.act
+        ](h)
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu", "none"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_replace_linear_fuses_activation(act, bias):
+    model = MLP(act, bias).eval()
+    gm, gi = captured(model, {"x": torch.randn(3, 5, 24)})
+    assert run(replace_linear, gm)
+    assert count(gm, aten.linear.default) == 0 and count(gm, amx.linear.default) == 2
+    assert count(gm, aten.gelu.default) == count(gm, aten.silu.default) == 0
+    fused = [n.args[3] for n in gm.graph.nodes if n.target == amx.linear.default]
+    assert sorted(fused) == sorted([act, "none"])
+    assert not run(replace_linear, gm)  # idempotent
+    assert_same(gm, gi, model)
+
+
+class SharedActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return F.silu(h) + h  # h has two users: the silu cannot be fused
+
+
+def test_replace_linear_does_not_fuse_multi_user_activation():
+    model = SharedActivation().eval()
+    gm, gi = captured(model, {"x": torch.randn(4, 8)})
+    assert run(replace_linear, gm)
+    assert count(gm, aten.silu.default) == 1
+    assert [n.args[3] for n in gm.graph.nodes if n.target == amx.linear.default] == ["none"]
+    assert_same(gm, gi, model)
+
+
+class DynamicWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x, scale):
+        return F.linear(x, self.w * scale)
+
+
+def test_replace_linear_leaves_computed_weight():
+    gm, _ = captured(DynamicWeight().eval(), {"x": torch.randn(2, 8), "scale": torch.randn(8, 8)})
+    assert not run(replace_linear, gm)
+    assert count(gm, aten.linear.default) == 1
+    assert "not a constant" in left_reasons(gm, aten.linear.default)[0]
+
+
+def test_replace_linear_leaves_unsupported_dtype():
+    model = MLP("none").eval().to(torch.float16)
+    gm, _ = captured(model, {"x": torch.randn(2, 24, dtype=torch.float16)})
+    assert not run(replace_linear, gm)
+    assert all("no kernel" in r for r in left_reasons(gm, aten.linear.default))
+
+
+# --- replace_attention -------------------------------------------------------------------------
+
+
+class SDPA(nn.Module):
+    def __init__(self, causal=False, mask=False, gqa=False, scale=None):
+        super().__init__()
+        self.causal, self.mask, self.gqa, self.scale = causal, mask, gqa, scale
+
+    def forward(self, q, k, v):
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril() if self.mask else None
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=self.causal, scale=self.scale, enable_gqa=self.gqa
+        )
+
+
+@pytest.mark.parametrize(
+    "causal,gqa,scale,lk", [(False, False, None, 9), (True, False, 0.2, 7), (False, True, None, 5)]
+)
+def test_replace_attention_sdpa(causal, gqa, scale, lk):
+    hk = 2 if gqa else 4
+    inputs = {"q": torch.randn(2, 4, 7, 16), "k": torch.randn(2, hk, lk, 16), "v": torch.randn(2, hk, lk, 16)}
+    model = SDPA(causal=causal, gqa=gqa, scale=scale)
+    # Causal needs provably equal q/k lengths: separate dynamic inputs would get separate symbols.
+    gm, gi = captured(model, inputs, dynamic=not causal)
+    assert run(replace_attention, gm)
+    assert count(gm, aten.scaled_dot_product_attention.default) == 0
+    assert count(gm, amx.varlen_attention.default) == 1
+    assert not run(replace_attention, gm)
+    assert_same(gm, gi, model)
+
+
+def test_replace_attention_leaves_masked_sdpa():
+    inputs = {"q": torch.randn(1, 2, 6, 8), "k": torch.randn(1, 2, 6, 8), "v": torch.randn(1, 2, 6, 8)}
+    gm, _ = captured(SDPA(mask=True), inputs)
+    assert not run(replace_attention, gm)
+    assert "attention mask" in left_reasons(gm, aten.scaled_dot_product_attention.default)[0]
+
+
+def test_replace_attention_leaves_causal_cross_attention():
+    inputs = {"q": torch.randn(1, 2, 6, 8), "k": torch.randn(1, 2, 9, 8), "v": torch.randn(1, 2, 9, 8)}
+    gm, _ = captured(SDPA(causal=True), inputs)
+    assert not run(replace_attention, gm)
+    assert "causal" in left_reasons(gm, aten.scaled_dot_product_attention.default)[0]
+
+
+# --- replace_patch_embed -----------------------------------------------------------------------
+
+
+class Patchify(nn.Module):
+    def __init__(self, kernel=(1, 2, 2), stride=None, padding=0, bias=True):
+        super().__init__()
+        self.conv = nn.Conv3d(4, 12, kernel, stride=stride or kernel, padding=padding, bias=bias)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+@pytest.mark.parametrize("kernel,bias", [((1, 2, 2), True), ((2, 4, 4), False)])
+def test_replace_patch_embed(kernel, bias):
+    model = Patchify(kernel, bias=bias).eval()
+    gm, gi = captured(model, {"x": torch.randn(2, 4, 4, 8, 8)}, dynamic=False)
+    assert run(replace_patch_embed, gm)
+    assert count(gm, aten.conv3d.default) == 0 and count(gm, amx.patch_embed.default) == 1
+    assert not run(replace_patch_embed, gm)
+    assert_same(gm, gi, model)
+
+
+@pytest.mark.parametrize(
+    "kwargs,reason",
+    [(dict(kernel=(3, 3, 3), stride=1, padding=1), "stride"), (dict(kernel=(1, 2, 2), padding=1), "padding")],
+)
+def test_replace_patch_embed_leaves_other_convs(kwargs, reason):
+    gm, _ = captured(Patchify(**kwargs).eval(), {"x": torch.randn(1, 4, 3, 6, 6)}, dynamic=False)
+    assert not run(replace_patch_embed, gm)
+    assert reason in left_reasons(gm, aten.conv3d.default)[0]
+
+
+def test_replace_patch_embed_leaves_indivisible_input():
+    # Conv3d drops the remainder of a 7-wide input; a patch GEMM would not: refuse, don't miscompile.
+    gm, _ = captured(Patchify((1, 2, 2)).eval(), {"x": torch.randn(1, 4, 2, 7, 8)}, dynamic=False)
+    assert not run(replace_patch_embed, gm)
+    assert "divisible" in left_reasons(gm, aten.conv3d.default)[0]
+
+
+# --- replace_norms -----------------------------------------------------------------------------
+
+
+class Norms(nn.Module):
+    def __init__(self, upcast: bool):
+        super().__init__()
+        self.ln = nn.LayerNorm(32, eps=1e-6)
+        self.rms = nn.RMSNorm(32, eps=1e-5)
+        self.upcast = upcast
+
+    def forward(self, x):
+        if self.upcast:  # diffusers' FP32LayerNorm
+            y = F.layer_norm(x.float(), (32,), self.ln.weight.float(), self.ln.bias.float(), 1e-6).to(x.dtype)
+        else:
+            y = self.ln(x)
+        return self.rms(y)
+
+
+@pytest.mark.parametrize("upcast", [False, True])
+def test_replace_norms(upcast):
+    model = Norms(upcast).eval()
+    gm, gi = captured(model, {"x": torch.randn(3, 7, 32)})
+    assert run(replace_norms, gm)
+    assert count(gm, aten.layer_norm.default) == count(gm, aten.rms_norm.default) == 0
+    assert count(gm, amx.layer_norm.default) == count(gm, amx.rms_norm.default) == 1
+    assert not run(replace_norms, gm)
+    assert_same(gm, gi, model)
+
+
+def test_replace_norms_folds_upcast_in_bf16():
+    model = Norms(upcast=True).eval()
+    model.rms.to(torch.bfloat16)  # the LayerNorm's params stay fp32, as in Wan's _keep_in_fp32_modules
+    x = torch.randn(3, 7, 32, dtype=torch.bfloat16)
+    gm, gi = captured(model, {"x": x})
+    assert run(replace_norms, gm)
+    assert count(gm, aten.to.dtype) == count(gm, aten._to_copy.default) == 0 or all(
+        n.args[0].op == "get_attr" for n in gm.graph.nodes if n.target == aten.to.dtype
+    )
+    ln = next(n for n in gm.graph.nodes if n.target == amx.layer_norm.default)
+    assert ln.args[0].meta["val"].dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(gm(**gi), model(x), atol=0, rtol=0)
+
+
+class WideNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm((4, 8))
+
+    def forward(self, x):
+        return self.ln(x)
+
+
+def test_replace_norms_leaves_multi_dim_norm():
+    gm, _ = captured(WideNorm().eval(), {"x": torch.randn(2, 4, 8)})
+    assert not run(replace_norms, gm)
+    assert "last dim" in left_reasons(gm, aten.layer_norm.default)[0]
+
+
+# --- pack_weights ------------------------------------------------------------------------------
+
+
+def test_pack_weights_packs_once_and_releases_originals():
+    model = MLP("gelu").eval()
+    gm, gi = captured(model, {"x": torch.randn(4, 24)})
+    replace_linear(gm, CONFIG)
+    assert count(gm, amx.pack_linear_weight.default) == 2
+    assert run(pack_weights, gm)
+    assert count(gm, amx.pack_linear_weight.default) == 0
+    names = {n for n, _ in gm.named_parameters()} | {n for n, _ in gm.named_buffers()}
+    assert not any(n.endswith("fc1.weight") or n.endswith("fc2.weight") for n in names), names
+    assert sum(n.startswith("_packed.") for n in names) == 2
+    assert not run(pack_weights, gm)
+    assert_same(gm, gi, model)
+    with torch.no_grad():
+        before = gm(**gi)
+        model.fc1.weight.zero_()  # the packed copy is independent of the source parameters
+        torch.testing.assert_close(gm(**gi), before, atol=0, rtol=0)
+
+
+class SharedWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) + self.fc.weight.sum()
+
+
+def test_pack_weights_keeps_weight_with_other_users():
+    model = SharedWeight().eval()
+    gm, gi = captured(model, {"x": torch.randn(2, 8)})
+    replace_linear(gm, CONFIG)
+    assert run(pack_weights, gm)
+    kept = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith("fc.weight")]
+    assert len(kept) == 1 and "also used by" in kept[0].meta[LEFT]
+    assert_same(gm, gi, model)
+
+
+def test_default_passes_are_ordered_data():
+    names = [p.__name__ for p in DEFAULT_PASSES]
+    assert names[-1] == "pack_weights" and len(set(names)) == len(names)
+    assert all(callable(p) for p in DEFAULT_PASSES)
+    assert targets  # helpers importable
