@@ -82,3 +82,29 @@ def test_wan_return_dict_false_recaptures():
         assert isinstance(out, tuple)
         torch.testing.assert_close(out[0], model(**inputs).sample)
     assert len(opt.graphs) == 2
+
+
+class _PlainBlock(torch.nn.Module):
+    """A model amxopt has no adapter for: plain export, every matching pass still applies."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(32)
+        self.qkv = torch.nn.Linear(32, 96)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.SiLU(), torch.nn.Linear(64, 32))
+        self.rms = torch.nn.RMSNorm(32)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).reshape(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, 32)
+        return self.rms(x + self.mlp(x))
+
+
+def test_model_without_adapter_gets_every_pass():
+    model = _PlainBlock().eval()
+    opt = check_rewrite(model, (torch.randn(2, 9, 32),), dict(linear=3, attention=1, layer_norm=1, rms_norm=1))
+    assert opt.report.adapter == "plain"
+    x = torch.randn(3, 5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))

@@ -1,0 +1,96 @@
+"""Bad input gets a clear error naming the model/op and the offending value; never a wrong answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import amxopt
+from amxopt import models
+from tests.helpers import CONFIG
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    name = "tiny-qwen3-vl-vision"
+    model = models.build_model(name)
+    inputs = models.example_inputs(name)
+    return model, inputs, amxopt.optimize(model, inputs, CONFIG)
+
+
+def test_wrong_dtype_is_named(qwen):
+    _, inputs, opt = qwen
+    with pytest.raises(TypeError, match=r"Qwen3VLVisionModel.*hidden_states.*torch.float32.*got torch.bfloat16"):
+        opt(inputs["hidden_states"].bfloat16(), inputs["grid_thw"])
+
+
+def test_grid_thw_not_matching_patches(qwen):
+    _, inputs, opt = qwen
+    grid = inputs["grid_thw"].clone()
+    grid[0, 1] += 2
+    with pytest.raises(ValueError, match=r"grid_thw .* describes \d+ patches but hidden_states has \d+ rows"):
+        opt(inputs["hidden_states"], grid)
+
+
+def test_grid_thw_not_divisible_by_merge(qwen):
+    _, inputs, opt = qwen
+    n = inputs["hidden_states"].shape[0]
+    with pytest.raises(ValueError, match="spatial merge size 2"):
+        opt(inputs["hidden_states"], torch.tensor([[1, 1, n]]))
+
+
+def test_wrong_patch_width(qwen):
+    _, inputs, opt = qwen
+    with pytest.raises(ValueError, match=r"hidden_states must be float \[num_patches, 1536\]"):
+        opt(inputs["hidden_states"][:, :100], inputs["grid_thw"])
+
+
+def test_audio_lengths_not_matching_features():
+    name = "tiny-qwen3-omni-audio"
+    model = models.build_model(name)
+    inputs = models.example_inputs(name)
+    opt = amxopt.optimize(model, inputs, CONFIG)
+    with pytest.raises(ValueError, match=r"feature_lens \[\d+\] sum to \d+ frames but input_features has"):
+        opt(inputs["input_features"], inputs["feature_lens"] + 5)
+
+
+def test_wan_latent_shape_checked():
+    name = "tiny-wan"
+    model = models.build_model(name)
+    inputs = models.example_inputs(name)
+    opt = amxopt.optimize(model, inputs, CONFIG)
+    bad = dict(inputs, hidden_states=inputs["hidden_states"][..., :7])
+    with pytest.raises(ValueError, match=r"WanTransformer3DModel: latent .* not divisible by the patch size"):
+        opt(**bad)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        # Python control flow on a tensor's value: torch.export cannot capture this as one graph.
+        steps = int(x.abs().sum().item() * 3) % 4
+        for _ in range(steps):
+            x = self.fc(x)
+        return x if x.sum() > 0 else -x
+
+
+def test_model_without_capturable_graph():
+    with pytest.raises(amxopt.CaptureError, match=r"could not capture DataDependent"):
+        amxopt.optimize(DataDependent().eval(), (torch.randn(2, 4),), CONFIG)
+
+
+def test_training_mode_refused():
+    with pytest.raises(ValueError, match="training mode"):
+        amxopt.optimize(nn.Linear(4, 4), (torch.randn(2, 4),), CONFIG)
+
+
+def test_unknown_provider_and_pass():
+    model = nn.Linear(4, 4).eval()
+    with pytest.raises(ValueError, match="unknown provider 'amx9000'"):
+        amxopt.optimize(model, (torch.randn(2, 4),), amxopt.AmxConfig(provider="amx9000"))
+    with pytest.raises(ValueError, match="unknown passes"):
+        amxopt.optimize(model, (torch.randn(2, 4),), amxopt.AmxConfig(passes=("fold_everything",)))
