@@ -43,7 +43,9 @@ def optimize(model: nn.Module, example_inputs: Any, config: AmxConfig | None = N
     """
     config = config or AmxConfig()
     if model.training:
-        raise ValueError(f"amxopt: {type(model).__name__} is in training mode; amxopt optimizes inference, call .eval()")
+        raise ValueError(
+            f"amxopt: {type(model).__name__} is in training mode; amxopt optimizes inference, call .eval()"
+        )
     config = dataclasses.replace(config, provider=resolve(config.provider))
     adapter = find_adapter(model)(model, config.provider)
     args, kwargs = split_inputs(example_inputs)

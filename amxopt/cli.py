@@ -1,15 +1,14 @@
 """amxopt command line: a thin layer over the library.
 
-    amxopt passes                      the default pass order
-    amxopt info                        CPU features and kernel providers
-    amxopt dump MODEL [--out DIR]      graph before/after every pass + the rewrite report
-    amxopt check MODEL                 optimized vs original: max abs error (fp32 and bf16)
+amxopt passes                      the default pass order
+amxopt info                        CPU features and kernel providers
+amxopt dump MODEL [--out DIR]      graph before/after every pass + the rewrite report
+amxopt check MODEL                 optimized vs original: max abs error (fp32 and bf16)
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import pathlib
 import sys
@@ -33,9 +32,7 @@ def cpu_features() -> dict[str, bool]:
     """The CPU features amxopt's kernels care about, from /proc/cpuinfo (Linux)."""
     wanted = ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512_bf16", "avx512_vnni")
     try:
-        flags = next(
-            (line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), []
-        )
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
     except OSError:
         flags = []
     return {f: f in flags for f in wanted}
@@ -110,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("passes", help="list DEFAULT_PASSES in order").set_defaults(fn=_cmd_passes)
     sub.add_parser("info", help="CPU features and kernel providers").set_defaults(fn=_cmd_info)
-    for name, fn, text in (("dump", _cmd_dump, "write graphs before/after each pass"), ("check", _cmd_check, "equivalence")):
+    for name, fn, text in (
+        ("dump", _cmd_dump, "write graphs before/after each pass"),
+        ("check", _cmd_check, "equivalence"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("model", help="a zoo name (see amxopt.models.ZOO), e.g. tiny-qwen3-vl-vision")
         p.add_argument("--size", default=None, help="input size, e.g. 448 (image side), 30 (audio s), 5,32,32")

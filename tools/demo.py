@@ -20,8 +20,10 @@ from amxopt import models
 def max_abs_error(a, b) -> float:
     return max(
         float((x.float() - y.float()).abs().max())
-        for x, y in zip((a.last_hidden_state, a.pooler_output, *a.deepstack_features),
-                        (b.last_hidden_state, b.pooler_output, *b.deepstack_features))
+        for x, y in zip(
+            (a.last_hidden_state, a.pooler_output, *a.deepstack_features),
+            (b.last_hidden_state, b.pooler_output, *b.deepstack_features),
+        )
     )
 
 
@@ -50,8 +52,11 @@ def main() -> None:
     bf16 = models.build_model(args.model, torch.bfloat16)
     x32 = models.example_inputs(args.model, torch.float32, size=args.size)
     x16 = models.example_inputs(args.model, torch.bfloat16, size=args.size)
-    print(f"input: {args.size}x{args.size} image -> {x32['hidden_states'].shape[0]} patches, "
-          f"grid_thw {x32['grid_thw'].tolist()}\n", flush=True)
+    print(
+        f"input: {args.size}x{args.size} image -> {x32['hidden_states'].shape[0]} patches, "
+        f"grid_thw {x32['grid_thw'].tolist()}\n",
+        flush=True,
+    )
 
     t = time.perf_counter()
     opt32 = amxopt.optimize(fp32, x32)

@@ -45,8 +45,13 @@ class QwenVisionAdapter(_QwenAdapter):
 
     name = "qwen3_vision"
     classes = ("Qwen3VLVisionModel", "Qwen3OmniMoeVisionEncoder")
-    dynamic_dims = {"hidden_states": (0,), "cu_seqlens": (0,), "position_ids": (0,), "interp_indices": (0,),
-                    "interp_weights": (0,)}
+    dynamic_dims = {
+        "hidden_states": (0,),
+        "cu_seqlens": (0,),
+        "position_ids": (0,),
+        "interp_indices": (0,),
+        "interp_weights": (0,),
+    }
 
     def __init__(self, model: nn.Module, provider: str = "reference") -> None:
         super().__init__(model, provider)
@@ -88,11 +93,12 @@ class QwenVisionAdapter(_QwenAdapter):
             raise TypeError(f"{who} needs tensors hidden_states and grid_thw")
         if x.dim() != 2 or x.shape[1] != self.patch_dim or not x.is_floating_point():
             raise ValueError(
-                f"{who}: hidden_states must be float [num_patches, {self.patch_dim}], "
-                f"got {x.dtype} {tuple(x.shape)}"
+                f"{who}: hidden_states must be float [num_patches, {self.patch_dim}], got {x.dtype} {tuple(x.shape)}"
             )
         if grid.dim() != 2 or grid.shape[1] != 3 or grid.is_floating_point():
-            raise ValueError(f"{who}: grid_thw must be an integer [num_images, 3], got {grid.dtype} {tuple(grid.shape)}")
+            raise ValueError(
+                f"{who}: grid_thw must be an integer [num_images, 3], got {grid.dtype} {tuple(grid.shape)}"
+            )
         if bool((grid <= 0).any()) or bool((grid[:, 1:] % self.merge != 0).any()):
             raise ValueError(
                 f"{who}: every grid_thw entry must be positive with h and w divisible by the spatial "
@@ -101,8 +107,7 @@ class QwenVisionAdapter(_QwenAdapter):
         patches = int(grid.prod(-1).sum())
         if patches != x.shape[0]:
             raise ValueError(
-                f"{who}: grid_thw {grid.tolist()} describes {patches} patches but hidden_states has "
-                f"{x.shape[0]} rows"
+                f"{who}: grid_thw {grid.tolist()} describes {patches} patches but hidden_states has {x.shape[0]} rows"
             )
 
     def export_module(self, model: nn.Module) -> nn.Module:

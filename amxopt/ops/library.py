@@ -48,25 +48,26 @@ def _(weight, provider):
 # --- linear ------------------------------------------------------------------------------------
 
 
-def _check_linear(op, x, packed_weight, bias, activation, out_features, provider):
-    _check(activation in ACTIVATIONS, op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    _check_float(op, "x", x)
+def _check_gemm(op, x_desc, in_features, dtype, packed_weight, bias, out_features, provider):
+    """Checks shared by the ops that multiply by a packed weight (``x_desc`` names the operand)."""
     _check(
-        x.dtype == packed_weight.dtype,
+        dtype == packed_weight.dtype,
         op,
-        f"x is {x.dtype} but the packed weight is {packed_weight.dtype}; cast x or re-optimize",
+        f"{x_desc} is {dtype} but the packed weight is {packed_weight.dtype}; cast the input or re-pack",
     )
-    in_features = providers.get(provider).packed_in_features(packed_weight, out_features)
+    expected = tuple(providers.get(provider).packed_linear_shape(out_features, in_features))
     _check(
-        x.dim() >= 1 and x.shape[-1] == in_features,
+        tuple(packed_weight.shape) == expected,
         op,
-        f"x has shape {tuple(x.shape)}, expected last dim {in_features} (weight [{out_features}, {in_features}])",
+        f"{x_desc} has {in_features} input features; with out_features={out_features} the packed weight "
+        f"should have shape {expected}, got {tuple(packed_weight.shape)}",
     )
     if bias is not None:
+        _check(bias.shape == (out_features,), op, f"bias has shape {tuple(bias.shape)}, expected ({out_features},)")
         _check(
-            bias.shape == (out_features,),
+            bias.dtype in (dtype, torch.float32),
             op,
-            f"bias has shape {tuple(bias.shape)}, expected ({out_features},)",
+            f"bias is {bias.dtype}; it must be {dtype} or float32",
         )
 
 
@@ -80,7 +81,11 @@ def linear(
     provider: str,
 ) -> torch.Tensor:
     """``act(x @ w.T + b)`` for any leading dims of ``x``, with ``w`` from ``pack_linear_weight``."""
-    _check_linear("linear", x, packed_weight, bias, activation, out_features, provider)
+    op = "linear"
+    _check(activation in ACTIVATIONS, op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check_float(op, "x", x)
+    _check(x.dim() >= 1, op, f"x has shape {tuple(x.shape)}; it needs at least one dim")
+    _check_gemm(op, f"x {tuple(x.shape)}", x.shape[-1], x.dtype, packed_weight, bias, out_features, provider)
     return providers.get(provider).linear(x, packed_weight, bias, activation, out_features)
 
 
@@ -137,6 +142,13 @@ def varlen_attention(
         op,
         f"{cu_seqlens_q.numel() - 1} query segments but {cu_seqlens_k.numel() - 1} key segments",
     )
+    for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_seqlens_q), ("max_seqlen_k", max_seqlen_k, cu_seqlens_k)):
+        longest = int((cu[1:] - cu[:-1]).max())
+        _check(
+            bound == 0 or bound >= longest,
+            op,
+            f"{name}={bound} but the longest segment has {longest} tokens (pass 0 when unknown)",
+        )
     return providers.get(provider).varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal
     )
@@ -167,10 +179,13 @@ def patch_embed(
     op = "patch_embed"
     _check(x.dim() == 5, op, f"x must be [B, C, T, H, W], got {tuple(x.shape)}")
     _check(len(kernel_size) == 3, op, f"kernel_size must have 3 entries, got {kernel_size}")
+    _check(all(k > 0 for k in kernel_size), op, f"kernel_size must be positive, got {kernel_size}")
+    _check_float(op, "x", x)
     for dim, k in zip(x.shape[2:], kernel_size):
         _check(dim % k == 0, op, f"x {tuple(x.shape)} is not divisible by kernel {tuple(kernel_size)}")
     k_total = x.shape[1] * kernel_size[0] * kernel_size[1] * kernel_size[2]
-    _check_linear(op, x.new_empty(0, k_total), packed_weight, bias, "none", out_channels, provider)
+    desc = f"x {tuple(x.shape)} (patches of {x.shape[1]}x{'x'.join(map(str, kernel_size))} = {k_total})"
+    _check_gemm(op, desc, k_total, x.dtype, packed_weight, bias, out_channels, provider)
     return providers.get(provider).patch_embed(x, packed_weight, bias, kernel_size, out_channels)
 
 
@@ -186,7 +201,7 @@ def _(x, packed_weight, bias, kernel_size, out_channels, provider):
 
 
 def _check_norm(op, x, params):
-    _check(x.dim() >= 1, op, "x must have at least one dim")
+    _check(x.dim() >= 1, op, f"x has shape {tuple(x.shape)}; it needs at least one dim")
     _check_float(op, "x", x)
     for name, p in params:
         if p is not None:

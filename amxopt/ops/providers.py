@@ -15,8 +15,6 @@ import logging
 from collections.abc import Callable
 from types import ModuleType
 
-import torch
-
 from amxopt.ops import reference
 
 logger = logging.getLogger(__name__)
@@ -28,8 +26,7 @@ class Provider:
 
     name: str
     impl: ModuleType
-    packed_linear_shape: Callable[[int, int], tuple[int, ...]]
-    packed_in_features: Callable[[torch.Tensor, int], int]
+    packed_linear_shape: Callable[[int, int], tuple[int, ...]]  # (N, K) -> shape of the packed weight
     available: Callable[[], tuple[bool, str]]
 
     def __getattr__(self, op: str):
@@ -45,7 +42,6 @@ _PROVIDERS: dict[str, Provider] = {
         name="reference",
         impl=reference,
         packed_linear_shape=lambda n, k: (n, k),
-        packed_in_features=lambda packed, n: packed.shape[1],
         available=_always,
     ),
 }

@@ -29,7 +29,11 @@ def linear(
     activation: str,
     out_features: int,
 ) -> torch.Tensor:
-    return _ACTIVATIONS[activation](F.linear(x, packed_weight[:out_features], bias))
+    if bias is not None and bias.dtype != x.dtype:  # fp32 bias on bf16 x: add in fp32, round once
+        y = (F.linear(x, packed_weight).float() + bias).to(x.dtype)
+    else:
+        y = F.linear(x, packed_weight, bias)
+    return _ACTIVATIONS[activation](y)
 
 
 def varlen_attention(
@@ -91,13 +95,11 @@ def patch_embed(
         .permute(0, 2, 4, 6, 1, 3, 5, 7)
         .reshape(b * nt * nh * nw, c * kt * kh * kw)
     )
-    y = F.linear(patches, packed_weight[:out_channels], bias)
+    y = linear(patches, packed_weight, bias, "none", out_channels)
     return y.reshape(b, nt, nh, nw, out_channels).permute(0, 4, 1, 2, 3)
 
 
-def layer_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
-) -> torch.Tensor:
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     w = None if weight is None else weight.float()
     b = None if bias is None else bias.float()
     return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
@@ -108,4 +110,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.float()
-    return y.to(x.dtype)
+    return y.to(x.dtype).contiguous()

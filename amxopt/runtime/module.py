@@ -34,7 +34,9 @@ class _Graph:
     records: list[PassRecord]
 
 
-def build_graph(model: nn.Module, adapter: Adapter, graph_inputs: dict, config: AmxConfig, keep_text: bool = False) -> _Graph:
+def build_graph(
+    model: nn.Module, adapter: Adapter, graph_inputs: dict, config: AmxConfig, keep_text: bool = False
+) -> _Graph:
     """Capture ``model`` on ``graph_inputs`` and run the passes: one entry of the graph cache."""
     captured = export(model, adapter, graph_inputs, config.dynamic)
     _drop_dtype_asserts(captured.gm)
@@ -49,9 +51,7 @@ def build_graph(model: nn.Module, adapter: Adapter, graph_inputs: dict, config: 
         passes=[(r.name, r.modified) for r in records],
         notes=notes,
     )
-    dtypes = {
-        k: v.dtype for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
-    }
+    dtypes = {k: v.dtype for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
     return _Graph(captured, dtypes, _signature(graph_inputs), report, records)
 
 

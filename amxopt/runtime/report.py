@@ -57,8 +57,17 @@ class Report:
     notes: list[str]
 
     @classmethod
-    def from_graph(cls, gm: fx.GraphModule, *, model: str, adapter: str, provider: str, dynamic: bool,
-                   passes: list[tuple[str, bool]], notes: list[str]) -> Report:
+    def from_graph(
+        cls,
+        gm: fx.GraphModule,
+        *,
+        model: str,
+        adapter: str,
+        provider: str,
+        dynamic: bool,
+        passes: list[tuple[str, bool]],
+        notes: list[str],
+    ) -> Report:
         replaced, left, notes = [], [], list(notes)
         other: collections.Counter = collections.Counter()
         for node in gm.graph.nodes:

@@ -8,8 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amxopt.passes import DEFAULT_PASSES, pack_weights, replace_attention, replace_linear, replace_norms
-from amxopt.passes import replace_patch_embed
+from amxopt.passes import (
+    DEFAULT_PASSES,
+    pack_weights,
+    replace_attention,
+    replace_linear,
+    replace_norms,
+    replace_patch_embed,
+)
 from amxopt.passes._graph import LEFT
 from tests.helpers import CONFIG, captured, count, targets
 

@@ -1,0 +1,517 @@
+"""The amxopt custom ops against independent float64 oracles, for every usable provider.
+
+Oracles here are written from the math (not from ``amxopt.ops.reference``), so the reference
+provider is tested too; a native provider registering in ``amxopt.ops.providers`` is picked up
+by the same tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from amxopt.ops import ACTIVATIONS, AmxOpError, providers
+from tests.strategies import (
+    PROVIDERS,
+    assert_close_dtype,
+    linear_cases,
+    norm_cases,
+    patch_cases,
+    varlen_cases,
+)
+
+ops = torch.ops.amxopt
+
+pytestmark = pytest.mark.parametrize("provider", PROVIDERS)
+
+
+# --- oracles: plain math in float64 ------------------------------------------------------------
+
+_ORACLE_ACT = {
+    "none": lambda y: y,
+    "gelu": lambda y: 0.5 * y * (1.0 + torch.erf(y / math.sqrt(2.0))),
+    "gelu_tanh": lambda y: 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * y**3))),
+    "silu": lambda y: y / (1.0 + torch.exp(-y)),
+}
+assert set(_ORACLE_ACT) == set(ACTIVATIONS)
+
+
+def linear_oracle(x, weight, bias, activation):
+    y = x.double() @ weight.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return _ORACLE_ACT[activation](y)
+
+
+def attention_oracle(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
+    """Per-segment softmax(q k^T * scale [+ bottom-right causal mask]) v; rows seeing no key are 0."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
+    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for q0, q1, k0, k1 in zip(bq, bq[1:], bk, bk[1:]):
+        lq, lk = q1 - q0, k1 - k0
+        if lq == 0:
+            continue
+        qs = q[q0:q1].double().transpose(0, 1)  # [H, lq, D]
+        ks = k[k0:k1].double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, lk, D]
+        vs = v[k0:k1].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (qs @ ks.transpose(1, 2)) * scale  # [H, lq, lk]
+        visible = torch.ones(lq, lk, dtype=torch.bool)
+        if causal:  # query i (of lq) sees key j (of lk) iff j <= i + lk - lq
+            visible = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+        scores = scores.masked_fill(~visible, -math.inf)
+        row_max = scores.amax(-1, keepdim=True) if lk else torch.zeros(*scores.shape[:2], 1, dtype=torch.float64)
+        row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+        e = torch.exp(scores - row_max)
+        probs = e / e.sum(-1, keepdim=True).clamp_min(1e-300)
+        out[q0:q1] = (probs @ vs).transpose(0, 1)
+    return out
+
+
+def patch_oracle(x, weight, bias, kernel_size):
+    o = weight.shape[0]
+    w = weight.double().reshape(o, x.shape[1], *kernel_size)
+    return F.conv3d(x.double(), w, None if bias is None else bias.double(), stride=kernel_size)
+
+
+def layer_norm_oracle(x, weight, bias, eps):
+    w = None if weight is None else weight.double()
+    b = None if bias is None else bias.double()
+    return F.layer_norm(x.double(), (x.shape[-1],), w, b, eps)
+
+
+def rms_norm_oracle(x, weight, eps):
+    xd = x.double()
+    y = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight.double()
+
+
+def assert_matches_fake(op, args, out):
+    """The real output has the shape, dtype and strides the op's fake impl promises."""
+    mode = FakeTensorMode()
+    fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+    with mode:
+        fake = op(*fake_args)
+    assert (out.shape, out.dtype) == (fake.shape, fake.dtype)
+    if out.numel() > 1:
+        assert out.stride() == fake.stride(), f"real strides {out.stride()}, fake impl says {fake.stride()}"
+
+
+def pack(weight, provider):
+    return ops.pack_linear_weight(weight, provider)
+
+
+# --- 1. opcheck on representative inputs -------------------------------------------------------
+
+
+def _varlen_args(p, lens_q, lens_k, hq, hk, d, causal, dtype):
+    g = torch.Generator().manual_seed(0)
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    q = torch.randn(sum(lens_q), hq, d, generator=g).to(dtype)
+    k = torch.randn(sum(lens_k), hk, d, generator=g).to(dtype)
+    v = torch.randn(sum(lens_k), hk, d, generator=g).to(dtype)
+    return (q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), d**-0.5, causal, p)
+
+
+_bf = torch.bfloat16
+OPCHECK_CASES = {
+    "pack-fp32": lambda p: (ops.pack_linear_weight, (torch.randn(8, 5), p)),
+    "pack-bf16-noncontig": lambda p: (ops.pack_linear_weight, (torch.randn(7, 3, dtype=_bf).t(), p)),
+    "linear-fp32-bias-gelu-3d": lambda p: (
+        ops.linear,
+        (torch.randn(2, 3, 5), pack(torch.randn(4, 5), p), torch.randn(4), "gelu", 4, p),
+    ),
+    "linear-bf16-nobias-silu": lambda p: (
+        ops.linear,
+        (torch.randn(3, 7, dtype=_bf), pack(torch.randn(9, 7, dtype=_bf), p), None, "silu", 9, p),
+    ),
+    "linear-vector-x": lambda p: (ops.linear, (torch.randn(5), pack(torch.randn(3, 5), p), None, "gelu_tanh", 3, p)),
+    "varlen-gqa-causal-cross": lambda p: (
+        ops.varlen_attention,
+        _varlen_args(p, [3, 1], [5, 2], 4, 2, 16, True, torch.float32),
+    ),
+    "varlen-bf16-mha": lambda p: (ops.varlen_attention, _varlen_args(p, [4, 2, 1], [4, 2, 1], 2, 2, 40, False, _bf)),
+    "patch-fp32-bias": lambda p: (
+        ops.patch_embed,
+        (torch.randn(1, 3, 2, 4, 6), pack(torch.randn(5, 12), p), torch.randn(5), [1, 2, 2], 5, p),
+    ),
+    "patch-bf16-channels-last": lambda p: (
+        ops.patch_embed,
+        (
+            torch.randn(2, 2, 4, 8, 4, dtype=_bf).to(memory_format=torch.channels_last_3d),
+            pack(torch.randn(6, 64, dtype=_bf), p),
+            None,
+            [2, 4, 4],
+            6,
+            p,
+        ),
+    ),
+    "layer_norm-fp32": lambda p: (ops.layer_norm, (torch.randn(4, 10), torch.randn(10), torch.randn(10), 1e-5, p)),
+    "layer_norm-bf16-fp32-params": lambda p: (
+        ops.layer_norm,
+        (torch.randn(2, 3, 8, dtype=_bf), torch.randn(8), torch.randn(8), 1e-6, p),
+    ),
+    "layer_norm-no-params": lambda p: (ops.layer_norm, (torch.randn(3, 7), None, None, 1e-5, p)),
+    "rms_norm-fp32": lambda p: (ops.rms_norm, (torch.randn(4, 10), torch.randn(10), 1e-6, p)),
+    "rms_norm-bf16": lambda p: (ops.rms_norm, (torch.randn(5, 6, dtype=_bf), torch.randn(6, dtype=_bf), 1e-6, p)),
+    "rms_norm-no-weight": lambda p: (ops.rms_norm, (torch.randn(3, 7), None, 1e-6, p)),
+}
+
+
+@pytest.mark.parametrize("case", list(OPCHECK_CASES))
+def test_opcheck(provider, case):
+    op, args = OPCHECK_CASES[case](provider)
+    torch.library.opcheck(op, args)
+
+
+def test_opcheck_rms_norm_noncontiguous_x(provider):
+    torch.library.opcheck(ops.rms_norm, (torch.randn(8, 6).t(), None, 1e-6, provider))
+
+
+def test_opcheck_layer_norm_noncontiguous_x(provider):
+    torch.library.opcheck(ops.layer_norm, (torch.randn(8, 6).t(), torch.randn(8), None, 1e-6, provider))
+
+
+# --- 2. properties against the oracles ---------------------------------------------------------
+
+
+@given(case=linear_cases())
+def test_linear_matches_oracle(provider, case):
+    packed = pack(case.weight, provider)
+    args = (case.x, packed, case.bias, case.activation, case.weight.shape[0], provider)
+    out = ops.linear(*args)
+    assert_close_dtype(out, linear_oracle(case.x, case.weight, case.bias, case.activation), case.dtype)
+    assert_matches_fake(ops.linear, args, out)
+
+
+@given(case=varlen_cases())
+def test_varlen_attention_matches_oracle(provider, case):
+    args = (
+        case.q,
+        case.k,
+        case.v,
+        case.cu_seqlens_q,
+        case.cu_seqlens_k,
+        case.max_seqlen_q,
+        case.max_seqlen_k,
+        case.scale,
+        case.causal,
+        provider,
+    )
+    out = ops.varlen_attention(*args)
+    expected = attention_oracle(case.q, case.k, case.v, case.cu_seqlens_q, case.cu_seqlens_k, case.scale, case.causal)
+    assert_close_dtype(out, expected, case.dtype)
+    assert_matches_fake(ops.varlen_attention, args, out)
+
+
+@given(case=patch_cases())
+def test_patch_embed_matches_conv3d(provider, case):
+    packed = pack(case.weight, provider)
+    args = (case.x, packed, case.bias, case.kernel_size, case.out_channels, provider)
+    out = ops.patch_embed(*args)
+    assert_close_dtype(out, patch_oracle(case.x, case.weight, case.bias, case.kernel_size), case.dtype)
+    assert_matches_fake(ops.patch_embed, args, out)
+
+
+@given(case=norm_cases())
+def test_layer_norm_matches_oracle(provider, case):
+    args = (case.x, case.weight, case.bias, case.eps, provider)
+    out = ops.layer_norm(*args)
+    assert_close_dtype(out, layer_norm_oracle(case.x, case.weight, case.bias, case.eps), case.dtype)
+    assert_matches_fake(ops.layer_norm, args, out)
+
+
+@given(case=norm_cases())
+def test_rms_norm_matches_oracle(provider, case):
+    args = (case.x, case.weight, case.eps, provider)
+    out = ops.rms_norm(*args)
+    assert_close_dtype(out, rms_norm_oracle(case.x, case.weight, case.eps), case.dtype)
+    assert_matches_fake(ops.rms_norm, args, out)
+
+
+# --- 3. bad input: AmxOpError naming the op and the offending shape/value ------------------------
+
+_X, _W = torch.randn(3, 5), torch.randn(4, 5)
+_Q, _K = torch.randn(6, 2, 8), torch.randn(6, 1, 8)
+_CU = torch.tensor([0, 6], dtype=torch.int32)
+_PX = torch.randn(1, 2, 2, 4, 4)  # patches of (1, 2, 2): K = 8
+_NX = torch.randn(3, 8)
+
+
+def _lin(p, x=_X, w=_W, bias=None, act="none", out_features=4):
+    return ops.linear(x, pack(w, p), bias, act, out_features, p)
+
+
+def _attn(p, q=_Q, k=_K, v=None, cu_q=_CU, cu_k=_CU):
+    return ops.varlen_attention(q, k, k if v is None else v, cu_q, cu_k, 0, 0, 0.35, False, p)
+
+
+def _patch(p, x=_PX, w=None, bias=None, kernel=(1, 2, 2), out_channels=3):
+    w = torch.randn(out_channels, 8, dtype=x.dtype if x.is_floating_point() else torch.float32) if w is None else w
+    return ops.patch_embed(x, pack(w, p), bias, list(kernel), out_channels, p)
+
+
+def _cu(*bounds, dtype=torch.int32):
+    return torch.tensor(bounds, dtype=dtype)
+
+
+_i64 = dict(dtype=torch.int64)
+ERROR_CASES = {
+    # pack_linear_weight
+    "pack-3d": (
+        lambda p: pack(torch.randn(2, 3, 4), p),
+        r"amxopt\.pack_linear_weight: weight must be \[N, K\], got \(2, 3, 4\)",
+    ),
+    "pack-fp16": (lambda p: pack(_W.half(), p), r"amxopt\.pack_linear_weight: weight must be .*, got torch\.float16"),
+    # linear
+    "linear-fp16-x": (lambda p: _lin(p, x=_X.half(), w=_W.half()), r"amxopt\.pack_linear_weight: .*torch\.float16"),
+    "linear-fp16-x-fp32-weight": (lambda p: _lin(p, x=_X.half()), r"amxopt\.linear: x must be .*, got torch\.float16"),
+    "linear-int-x": (lambda p: _lin(p, x=torch.ones(3, 5, **_i64)), r"amxopt\.linear: x must be .*, got torch\.int64"),
+    "linear-fp32-x-bf16-weight": (
+        lambda p: _lin(p, w=_W.bfloat16()),
+        r"amxopt\.linear: x \(3, 5\) is torch\.float32 but the packed weight is torch\.bfloat16",
+    ),
+    "linear-last-dim": (
+        lambda p: _lin(p, x=torch.randn(3, 6)),
+        r"amxopt\.linear: x \(3, 6\) has 6 input features; .* should have shape \(4, 6\), got \(4, 5\)",
+    ),
+    "linear-0d-x": (
+        lambda p: _lin(p, x=torch.tensor(1.0)),
+        r"amxopt\.linear: x has shape \(\); it needs at least one dim",
+    ),
+    "linear-bias-shape": (
+        lambda p: _lin(p, bias=torch.randn(3)),
+        r"amxopt\.linear: bias has shape \(3,\), expected \(4,\)",
+    ),
+    "linear-bias-2d": (lambda p: _lin(p, bias=torch.randn(1, 4)), r"amxopt\.linear: bias has shape \(1, 4\)"),
+    "linear-activation": (lambda p: _lin(p, act="relu"), r"amxopt\.linear: activation must be one of .*'relu'"),
+    # varlen_attention
+    "varlen-fp16": (lambda p: _attn(p, q=_Q.half()), r"amxopt\.varlen_attention: q must be .*, got torch\.float16"),
+    "varlen-int-k": (
+        lambda p: _attn(p, k=torch.ones(6, 1, 8, **_i64)),
+        r"amxopt\.varlen_attention: k must be .*, got torch\.int64",
+    ),
+    "varlen-2d-q": (lambda p: _attn(p, q=torch.randn(6, 8)), r"amxopt\.varlen_attention: q must be packed .*\(6, 8\)"),
+    "varlen-dtypes-differ": (lambda p: _attn(p, q=_Q.bfloat16()), r"amxopt\.varlen_attention: q/k/v dtypes differ"),
+    "varlen-kv-shape": (
+        lambda p: _attn(p, v=torch.randn(6, 1, 16)),
+        r"amxopt\.varlen_attention: k \(6, 1, 8\) and v \(6, 1, 16\) must match",
+    ),
+    "varlen-head-dim": (
+        lambda p: _attn(p, k=torch.randn(6, 1, 16)),
+        r"amxopt\.varlen_attention: head dims differ: q 8, k 16",
+    ),
+    "varlen-heads-not-divisible": (
+        lambda p: _attn(p, q=torch.randn(6, 3, 8), k=torch.randn(6, 2, 8)),
+        r"amxopt\.varlen_attention: 3 query heads are not a multiple of 2 key/value heads",
+    ),
+    "varlen-cu-start": (
+        lambda p: _attn(p, cu_q=_cu(1, 6)),
+        r"amxopt\.varlen_attention: cu_seqlens_q must start at 0, got 1",
+    ),
+    "varlen-cu-end": (
+        lambda p: _attn(p, cu_k=_cu(0, 4)),
+        r"amxopt\.varlen_attention: cu_seqlens_k ends at 4 but there are 6 tokens",
+    ),
+    "varlen-cu-decreasing": (
+        lambda p: _attn(p, cu_q=_cu(0, 4, 2, 6), cu_k=_cu(0, 2, 4, 6)),
+        r"amxopt\.varlen_attention: cu_seqlens_q must be non-decreasing, got \[0, 4, 2, 6\]",
+    ),
+    "varlen-cu-float": (
+        lambda p: _attn(p, cu_q=_cu(0, 6, dtype=torch.float32)),
+        r"amxopt\.varlen_attention: cu_seqlens_q must be a 1-D integer tensor .*torch\.float32",
+    ),
+    "varlen-cu-2d": (
+        lambda p: _attn(p, cu_k=_CU[None]),
+        r"amxopt\.varlen_attention: cu_seqlens_k must be a 1-D integer tensor .*\(1, 2\)",
+    ),
+    "varlen-segment-count": (
+        lambda p: _attn(p, cu_q=_cu(0, 3, 6)),
+        r"amxopt\.varlen_attention: 2 query segments but 1 key segments",
+    ),
+    # patch_embed
+    "patch-not-divisible": (
+        lambda p: _patch(p, x=torch.randn(1, 2, 2, 5, 4)),
+        r"amxopt\.patch_embed: x \(1, 2, 2, 5, 4\) is not divisible by kernel \(1, 2, 2\)",
+    ),
+    "patch-4d-x": (lambda p: _patch(p, x=torch.randn(2, 2, 4, 4)), r"amxopt\.patch_embed: x must be \[B, C, T, H, W\]"),
+    "patch-kernel-len": (lambda p: _patch(p, kernel=(2, 2)), r"amxopt\.patch_embed: kernel_size must have 3 entries"),
+    "patch-fp16-x": (
+        lambda p: _patch(p, x=_PX.half(), w=torch.randn(3, 8)),
+        r"amxopt\.patch_embed: x must be .*, got torch\.float16",
+    ),
+    "patch-fp32-x-bf16-weight": (
+        lambda p: _patch(p, w=torch.randn(3, 8, dtype=torch.bfloat16)),
+        r"amxopt\.patch_embed: x \(1, 2, 2, 4, 4\).* is torch\.float32 but the packed weight is torch\.bfloat16",
+    ),
+    "patch-channels": (
+        lambda p: _patch(p, w=torch.randn(3, 12)),
+        r"amxopt\.patch_embed: .*= 8\) has 8 input features; .* got \(3, 12\)",
+    ),
+    "patch-bias-shape": (
+        lambda p: _patch(p, bias=torch.randn(4)),
+        r"amxopt\.patch_embed: bias has shape \(4,\), expected \(3,\)",
+    ),
+    # norms
+    "layer_norm-weight-shape": (
+        lambda p: ops.layer_norm(_NX, torch.randn(7), None, 1e-5, p),
+        r"amxopt\.layer_norm: weight has shape \(7,\), expected \(8,\) for x \(3, 8\)",
+    ),
+    "layer_norm-bias-shape": (
+        lambda p: ops.layer_norm(_NX, None, torch.randn(8, 1), 1e-5, p),
+        r"amxopt\.layer_norm: bias has shape \(8, 1\), expected \(8,\)",
+    ),
+    "layer_norm-int-x": (
+        lambda p: ops.layer_norm(torch.ones(3, 8, **_i64), None, None, 1e-5, p),
+        r"amxopt\.layer_norm: x must be .*, got torch\.int64",
+    ),
+    "layer_norm-fp16-weight": (
+        lambda p: ops.layer_norm(_NX, torch.randn(8).half(), None, 1e-5, p),
+        r"amxopt\.layer_norm: weight must be .*, got torch\.float16",
+    ),
+    "rms_norm-weight-shape": (
+        lambda p: ops.rms_norm(_NX, torch.randn(9), 1e-6, p),
+        r"amxopt\.rms_norm: weight has shape \(9,\), expected \(8,\) for x \(3, 8\)",
+    ),
+    "rms_norm-fp16-x": (
+        lambda p: ops.rms_norm(_NX.half(), None, 1e-6, p),
+        r"amxopt\.rms_norm: x must be .*, got torch\.float16",
+    ),
+    "rms_norm-0d-x": (
+        lambda p: ops.rms_norm(torch.tensor(1.0), None, 1e-6, p),
+        r"amxopt\.rms_norm: x has shape \(\); it needs at least one dim",
+    ),
+}
+
+
+# Checks added after the first review of the ops (each was once accepted or crashed).
+ERROR_CASES.update(
+    {
+        "linear-bias-dtype": (
+            lambda p: _lin(p, x=_X.bfloat16(), w=_W.bfloat16(), bias=torch.randn(4, dtype=torch.float16)),
+            r"amxopt\.linear: bias",
+        ),
+        "linear-out-features-exceeds-weight": (lambda p: _lin(p, out_features=6), r"amxopt\.linear: .*6"),
+        "patch-kernel-zero": (lambda p: _patch(p, kernel=(0, 2, 2)), r"amxopt\.patch_embed: .*kernel"),
+        "patch-channels-names-real-x-shape": (
+            lambda p: _patch(p, w=torch.randn(3, 12)),
+            r"amxopt\.patch_embed: .*\(1, 2, 2, 4, 4\)",
+        ),
+        "varlen-max-seqlen-too-small": (
+            lambda p: ops.varlen_attention(_Q, _K, _K, _CU, _CU, 2, 2, 0.35, False, p),
+            r"amxopt\.varlen_attention: .*max_seqlen",
+        ),
+    }
+)
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_bad_input_raises(provider, case):
+    call, match = ERROR_CASES[case]
+    with pytest.raises(AmxOpError, match=match):
+        call(provider)
+
+
+def test_amx_op_error_is_value_error(provider):
+    assert issubclass(AmxOpError, ValueError)
+
+
+# --- 4. edge cases -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_single_row(provider, dtype):
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(19, 37, generator=g) / 6).to(dtype)
+    b = torch.randn(19, generator=g).to(dtype)
+    packed = pack(w, provider)
+    for x in (torch.randn(1, 37, generator=g).to(dtype), torch.randn(37, generator=g).to(dtype)):
+        out = ops.linear(x, packed, b, "gelu", 19, provider)
+        assert_close_dtype(out, linear_oracle(x, w, b, "gelu"), dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_length_one_segments(provider, causal):
+    # Every segment is one query and one key: softmax over a single key is 1, so out == v (per GQA group).
+    q, k, v, cu_q, cu_k, *_ = _varlen_args(provider, [1, 1, 1], [1, 1, 1], 4, 2, 16, causal, torch.float32)
+    out = ops.varlen_attention(q, k, v, cu_q, cu_k, 1, 1, 0.25, causal, provider)
+    assert_close_dtype(out, v.repeat_interleave(2, dim=1), torch.float32)
+
+
+def test_varlen_single_query_sees_all_keys_when_causal(provider):
+    args = list(_varlen_args(provider, [1, 3], [9, 3], 2, 1, 16, True, torch.float32))
+    causal = ops.varlen_attention(*args)
+    args[8] = False
+    full = ops.varlen_attention(*args)
+    assert_close_dtype(causal[0], full[0], torch.float32)
+
+
+def test_varlen_causal_bottom_right_when_k_longer(provider):
+    q, k, v, cu_q, cu_k, mq, mk, scale, _, p = _varlen_args(provider, [3], [7], 2, 2, 16, True, torch.float32)
+    out = ops.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, scale, True, p)
+    full = ops.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, scale, False, p)
+    assert_close_dtype(out, attention_oracle(q, k, v, cu_q, cu_k, scale, True), torch.float32)
+    assert_close_dtype(out[-1], full[-1], torch.float32)  # the last query row sees all 7 keys
+    assert not torch.allclose(out[0], full[0])
+    # Query row i sees keys 0..i+4: changing key 6 affects only the last row, key 5 rows 1 and 2.
+    for key, first_affected in ((6, 2), (5, 1)):
+        k2, v2 = k.clone(), v.clone()
+        k2[key] += 3.0
+        v2[key] += 3.0
+        out2 = ops.varlen_attention(q, k2, v2, cu_q, cu_k, mq, mk, scale, True, p)
+        torch.testing.assert_close(out2[:first_affected], out[:first_affected], atol=0, rtol=0)
+        assert not torch.allclose(out2[first_affected:], out[first_affected:])
+
+
+def test_varlen_causal_q_longer_than_k_rows_without_keys_are_zero(provider):
+    q, k, v, cu_q, cu_k, mq, mk, scale, _, p = _varlen_args(provider, [5], [2], 2, 1, 8, True, torch.float32)
+    out = ops.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, scale, True, p)
+    assert_close_dtype(out, attention_oracle(q, k, v, cu_q, cu_k, scale, True), torch.float32)
+    assert not out[:3].any()
+
+
+def test_varlen_empty_segments(provider):
+    # An empty query segment, and a query segment whose key segment is empty (its rows are zero).
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(5, 2, 8, generator=g), torch.randn(3, 2, 8, generator=g)
+    v = torch.randn(3, 2, 8, generator=g)
+    cu_q, cu_k = _cu(0, 2, 2, 5), _cu(0, 3, 3, 3)
+    out = ops.varlen_attention(q, k, v, cu_q, cu_k, 0, 0, 0.3, False, provider)
+    assert_close_dtype(out, attention_oracle(q, k, v, cu_q, cu_k, 0.3, False), torch.float32)
+    assert not out[2:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_linear_weight_does_not_mutate_or_alias(provider, dtype):
+    for weight in (torch.randn(6, 10).to(dtype), torch.randn(10, 6).to(dtype).t()):
+        original = weight.clone()
+        packed = pack(weight, provider)
+        assert torch.equal(weight, original)
+        assert packed.dtype == dtype
+        assert tuple(packed.shape) == tuple(providers.get(provider).packed_linear_shape(6, 10))
+        snapshot = packed.clone()
+        weight.add_(1.0)
+        assert torch.equal(packed, snapshot)
+        x = torch.randn(4, 10).to(dtype)
+        assert_close_dtype(
+            ops.linear(x, packed, None, "none", 6, provider), linear_oracle(x, original, None, "none"), dtype
+        )
+
+
+def test_patch_embed_is_conv3d_channels_last(provider):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 4, 8, 12, generator=g)
+    w = torch.randn(7, 3 * 2 * 4 * 4, generator=g) / 10
+    b = torch.randn(7, generator=g)
+    args = (x, pack(w, provider), b, [2, 4, 4], 7, provider)
+    out = ops.patch_embed(*args)
+    expected = F.conv3d(x, w.reshape(7, 3, 2, 4, 4), b, stride=(2, 4, 4))
+    assert_close_dtype(out, expected, torch.float32)
+    assert out.shape == (2, 7, 2, 2, 3)
+    assert out.permute(0, 2, 3, 4, 1).is_contiguous()  # [B, T', H', W', O] in memory
+    assert_matches_fake(ops.patch_embed, args, out)
