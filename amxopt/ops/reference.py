@@ -54,7 +54,8 @@ def varlen_attention(
     for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]):
         if q1 == q0:
             continue
-        qs, ks, vs = (t.transpose(0, 1) for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        # [1, H, L, D]: ATen's fused CPU attention kernels need 4-D inputs (3-D falls back to math).
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
         mask = None
         if causal:
             # Bottom-right aligned, as flash-attention defines causal for len_q != len_k.
@@ -63,16 +64,18 @@ def varlen_attention(
         if k1 == k0 or (mask is not None and not mask.any(dim=1).all()):
             # Rows that see no key: define their output as zeros (flash-attention's convention).
             seg = _masked_attention(qs, ks, vs, mask, scale, gqa)
+        elif causal and q1 - q0 == k1 - k0:
+            seg = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             seg = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[q0:q1] = seg.transpose(0, 1)
+        out[q0:q1] = seg[0].transpose(0, 1)
     return out
 
 
 def _masked_attention(q, k, v, mask, scale, gqa):
     if gqa:
-        rep = q.shape[0] // k.shape[0]
-        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
