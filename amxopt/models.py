@@ -91,20 +91,22 @@ class ModelSpec:
 # --------------------------------------------------------------------------------------------------
 
 
+# Shared by the Qwen3-VL and Qwen3-Omni vision towers (same architecture, different classes).
+_QWEN_VISION_BASE = dict(
+    hidden_act="gelu_pytorch_tanh",
+    in_channels=3,
+    patch_size=16,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    num_position_embeddings=2304,
+    initializer_range=_INIT_STD,
+)
+
+
 def _qwen3_vl_vision_config(**values: Any) -> Any:
     from transformers import Qwen3VLVisionConfig
 
-    base = dict(
-        hidden_act="gelu_pytorch_tanh",
-        in_channels=3,
-        patch_size=16,
-        temporal_patch_size=2,
-        spatial_merge_size=2,
-        num_position_embeddings=2304,
-        initializer_range=_INIT_STD,
-    )
-    base.update(values)
-    return Qwen3VLVisionConfig(**base)
+    return Qwen3VLVisionConfig(**{**_QWEN_VISION_BASE, **values})
 
 
 def _qwen3_omni_vision_config(**values: Any) -> Any:
@@ -112,17 +114,7 @@ def _qwen3_omni_vision_config(**values: Any) -> Any:
         Qwen3OmniMoeVisionEncoderConfig,
     )
 
-    base = dict(
-        hidden_act="gelu_pytorch_tanh",
-        in_channels=3,
-        patch_size=16,
-        temporal_patch_size=2,
-        spatial_merge_size=2,
-        num_position_embeddings=2304,
-        initializer_range=_INIT_STD,
-    )
-    base.update(values)
-    return Qwen3OmniMoeVisionEncoderConfig(**base)
+    return Qwen3OmniMoeVisionEncoderConfig(**{**_QWEN_VISION_BASE, **values})
 
 
 def _qwen3_omni_audio_config(**values: Any) -> Any:
