@@ -6,12 +6,14 @@ STAMP   := $(VENV)/.installed
 
 .PHONY: demo test lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard amxopt/ops/csrc/*)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	# amxopt's C++ kernels, compiled from amxopt/ops/csrc into amxopt/ops/_build.
+	$(BIN)/python -m amxopt.ops.native
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -42,7 +42,7 @@ def pack_linear_weight(weight: torch.Tensor, provider: str) -> torch.Tensor:
 
 @pack_linear_weight.register_fake
 def _(weight, provider):
-    return weight.new_empty(providers.get(provider).packed_linear_shape(weight.shape[0], weight.shape[1]))
+    return weight.new_empty(providers.get(provider).packed_linear_shape(weight.shape[0], weight.shape[1], weight.dtype))
 
 
 # --- linear ------------------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def _check_gemm(op, x_desc, in_features, dtype, packed_weight, bias, out_feature
         op,
         f"{x_desc} is {dtype} but the packed weight is {packed_weight.dtype}; cast the input or re-pack",
     )
-    expected = tuple(providers.get(provider).packed_linear_shape(out_features, in_features))
+    expected = tuple(providers.get(provider).packed_linear_shape(out_features, in_features, dtype))
     _check(
         tuple(packed_weight.shape) == expected,
         op,

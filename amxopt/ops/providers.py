@@ -4,8 +4,8 @@ A provider is a namespace of functions with the signatures of ``amxopt.ops.refer
 layout queries for packed Linear weights (a provider may pad or block the weight). The graph
 records the provider's name on every op, so passes never depend on which kernels exist.
 
-Providers (first set): ``reference`` (plain ATen, runs everywhere). Native AMX kernels and
-sgl-kernel register here when they are importable; ``resolve`` picks one and logs why.
+Providers: ``native`` (amxopt's C++ kernels, ``amxopt/ops/csrc``) where the CPU and the build
+allow, else ``reference`` (plain ATen, runs everywhere); ``resolve`` picks one and logs why.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import logging
 from collections.abc import Callable
 from types import ModuleType
 
-from amxopt.ops import reference
+import torch
+
+from amxopt.ops import native, reference
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +28,7 @@ class Provider:
 
     name: str
     impl: ModuleType
-    packed_linear_shape: Callable[[int, int], tuple[int, ...]]  # (N, K) -> shape of the packed weight
+    packed_linear_shape: Callable[[int, int, torch.dtype], tuple[int, ...]]  # (N, K, dtype) -> packed shape
     available: Callable[[], tuple[bool, str]]
 
     def __getattr__(self, op: str):
@@ -41,13 +43,19 @@ _PROVIDERS: dict[str, Provider] = {
     "reference": Provider(
         name="reference",
         impl=reference,
-        packed_linear_shape=lambda n, k: (n, k),
+        packed_linear_shape=lambda n, k, dtype: (n, k),
         available=_always,
+    ),
+    "native": Provider(
+        name="native",
+        impl=native,
+        packed_linear_shape=native.packed_linear_shape,
+        available=native.available,
     ),
 }
 
 # Preference order for provider="auto": fastest first.
-_PREFERENCE = ("reference",)
+_PREFERENCE = ("native", "reference")
 
 
 def get(name: str) -> Provider:

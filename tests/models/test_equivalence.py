@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 import amxopt
 from amxopt import models
 from tests.helpers import CONFIG, check_rewrite, max_abs_error
+from tests.strategies import PROVIDERS
 
 # name -> (expected replaced counts, input sizes: the first is the capture example)
 CASES = {
@@ -46,12 +47,14 @@ def test_fp32_equivalence(name):
     assert len(opt.graphs) == 1, f"{name}: dynamic capture did not cover the other sizes ({len(opt.graphs)} graphs)"
 
 
+@pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_bf16_error_bound(name):
+def test_bf16_error_bound(name, provider):
     _, sizes = CASES[name]
     fp32 = models.build_model(name, torch.float32)
     bf16 = models.build_model(name, torch.bfloat16)
-    opt = amxopt.optimize(bf16, models.example_inputs(name, torch.bfloat16, size=sizes[0]), CONFIG)
+    config = amxopt.AmxConfig(provider=provider)
+    opt = amxopt.optimize(bf16, models.example_inputs(name, torch.bfloat16, size=sizes[0]), config)
     assert not opt.report.left, str(opt.report)
     with torch.no_grad():
         for size in sizes[:2]:

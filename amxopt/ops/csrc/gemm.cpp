@@ -1,0 +1,191 @@
+// amxopt.linear / amxopt.patch_embed kernels: bf16 GEMM with fp32 accumulation on AVX-512-BF16.
+//
+// Packed weight (VNNI) layout: [N/32][K/2][32][2] bf16, N padded to 32 and K to 2 with zeros. For
+// each block of 32 output columns, consecutive k pairs are interleaved per column, so one 64-byte
+// load feeds a vdpbf16ps over 16 columns x 2 k. Microkernel: MR (<= 12) rows x 32 columns held in
+// 2*MR zmm accumulators over the whole K (the 32-column weight panel, K*128 bytes, stays in L2 while
+// a thread sweeps M). Epilogue: + bias (fp32), activation (gelu / gelu_tanh / silu), round to bf16.
+// Work is split over (column block, row block) tiles, column-block-major, with at::parallel_for.
+#include "common.h"
+
+namespace amxopt {
+namespace {
+
+constexpr int64_t kNB = 32;  // output columns per packed block
+constexpr int kMR = 12;      // rows per microkernel call (24 accumulators + 2 B + 1 A registers)
+constexpr int64_t kMT = 48;  // rows per parallel tile
+
+enum class Act { None, Gelu, GeluTanh, Silu };
+
+Act parse_act(const std::string& a) {
+  if (a == "none") return Act::None;
+  if (a == "gelu") return Act::Gelu;
+  if (a == "gelu_tanh") return Act::GeluTanh;
+  if (a == "silu") return Act::Silu;
+  TORCH_CHECK(false, "amxopt native linear: unknown activation '", a, "'");
+}
+
+inline __m512 activate(__m512 x, Act act) {
+  switch (act) {
+    case Act::None:
+      return x;
+    case Act::Gelu: {
+      fVec v(x);
+      return v * (fVec(0.5f) + fVec(0.5f) * (v * fVec(float(M_SQRT1_2))).erf());
+    }
+    case Act::GeluTanh: {
+      fVec v(x);
+      fVec inner = fVec(0.7978845608028654f) * (v + fVec(0.044715f) * v * v * v);
+      return fVec(0.5f) * v * (fVec(1.0f) + inner.tanh());
+    }
+    case Act::Silu: {
+      fVec v(x);
+      return v / (fVec(1.0f) + v.neg().exp());
+    }
+  }
+  return x;
+}
+
+template <int MR>
+void microkernel(const bf16* A, int64_t lda, const bf16* B, int64_t K, const float* bias, bf16* C, int64_t ldc,
+                 int64_t ncols, Act act) {
+  __m512 acc[MR][2];
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2;
+  const uint32_t* A32[MR];
+  for (int i = 0; i < MR; ++i) A32[i] = reinterpret_cast<const uint32_t*>(A + i * lda);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B + p * 64);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(B + p * 64 + 32);
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(A32[i][p]);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+    }
+  }
+  if (K & 1) {  // last k alone: its pair partner is the zero padding of the packed weight
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B + pairs * 64);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(B + pairs * 64 + 32);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(uint32_t(A[i * lda + K - 1].x));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+    }
+  }
+  const __mmask16 m0 = tail_mask(ncols), m1 = tail_mask(ncols - 16);
+  __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
+  if (bias) {
+    bias0 = _mm512_maskz_loadu_ps(m0, bias);
+    if (ncols > 16) bias1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+  }
+  for (int i = 0; i < MR; ++i) {
+    store_bf16_masked(C + i * ldc, activate(_mm512_add_ps(acc[i][0], bias0), act), m0);
+    if (ncols > 16) store_bf16_masked(C + i * ldc + 16, activate(_mm512_add_ps(acc[i][1], bias1), act), m1);
+  }
+}
+
+using Micro = void (*)(const bf16*, int64_t, const bf16*, int64_t, const float*, bf16*, int64_t, int64_t, Act);
+template <int... Is>
+constexpr std::array<Micro, sizeof...(Is)> make_table(std::integer_sequence<int, Is...>) {
+  return {&microkernel<Is + 1>...};
+}
+const auto kMicro = make_table(std::make_integer_sequence<int, kMR>{});
+
+// C[M, N] = act(A[M, K] @ W^T + bias), W packed; A rows lda apart; bias fp32 or null.
+void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t M, int64_t N,
+               int64_t K, Act act) {
+  const int64_t nblocks = (N + kNB - 1) / kNB;
+  const int64_t mtiles = (M + kMT - 1) / kMT;
+  const int64_t panel = ((K + 1) / 2) * 2 * kNB;  // bf16 elements per packed column block
+  at::parallel_for(0, nblocks * mtiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t nb = t / mtiles, mt = t % mtiles;
+      const int64_t n0 = nb * kNB, ncols = std::min(kNB, N - n0);
+      const int64_t m_end = std::min(M, (mt + 1) * kMT);
+      for (int64_t m = mt * kMT; m < m_end; m += kMR) {
+        const int rows = int(std::min<int64_t>(kMR, m_end - m));
+        kMicro[rows - 1](A + m * lda, lda, Wp + nb * panel, K, bias ? bias + n0 : nullptr, C + m * N + n0, N, ncols,
+                         act);
+      }
+    }
+  });
+}
+
+void check_packed(const at::Tensor& w, int64_t n, int64_t k, const char* op) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 4 && w.size(0) == (n + kNB - 1) / kNB &&
+                  w.size(1) == (k + 1) / 2 && w.size(2) == kNB && w.size(3) == 2,
+              "amxopt native ", op, ": packed weight ", w.sizes(), " is not the VNNI packing of a [", n, ", ", k,
+              "] bf16 weight");
+}
+
+at::Tensor pack_linear_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
+              "amxopt native pack_linear_weight: expected a [N, K] bf16 weight, got ", w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1), nblocks = (N + kNB - 1) / kNB, pairs = (K + 1) / 2;
+  auto src = w.contiguous();
+  auto out = at::zeros({nblocks, pairs, kNB, 2}, w.options());
+  const bf16* s = src.data_ptr<bf16>();
+  bf16* d = out.data_ptr<bf16>();
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t c = 0; c < std::min(kNB, N - nb * kNB); ++c) {
+        const bf16* row = s + (nb * kNB + c) * K;
+        bf16* col = d + nb * pairs * kNB * 2 + c * 2;
+        for (int64_t k = 0; k < K; ++k) col[(k / 2) * kNB * 2 + (k & 1)] = row[k];
+      }
+  });
+  return out;
+}
+
+at::Tensor linear_2d(const at::Tensor& x2, const at::Tensor& wp, const std::optional<at::Tensor>& bias, Act act,
+                     int64_t N) {
+  const int64_t M = x2.size(0), K = x2.size(1);
+  check_packed(wp, N, K, "linear");
+  auto out = at::empty({M, N}, x2.options());
+  at::Tensor b32;
+  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
+  if (M > 0)
+    gemm_bf16(x2.data_ptr<bf16>(), x2.stride(0), wp.data_ptr<bf16>(), bias.has_value() ? b32.data_ptr<float>() : nullptr,
+              out.data_ptr<bf16>(), M, N, K, act);
+  return out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias,
+                  const std::string& activation, int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "amxopt native linear: x must be bf16, got ", x.scalar_type());
+  auto x2 = x.reshape({-1, x.size(-1)});
+  if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < x2.size(1))) x2 = x2.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  return linear_2d(x2, wp, bias, parse_act(activation), out_features).view(sizes);
+}
+
+// Conv3d with kernel == stride as one GEMM: gather patches [B*T'*H'*W', C*kt*kh*kw], multiply, and
+// return [B, O, T', H', W'] as a permuted view of the GEMM's [B, T', H', W', O] (channels-last).
+at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias,
+                       at::IntArrayRef kernel, int64_t out_channels) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 5, "amxopt native patch_embed: x must be bf16 5-D");
+  const int64_t B = x.size(0), C = x.size(1), kt = kernel[0], kh = kernel[1], kw = kernel[2];
+  const int64_t nt = x.size(2) / kt, nh = x.size(3) / kh, nw = x.size(4) / kw;
+  auto patches = (nt == 1 && nh == 1 && nw == 1)
+                     ? x.reshape({B, C * kt * kh * kw})
+                     : x.reshape({B, C, nt, kt, nh, kh, nw, kw})
+                           .permute({0, 2, 4, 6, 1, 3, 5, 7})
+                           .reshape({B * nt * nh * nw, C * kt * kh * kw});
+  if (!patches.is_contiguous()) patches = patches.contiguous();
+  auto y = linear_2d(patches, wp, bias, Act::None, out_channels);
+  return y.view({B, nt, nh, nw, out_channels}).permute({0, 4, 1, 2, 3});
+}
+
+}  // namespace
+}  // namespace amxopt
+
+TORCH_LIBRARY_FRAGMENT(amxopt_native, m) {
+  m.def("pack_linear_weight(Tensor w) -> Tensor", &amxopt::pack_linear_weight);
+  m.def("linear(Tensor x, Tensor packed_weight, Tensor? bias, str activation, int out_features) -> Tensor",
+        &amxopt::linear);
+  m.def("patch_embed(Tensor x, Tensor packed_weight, Tensor? bias, int[] kernel_size, int out_channels) -> Tensor",
+        &amxopt::patch_embed);
+}

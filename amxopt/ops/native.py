@@ -1,0 +1,127 @@
+"""The ``native`` provider: amxopt's own C++ kernels (``csrc/``), bf16 on AVX-512-BF16 CPUs.
+
+The extension is compiled from the project's sources by ``python -m amxopt.ops.native`` (run by the
+Makefile's install step) into ``amxopt/ops/_build/``; later imports load it from there, rebuilding
+only if a source changed. fp32 tensors go to the reference implementations (ATen's fp32 GEMMs are
+already at the hardware limit; the kernels here are for bf16).
+
+Kernel availability is a CPU question: the kernels use AVX-512F/BW and AVX-512-BF16 instructions.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import pathlib
+
+import torch
+
+from amxopt.ops import reference
+
+logger = logging.getLogger(__name__)
+
+_CSRC = pathlib.Path(__file__).parent / "csrc"
+_BUILD = pathlib.Path(__file__).parent / "_build"
+_SOURCES = ("gemm.cpp", "norm.cpp")
+_FLAGS = [
+    "-O3",
+    "-march=x86-64-v4",
+    "-mavx512bf16",
+    "-DCPU_CAPABILITY=AVX512",
+    "-DCPU_CAPABILITY_AVX512",
+    # at::parallel_for is OpenMP in these wheels; the extension then links libgomp.so.1, which
+    # resolves to the copy torch already loaded, so there is one thread pool, set by torch.set_num_threads.
+    "-fopenmp",
+]
+_NB = 32  # output columns per packed block (csrc/gemm.cpp kNB)
+_REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def build(verbose: bool = False) -> None:
+    """Compile (or find up to date) and load the extension; registers ``torch.ops.amxopt_native``."""
+    from torch.utils.cpp_extension import load
+
+    _BUILD.mkdir(exist_ok=True)
+    load(
+        name="amxopt_native",
+        sources=[str(_CSRC / s) for s in _SOURCES],
+        extra_cflags=_FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(_BUILD),
+        is_python_module=False,
+        verbose=verbose,
+    )
+
+
+@functools.cache
+def available() -> tuple[bool, str]:
+    missing = [f for f in _REQUIRED_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return False, f"CPU lacks {', '.join(missing)}"
+    try:
+        build()
+    except Exception as e:  # noqa: BLE001 - any build/load failure means "not available"
+        return False, f"extension did not build/load: {str(e).strip().splitlines()[-1][:200]}"
+    return (
+        True,
+        "amxopt C++ kernels, bf16 on AVX-512-BF16 (no AMX on this CPU)"
+        if "amx_bf16" not in _cpu_flags()
+        else ("amxopt C++ kernels, bf16 (AVX-512-BF16 microkernels; AMX tiles not used yet)"),
+    )
+
+
+def _ops():
+    return torch.ops.amxopt_native
+
+
+def packed_linear_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, ...]:
+    if dtype != torch.bfloat16:
+        return (n, k)
+    return ((n + _NB - 1) // _NB, (k + 1) // 2, _NB, 2)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype != torch.bfloat16:
+        return reference.pack_linear_weight(weight)
+    return _ops().pack_linear_weight(weight)
+
+
+def linear(x, packed_weight, bias, activation, out_features):
+    if x.dtype != torch.bfloat16:
+        return reference.linear(x, packed_weight, bias, activation, out_features)
+    return _ops().linear(x, packed_weight, bias, activation, out_features)
+
+
+def patch_embed(x, packed_weight, bias, kernel_size, out_channels):
+    if x.dtype != torch.bfloat16:
+        return reference.patch_embed(x, packed_weight, bias, kernel_size, out_channels)
+    return _ops().patch_embed(x, packed_weight, bias, kernel_size, out_channels)
+
+
+def layer_norm(x, weight, bias, eps):
+    if x.dtype != torch.bfloat16:
+        return reference.layer_norm(x, weight, bias, eps)
+    return _ops().layer_norm(x, weight, bias, eps)
+
+
+def rms_norm(x, weight, eps):
+    if x.dtype != torch.bfloat16:
+        return reference.rms_norm(x, weight, eps)
+    return _ops().rms_norm(x, weight, eps)
+
+
+varlen_attention = reference.varlen_attention
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    build(verbose=True)
+    print("amxopt native kernels built in", _BUILD)
