@@ -39,15 +39,17 @@ def cpu_features() -> dict[str, bool]:
 
 
 def _cmd_info(args) -> int:
-    from amxopt.ops.providers import available_providers, resolve
+    from amxopt.ops.providers import available_providers, get, resolve
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("cpu: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in cpu_features().items()))
     for name, (ok, why) in available_providers().items():
         print(f"provider {name:<10} {'available' if ok else 'unavailable'}: {why}")
-    chosen = resolve("auto")
+    chosen = get(resolve("auto"))
     for op in ("linear", "varlen_attention", "patch_embed", "layer_norm", "rms_norm"):
-        print(f"  amxopt.{op:<17} -> {chosen}")
+        fn = getattr(chosen.impl, op)
+        where = chosen.name if fn.__module__ == chosen.impl.__name__ else f"{chosen.name} -> {fn.__module__}"
+        print(f"  amxopt.{op:<17} -> {where} (bf16; fp32 runs the reference ops)")
     return 0
 
 

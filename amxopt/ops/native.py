@@ -70,12 +70,8 @@ def available() -> tuple[bool, str]:
         build()
     except Exception as e:  # noqa: BLE001 - any build/load failure means "not available"
         return False, f"extension did not build/load: {str(e).strip().splitlines()[-1][:200]}"
-    return (
-        True,
-        "amxopt C++ kernels, bf16 on AVX-512-BF16 (no AMX on this CPU)"
-        if "amx_bf16" not in _cpu_flags()
-        else ("amxopt C++ kernels, bf16 (AVX-512-BF16 microkernels; AMX tiles not used yet)"),
-    )
+    amx = "amx_bf16" in _cpu_flags()
+    return True, "amxopt C++ kernels: bf16 on AVX-512-BF16" + ("" if amx else " (this CPU has no AMX)")
 
 
 def _ops():
