@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 _BUILD = pathlib.Path(__file__).parent / "_build"
-_SOURCES = ("gemm.cpp", "norm.cpp")
+_SOURCES = ("gemm.cpp", "norm.cpp", "attention.cpp")
 _FLAGS = [
     "-O3",
     "-march=x86-64-v4",
@@ -114,7 +114,12 @@ def rms_norm(x, weight, eps):
     return _ops().rms_norm(x, weight, eps)
 
 
-varlen_attention = reference.varlen_attention
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+    if q.dtype != torch.bfloat16:
+        return reference.varlen_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal
+        )
+    return _ops().varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@
 namespace amxopt {
 namespace {
 
-constexpr int64_t kNB = 32;  // output columns per packed block
-constexpr int kMR = 12;      // rows per microkernel call (24 accumulators + 2 B + 1 A registers)
 constexpr int64_t kMT = 96;  // rows per parallel tile (measured: 48-192 within noise; 96 best on 784x4096x1024)
 constexpr int64_t kKC = 512; // K per block (even: blocks start on a k pair)
 static_assert(kMT % kMR == 0, "row tiles must hold whole microkernel row chunks");
@@ -62,16 +60,7 @@ void microkernel(const uint32_t* Ap, const bf16* B, int64_t pairs, const float* 
     acc[i][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_buf + i * 32);
     acc[i][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_buf + i * 32 + 16);
   }
-  for (int64_t p = 0; p < pairs; ++p) {
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B + p * 64);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(B + p * 64 + 32);
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(Ap[p * kMR + i]);
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
-    }
-  }
+  dot_block<MR>(acc, Ap, B, pairs);
   if (!last) {
     for (int i = 0; i < MR; ++i) {
       _mm512_storeu_ps(acc_buf + i * 32, acc[i][0]);
@@ -91,13 +80,11 @@ void microkernel(const uint32_t* Ap, const bf16* B, int64_t pairs, const float* 
   }
 }
 
-using Micro = void (*)(const uint32_t*, const bf16*, int64_t, const float*, bf16*, int64_t, int64_t, Act, float*,
-                       bool, bool);
-template <int... Is>
-constexpr std::array<Micro, sizeof...(Is)> make_table(std::integer_sequence<int, Is...>) {
-  return {&microkernel<Is + 1>...};
-}
-const auto kMicro = make_table(std::make_integer_sequence<int, kMR>{});
+template <int MR>
+struct Micro {
+  static constexpr auto run = &microkernel<MR>;
+};
+const auto kMicro = make_row_table<Micro>(std::make_integer_sequence<int, kMR>{});
 
 // A [M, K] (rows lda apart) -> [ceil(M/kMR)][pairs][kMR] uint32 bf16 pairs, zero padded: the
 // microkernel then reads one contiguous 48-byte line per k pair instead of 12 rows whose large,
@@ -108,12 +95,7 @@ at::Tensor pack_a(const bf16* A, int64_t lda, int64_t M, int64_t K) {
   uint32_t* d = reinterpret_cast<uint32_t*>(buf.data_ptr<int32_t>());
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c)
-      for (int64_t i = 0; i < std::min<int64_t>(kMR, M - c * kMR); ++i) {
-        const bf16* row = A + (c * kMR + i) * lda;
-        uint32_t* out = d + c * pairs * kMR + i;
-        for (int64_t p = 0; p < K / 2; ++p) out[p * kMR] = reinterpret_cast<const uint32_t*>(row)[p];
-        if (K & 1) out[(K / 2) * kMR] = uint32_t(row[K - 1].x);  // odd K: partner is zero
-      }
+      pack_a_chunk(A + c * kMR * lda, lda, std::min<int64_t>(kMR, M - c * kMR), K, d + c * pairs * kMR);
   });
   return buf;
 }
@@ -165,11 +147,7 @@ at::Tensor pack_linear_weight(const at::Tensor& w) {
   bf16* d = out.data_ptr<bf16>();
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t c = 0; c < std::min(kNB, N - nb * kNB); ++c) {
-        const bf16* row = s + (nb * kNB + c) * K;
-        bf16* col = d + nb * pairs * kNB * 2 + c * 2;
-        for (int64_t k = 0; k < K; ++k) col[(k / 2) * kNB * 2 + (k & 1)] = row[k];
-      }
+      pack_b_vnni(s + nb * kNB * K, K, std::min(kNB, N - nb * kNB), K, d + nb * pairs * kNB * 2);
   });
   return out;
 }
