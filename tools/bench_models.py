@@ -1,0 +1,111 @@
+"""Whole-model benchmark: eager fp32, eager bf16, torch.compile (freezing, bf16) and amxopt (bf16).
+
+One model at a time, real configs with random weights (amxopt.models), the variants interleaved
+(round-robin) and the median of --repeats after a warm-up call; ratios against eager bf16. Also the
+max abs error of every bf16 variant against eager fp32, and the one-time cost of torch.compile's
+first call and of amxopt.optimize.
+
+    .venv/bin/python tools/bench_models.py [--models qwen3-vl-2b-vision,...] [--repeats 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pathlib
+import statistics
+import time
+
+import torch
+import torch.utils._pytree as pytree
+
+import amxopt
+from amxopt import models
+
+# model -> (input size, what it is)
+DEFAULT_MODELS = {
+    "qwen3-vl-2b-vision": (448, "one 448x448 image (784 patches)"),
+    "qwen3-omni-audio": (30.0, "30 s of audio"),
+    "wan2.1-t2v-1.3b": ((5, 32, 32, 512), "one step, latent 16x5x32x32 + 512 text tokens"),
+}
+
+
+def max_abs_error(a, b) -> float:
+    pairs = zip(pytree.tree_leaves(a), pytree.tree_leaves(b))
+    return max(float((x.float() - y.float()).abs().max()) for x, y in pairs if isinstance(x, torch.Tensor))
+
+
+def timed(fn, inputs) -> tuple[object, float]:
+    t = time.perf_counter()
+    out = fn(**inputs)
+    return out, time.perf_counter() - t
+
+
+def bench_model(name: str, size, repeats: int) -> dict:
+    print(f"\n## {name}: {DEFAULT_MODELS.get(name, (None, ''))[1]}", flush=True)
+    fp32 = models.build_model(name, torch.float32)
+    bf16 = models.build_model(name, torch.bfloat16)
+    x32 = models.example_inputs(name, torch.float32, size=size)
+    x16 = models.example_inputs(name, torch.bfloat16, size=size)
+    setup = {}
+    with torch.no_grad():
+        t = time.perf_counter()
+        opt = amxopt.optimize(bf16, x16)
+        setup["amxopt.optimize"] = time.perf_counter() - t
+        torch._inductor.config.freezing = True
+        compiled = torch.compile(bf16)
+        variants = {
+            "eager fp32": (fp32, x32),
+            "eager bf16": (bf16, x16),
+            "torch.compile bf16": (compiled, x16),
+            "amxopt bf16": (opt, x16),
+        }
+        outputs = {}
+        for label, (fn, inputs) in variants.items():  # warm-up (and torch.compile's compilation)
+            outputs[label], secs = timed(fn, inputs)
+            if label == "torch.compile bf16":
+                setup["torch.compile first call"] = secs
+        times = {label: [] for label in variants}
+        for _ in range(repeats):
+            for label, (fn, inputs) in variants.items():
+                times[label].append(timed(fn, inputs)[1])
+    med = {label: statistics.median(ts) for label, ts in times.items()}
+    errors = {label: max_abs_error(outputs[label], outputs["eager fp32"]) for label in variants if "bf16" in label}
+    print(f"provider {opt.config.provider}; report counts {opt.report.counts()}; left {len(opt.report.left)}")
+    print("| variant | median s | vs eager bf16 | max abs err vs fp32 |\n|---|---|---|---|")
+    for label, secs in med.items():
+        err = f"{errors[label]:.3e}" if label in errors else "-"
+        print(f"| {label} | {secs:.3f} | {med['eager bf16'] / secs:.2f}x | {err} |")
+    print("one-time: " + ", ".join(f"{k} {v:.1f} s" for k, v in setup.items()), flush=True)
+    result = dict(
+        model=name,
+        input=str(size),
+        provider=opt.config.provider,
+        median_s=med,
+        ratio_vs_eager_bf16={k: med["eager bf16"] / v for k, v in med.items()},
+        max_abs_error_vs_fp32=errors,
+        setup_s=setup,
+        counts=opt.report.counts(),
+        repeats=repeats,
+    )
+    del fp32, bf16, opt, compiled, variants, outputs
+    torch._dynamo.reset()
+    gc.collect()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    results = [bench_model(n, DEFAULT_MODELS.get(n, (None,))[0], args.repeats) for n in args.models.split(",")]
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Benchmark every amxopt op against PyTorch eager bf16 and the reference provider, in one run.
+
+For each case the implementations run interleaved (round-robin, so drift on a shared machine hits
+all alike), median of --repeats after --warmup calls; the ratio is eager time / op time (> 1: faster
+than PyTorch). GEMM and attention cases also report TFLOP/s as a fraction of the AMX limit quoted
+for this machine kind (6.46 TFLOP/s, ../shared/tools/amx_peak.c) and of the AVX-512-BF16 limit
+measured now (tools/avx512_bf16_peak.c, compiled on the fly).
+
+    .venv/bin/python tools/bench_ops.py [--repeats 20] [--json out.json] [--only linear]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import amxopt  # noqa: F401 - registers torch.ops.amxopt
+from amxopt.ops.providers import available_providers
+
+amx = torch.ops.amxopt
+AMX_PEAK_TFLOPS = 6.46  # ../shared/tools/amx_peak.c on the machine kind the targets were set for
+BF16 = torch.bfloat16
+
+
+@dataclasses.dataclass
+class Case:
+    op: str
+    name: str
+    flops: float  # 0 when TFLOP/s is not meaningful (memory-bound ops)
+    impls: dict[str, Callable[[], object]]  # "eager" first: the baseline
+
+
+def avx512_bf16_peak() -> float | None:
+    src = pathlib.Path(__file__).with_name("avx512_bf16_peak.c")
+    with tempfile.TemporaryDirectory() as d:
+        exe = pathlib.Path(d) / "peak"
+        cmd = ["gcc", "-O3", "-march=x86-64-v4", "-mavx512bf16", "-fopenmp", str(src), "-o", str(exe)]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True)
+            out = subprocess.run(
+                [str(exe)],
+                check=True,
+                capture_output=True,
+                text=True,
+                env={"OMP_NUM_THREADS": str(torch.get_num_threads())},
+            )
+            return float(out.stdout.strip())
+        except (OSError, subprocess.CalledProcessError, ValueError):
+            return None
+
+
+def linear_cases(providers: list[str]) -> list[Case]:
+    cases = []
+    shapes = [(784, 1024, 3072), (784, 1024, 4096), (784, 4096, 1024), (1280, 1536, 8960)]
+    shapes += [(m, k, n) for m in (16, 1) for k, n in ((1024, 4096), (1536, 1536))]
+    for m, k, n in shapes:
+        x, w, b = torch.randn(m, k, dtype=BF16), torch.randn(n, k, dtype=BF16) * 0.03, torch.randn(n, dtype=BF16)
+        impls = {"eager": lambda x=x, w=w, b=b: F.linear(x, w, b)}
+        for p in providers:
+            packed = amx.pack_linear_weight(w, p)
+            impls[p] = lambda x=x, pw=packed, b=b, n=n, p=p: amx.linear(x, pw, b, "none", n, p)
+        cases.append(Case("linear", f"M={m} K={k} N={n}", 2.0 * m * k * n, impls))
+    return cases
+
+
+def _segments(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def attention_cases(providers: list[str]) -> list[Case]:
+    cases = []
+    for heads, lengths, d, label in (
+        (16, [784], 64, "one SDPA call"),
+        (20, [104] * 8, 64, "per-segment SDPA loop"),
+        (12, [1280], 128, "one SDPA call"),
+    ):
+        t = sum(lengths)
+        q, k, v = (torch.randn(t, heads, d, dtype=BF16) for _ in range(3))
+        cu = _segments(lengths)
+        scale = d**-0.5
+
+        def eager(q=q, k=k, v=v, cu=cu, scale=scale):
+            bounds = cu.tolist()
+            outs = [
+                F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v)), scale=scale)
+                for a, b in zip(bounds, bounds[1:])
+            ]
+            return torch.cat([o[0].transpose(0, 1) for o in outs])
+
+        impls = {"eager": eager}
+        for p in providers:
+            impls[p] = lambda q=q, k=k, v=v, cu=cu, m=max(lengths), s=scale, p=p: amx.varlen_attention(
+                q, k, v, cu, cu, m, m, s, False, p
+            )
+        flops = sum(4.0 * heads * n * n * d for n in lengths)
+        cases.append(
+            Case("varlen_attention", f"{len(lengths)}x{lengths[0]} tok, {heads}h x {d} (vs {label})", flops, impls)
+        )
+    return cases
+
+
+def patch_embed_cases(providers: list[str]) -> list[Case]:
+    cases = []
+    for shape, kernel, out_ch, label in (
+        ((784, 3, 2, 16, 16), (2, 16, 16), 1024, "Qwen3-VL 784 patches 3x2x16x16 -> 1024"),
+        ((1, 16, 5, 64, 64), (1, 2, 2), 1536, "Wan latent 16x5x64x64, patch 1x2x2 -> 1536"),
+    ):
+        x = torch.randn(*shape, dtype=BF16)
+        conv = torch.nn.Conv3d(shape[1], out_ch, kernel, stride=kernel).to(BF16).eval()
+        impls = {"eager": lambda x=x, conv=conv: conv(x)}
+        w = conv.weight.detach().reshape(out_ch, -1)
+        for p in providers:
+            packed = amx.pack_linear_weight(w, p)
+            impls[p] = lambda x=x, pw=packed, b=conv.bias.detach(), kr=list(kernel), o=out_ch, p=p: amx.patch_embed(
+                x, pw, b, kr, o, p
+            )
+        patches = x.numel() // w.shape[1]
+        cases.append(Case("patch_embed", label, 2.0 * patches * w.shape[1] * out_ch, impls))
+    return cases
+
+
+def norm_cases(providers: list[str]) -> list[Case]:
+    cases = []
+    for rows, d in ((784, 1024), (1280, 1536)):
+        x, w, b = torch.randn(rows, d, dtype=BF16), torch.randn(d, dtype=BF16), torch.randn(d, dtype=BF16)
+        impls = {"eager": lambda x=x, w=w, b=b, d=d: F.layer_norm(x, (d,), w, b, 1e-6)}
+        for p in providers:
+            impls[p] = lambda x=x, w=w, b=b, p=p: amx.layer_norm(x, w, b, 1e-6, p)
+        cases.append(Case("layer_norm", f"{rows} x {d}", 0.0, impls))
+        impls = {"eager": lambda x=x, w=w, d=d: F.rms_norm(x, (d,), w, 1e-6)}
+        for p in providers:
+            impls[p] = lambda x=x, w=w, p=p: amx.rms_norm(x, w, 1e-6, p)
+        cases.append(Case("rms_norm", f"{rows} x {d}", 0.0, impls))
+    return cases
+
+
+def measure(case: Case, warmup: int, repeats: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in case.impls}
+    with torch.no_grad():
+        for _ in range(warmup):
+            for fn in case.impls.values():
+                fn()
+        for _ in range(repeats):
+            for name, fn in case.impls.items():
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--only", default=None, help="run only this op (linear, varlen_attention, ...)")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = parser.parse_args()
+
+    providers = [p for p, (ok, _) in available_providers().items() if ok]
+    peak = avx512_bf16_peak()
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; providers {providers}; "
+        f"AVX-512-BF16 peak measured now: {peak if peak else 'n/a'} TFLOP/s; AMX limit quoted: {AMX_PEAK_TFLOPS}"
+    )
+    cases = linear_cases(providers) + attention_cases(providers) + patch_embed_cases(providers) + norm_cases(providers)
+    cases = [c for c in cases if args.only in (None, c.op)]
+    results = []
+    header = "| op | case | impl | median ms | ratio vs eager | TFLOP/s | of AVX-512-BF16 peak | of AMX 6.46 |"
+    print("\n" + header + "\n|" + "---|" * 8)
+    for case in cases:
+        med = measure(case, args.warmup, args.repeats)
+        for name, secs in med.items():
+            tflops = case.flops / secs / 1e12 if case.flops else None
+            row = dict(
+                op=case.op,
+                case=case.name,
+                impl=name,
+                median_ms=secs * 1e3,
+                ratio=med["eager"] / secs,
+                tflops=tflops,
+                frac_avx512=tflops / peak if tflops and peak else None,
+                frac_amx=tflops / AMX_PEAK_TFLOPS if tflops else None,
+            )
+            results.append(row)
+            fmt = lambda v, f: f"{v:{f}}" if v is not None else "-"  # noqa: E731
+            print(
+                f"| {case.op} | {case.name} | {name} | {secs * 1e3:.3f} | {row['ratio']:.2f}x | "
+                f"{fmt(tflops, '.3f')} | {fmt(row['frac_avx512'], '.0%')} | {fmt(row['frac_amx'], '.1%')} |",
+                flush=True,
+            )
+    if args.json:
+        meta = dict(
+            torch=torch.__version__,
+            threads=torch.get_num_threads(),
+            avx512_bf16_peak_tflops=peak,
+            amx_peak_tflops=AMX_PEAK_TFLOPS,
+            repeats=args.repeats,
+            warmup=args.warmup,
+        )
+        pathlib.Path(args.json).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
