@@ -112,7 +112,6 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const int64_t keys_pad = (sg.lk + kBK - 1) / kBK * kBK;
       const bf16* Kp = kv_of(s, hk, false);
       const bf16* Vp = kv_of(s, hk, true);
-      std::fill(qa.begin(), qa.end(), 0u);
       for (int64_t c = 0; c < chunks; ++c)
         pack_a_chunk(Q + (sg.q0 + r0 + c * kMR) * q_row + h * q_head, q_row, std::min<int64_t>(kMR, rows - c * kMR),
                      D, qa.data() + c * d_pairs * kMR);

@@ -75,13 +75,16 @@ inline void pack_b_vnni_t(const bf16* src, int64_t ld, int64_t N, int64_t K, int
   }
 }
 
-// One chunk of up to kMR rows of A (rows ld apart) into the pairs layout; dst must be zeroed.
+// One chunk of up to kMR rows of A (rows ld apart) into the pairs layout, rows beyond `rows` zeroed.
 inline void pack_a_chunk(const bf16* src, int64_t ld, int64_t rows, int64_t K, uint32_t* dst) {
+  const int64_t pairs = (K + 1) / 2;
   for (int64_t i = 0; i < rows; ++i) {
     const bf16* row = src + i * ld;
     for (int64_t p = 0; p < K / 2; ++p) dst[p * kMR + i] = reinterpret_cast<const uint32_t*>(row)[p];
-    if (K & 1) dst[(K / 2) * kMR + i] = uint32_t(row[K - 1].x);  // odd K: the partner stays zero
+    if (K & 1) dst[(K / 2) * kMR + i] = uint32_t(row[K - 1].x);  // odd K: zero partner
   }
+  for (int64_t i = rows; i < kMR; ++i)
+    for (int64_t p = 0; p < pairs; ++p) dst[p * kMR + i] = 0u;
 }
 
 // acc[MR][2] += A chunk (pairs layout, `pairs` k pairs) x one 32-column B block.

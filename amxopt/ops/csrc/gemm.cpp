@@ -91,7 +91,7 @@ const auto kMicro = make_row_table<Micro>(std::make_integer_sequence<int, kMR>{}
 // power-of-two strides (K = 4096) alias the same L1 sets.
 at::Tensor pack_a(const bf16* A, int64_t lda, int64_t M, int64_t K) {
   const int64_t pairs = (K + 1) / 2, chunks = (M + kMR - 1) / kMR;
-  auto buf = at::zeros({chunks, pairs, kMR}, at::TensorOptions().dtype(at::kInt));
+  auto buf = at::empty({chunks, pairs, kMR}, at::TensorOptions().dtype(at::kInt));  // every entry written
   uint32_t* d = reinterpret_cast<uint32_t*>(buf.data_ptr<int32_t>());
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c)
