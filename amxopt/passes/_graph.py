@@ -11,6 +11,8 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from amxopt.patterns import AMX_KINDS
+
 # node.meta keys written by the passes and read by the report.
 REPLACED = "amxopt_replaced"  # on a new amxopt node: the aten op it replaced
 LEFT = "amxopt_left"  # on an aten node a pass chose to keep: why
@@ -63,9 +65,8 @@ def insert_traced(node: fx.Node, fn: Callable, args: list[Any], replaced: str) -
                 new.meta.update({k: node.meta[k] for k in _KEEP_META if k in node.meta})
                 env[n] = new
     for n in env.values():
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "amxopt":
-            if n.target.__name__ != "pack_linear_weight":
-                n.meta[REPLACED] = replaced
+        if n.op == "call_function" and n.target in AMX_KINDS:
+            n.meta[REPLACED] = replaced
     return result
 
 
