@@ -47,7 +47,7 @@ def optimize(model: nn.Module, example_inputs: Any, config: AmxConfig | None = N
             f"amxopt: {type(model).__name__} is in training mode; amxopt optimizes inference, call .eval()"
         )
     config = dataclasses.replace(config, provider=resolve(config.provider))
-    adapter = find_adapter(model)(model, config.provider)
+    adapter = find_adapter(model)(model)
     args, kwargs = split_inputs(example_inputs)
     first = build_graph(model, adapter, adapter.graph_inputs(adapter.bind(args, kwargs)), config)
     return OptimizedModule(model, adapter, first, config)

@@ -28,21 +28,14 @@ def _cmd_passes(args) -> int:
     return 0
 
 
-def cpu_features() -> dict[str, bool]:
-    """The CPU features amxopt's kernels care about, from /proc/cpuinfo (Linux)."""
-    wanted = ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512_bf16", "avx512_vnni")
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return {f: f in flags for f in wanted}
-
-
 def _cmd_info(args) -> int:
+    from amxopt.ops.native import cpu_flags
     from amxopt.ops.providers import available_providers, get, resolve
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("cpu: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in cpu_features().items()))
+    flags = cpu_flags()
+    wanted = ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512_bf16", "avx512_vnni")
+    print("cpu: " + ", ".join(f"{f}={'yes' if f in flags else 'no'}" for f in wanted))
     for name, (ok, why) in available_providers().items():
         print(f"provider {name:<10} {'available' if ok else 'unavailable'}: {why}")
     chosen = get(resolve("auto"))
@@ -69,7 +62,7 @@ def _cmd_dump(args) -> int:
 
     config = AmxConfig(provider=resolve(args.provider))
     model, inputs = _build(args, _DTYPES[args.dtype])
-    adapter = find_adapter(model)(model, config.provider)
+    adapter = find_adapter(model)(model)
     a, kw = split_inputs(inputs)
     graph = build_graph(model, adapter, adapter.graph_inputs(adapter.bind(a, kw)), config, keep_text=True)
     out = pathlib.Path(args.out or f"dumps/{args.model}")
@@ -85,22 +78,16 @@ def _cmd_dump(args) -> int:
 
 def _cmd_check(args) -> int:
     import amxopt
+    from amxopt.runtime import max_abs_error
 
     for name in ("fp32", "bf16"):
         model, inputs = _build(args, _DTYPES[name])
         t = time.perf_counter()
         opt = amxopt.optimize(model, inputs, amxopt.AmxConfig(provider=args.provider))
         took = time.perf_counter() - t
-        err = _max_abs_error(opt(**inputs), model(**inputs))
+        err = max_abs_error(opt(**inputs), model(**inputs))
         print(f"{name}: optimized in {took:.1f}s, max abs error vs original {err:.3e}, counts {opt.report.counts()}")
     return 0
-
-
-def _max_abs_error(a, b) -> float:
-    import torch.utils._pytree as pytree
-
-    pairs = zip(pytree.tree_leaves(a), pytree.tree_leaves(b))
-    return max(float((x.float() - y.float()).abs().max()) for x, y in pairs if isinstance(x, torch.Tensor))
 
 
 def main(argv: list[str] | None = None) -> int:

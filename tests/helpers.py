@@ -11,6 +11,7 @@ from torch import fx
 import amxopt
 from amxopt.capture import find_adapter, split_inputs
 from amxopt.capture.base import export
+from amxopt.runtime import max_abs_error  # noqa: F401 - re-exported for the tests
 from amxopt.runtime.module import _drop_dtype_asserts
 
 CONFIG = amxopt.AmxConfig(provider="reference")
@@ -32,12 +33,6 @@ def targets(gm: fx.GraphModule) -> list:
 
 def count(gm: fx.GraphModule, target) -> int:
     return targets(gm).count(target)
-
-
-def max_abs_error(a, b) -> float:
-    leaves = [(x, y) for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)) if isinstance(x, torch.Tensor)]
-    assert leaves, "no tensor outputs to compare"
-    return max(float((x.float() - y.float()).abs().max()) for x, y in leaves)
 
 
 def check_rewrite(model, inputs, expected_counts: dict[str, int], config: amxopt.AmxConfig = CONFIG, **optimize_kw):

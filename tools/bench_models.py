@@ -18,10 +18,10 @@ import statistics
 import time
 
 import torch
-import torch.utils._pytree as pytree
 
 import amxopt
 from amxopt import models
+from amxopt.runtime import max_abs_error
 
 # model -> (input size, what it is)
 DEFAULT_MODELS = {
@@ -29,11 +29,6 @@ DEFAULT_MODELS = {
     "qwen3-omni-audio": (30.0, "30 s of audio"),
     "wan2.1-t2v-1.3b": ((5, 32, 32, 512), "one step, latent 16x5x32x32 + 512 text tokens"),
 }
-
-
-def max_abs_error(a, b) -> float:
-    pairs = zip(pytree.tree_leaves(a), pytree.tree_leaves(b))
-    return max(float((x.float() - y.float()).abs().max()) for x, y in pairs if isinstance(x, torch.Tensor))
 
 
 def timed(fn, inputs) -> tuple[object, float]:

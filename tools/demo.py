@@ -15,16 +15,7 @@ import torch
 
 import amxopt
 from amxopt import models
-
-
-def max_abs_error(a, b) -> float:
-    return max(
-        float((x.float() - y.float()).abs().max())
-        for x, y in zip(
-            (a.last_hidden_state, a.pooler_output, *a.deepstack_features),
-            (b.last_hidden_state, b.pooler_output, *b.deepstack_features),
-        )
-    )
+from amxopt.runtime import max_abs_error
 
 
 def median_times(fns: dict, inputs: dict, repeats: int) -> dict[str, float]:

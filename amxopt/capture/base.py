@@ -29,14 +29,12 @@ class Adapter:
 
     Args:
         model: the module to capture (not modified, except inside ``tracing``).
-        provider: provider name for amxopt ops the adapter routes into the graph.
     """
 
     name = "plain"
 
-    def __init__(self, model: nn.Module, provider: str = "reference") -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.model_name = type(model).__name__
-        self.provider = provider
         self._signature = inspect.signature(model.forward)
 
     @classmethod

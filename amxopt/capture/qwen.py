@@ -53,8 +53,8 @@ class QwenVisionAdapter(_QwenAdapter):
         "interp_weights": (0,),
     }
 
-    def __init__(self, model: nn.Module, provider: str = "reference") -> None:
-        super().__init__(model, provider)
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
         cfg = model.config
         self.merge = cfg.spatial_merge_size
         self.patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
@@ -142,8 +142,8 @@ class QwenAudioAdapter(_QwenAdapter):
     classes = ("Qwen3OmniMoeAudioEncoder",)
     dynamic_dims = {"padded_feature": (0, 2), "chunk_lengths": (0,), "valid_indices": (0,), "cu_seqlens": (0,)}
 
-    def __init__(self, model: nn.Module, provider: str = "reference") -> None:
-        super().__init__(model, provider)
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
         cfg = model.config
         self.n_mels = cfg.num_mel_bins
         self.n_window = cfg.n_window

@@ -20,8 +20,8 @@ class WanAdapter(Adapter):
 
     name = "wan"
 
-    def __init__(self, model: nn.Module, provider: str = "reference") -> None:
-        super().__init__(model, provider)
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
         cfg = model.config
         self.in_channels = cfg.in_channels
         self.patch = tuple(cfg.patch_size)

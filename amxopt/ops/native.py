@@ -37,12 +37,14 @@ _NB = 32  # output columns per packed block (csrc/gemm.cpp kNB)
 _REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where that file does not exist)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), ()))
     except OSError:
-        return set()
+        return frozenset()
 
 
 def build(verbose: bool = False) -> None:
@@ -63,14 +65,14 @@ def build(verbose: bool = False) -> None:
 
 @functools.cache
 def available() -> tuple[bool, str]:
-    missing = [f for f in _REQUIRED_FLAGS if f not in _cpu_flags()]
+    missing = [f for f in _REQUIRED_FLAGS if f not in cpu_flags()]
     if missing:
         return False, f"CPU lacks {', '.join(missing)}"
     try:
         build()
     except Exception as e:  # noqa: BLE001 - any build/load failure means "not available"
         return False, f"extension did not build/load: {str(e).strip().splitlines()[-1][:200]}"
-    amx = "amx_bf16" in _cpu_flags()
+    amx = "amx_bf16" in cpu_flags()
     return True, "amxopt C++ kernels: bf16 on AVX-512-BF16" + ("" if amx else " (this CPU has no AMX)")
 
 

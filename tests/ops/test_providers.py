@@ -11,7 +11,7 @@ from amxopt.ops import native, providers
 
 
 def test_native_builds_where_the_cpu_allows():
-    missing = [f for f in native._REQUIRED_FLAGS if f not in native._cpu_flags()]
+    missing = [f for f in native._REQUIRED_FLAGS if f not in native.cpu_flags()]
     ok, why = native.available()
     if missing:
         assert not ok and "lacks" in why
