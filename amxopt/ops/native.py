@@ -71,6 +71,7 @@ def available() -> tuple[bool, str]:
     try:
         build()
     except Exception as e:  # noqa: BLE001 - any build/load failure means "not available"
+        logger.warning("amxopt: native kernels unavailable: %s", e)
         return False, f"extension did not build/load: {str(e).strip().splitlines()[-1][:200]}"
     amx = "amx_bf16" in cpu_flags()
     return True, "amxopt C++ kernels: bf16 on AVX-512-BF16" + ("" if amx else " (this CPU has no AMX)")
@@ -125,6 +126,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 if __name__ == "__main__":
+    # The install step. Loading the library runs AVX-512 code, so only where the CPU has it.
     logging.basicConfig(level=logging.INFO)
-    build(verbose=True)
-    print("amxopt native kernels built in", _BUILD)
+    ok, why = available()
+    print(f"amxopt native kernels: {'built in ' + str(_BUILD) if ok else 'not used: ' + why}")
