@@ -12,8 +12,8 @@ $(STAMP): pyproject.toml $(wildcard amxopt/ops/csrc/*)
 	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
-	# amxopt's C++ kernels, compiled from amxopt/ops/csrc into amxopt/ops/_build.
-	$(BIN)/python -m amxopt.ops.native
+	# Builds amxopt's C++ kernels (amxopt/ops/csrc -> amxopt/ops/_build) and shows which provider runs.
+	$(BIN)/amxopt info
 	touch $(STAMP)
 
 demo: $(STAMP)

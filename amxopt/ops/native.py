@@ -1,8 +1,9 @@
 """The ``native`` provider: amxopt's own C++ kernels (``csrc/``), bf16 on AVX-512-BF16 CPUs.
 
-The extension is compiled from the project's sources by ``python -m amxopt.ops.native`` (run by the
-Makefile's install step) into ``amxopt/ops/_build/``; later imports load it from there, rebuilding
-only if a source changed. fp32 tensors go to the reference implementations (ATen's fp32 GEMMs are
+The extension is compiled from the project's sources into ``amxopt/ops/_build/`` the first time the
+provider is asked whether it is available (the Makefile's install step does that by running
+``amxopt info``); later loads find it there and rebuild only if a source changed. It is never loaded
+on a CPU without the instructions it uses. fp32 tensors go to the reference implementations (ATen's fp32 GEMMs are
 already at the hardware limit; the kernels here are for bf16).
 
 Kernel availability is a CPU question: the kernels use AVX-512F/BW and AVX-512-BF16 instructions.
@@ -123,10 +124,3 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal
         )
     return _ops().varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
-
-
-if __name__ == "__main__":
-    # The install step. Loading the library runs AVX-512 code, so only where the CPU has it.
-    logging.basicConfig(level=logging.INFO)
-    ok, why = available()
-    print(f"amxopt native kernels: {'built in ' + str(_BUILD) if ok else 'not used: ' + why}")
