@@ -18,7 +18,7 @@ namespace amxopt {
 namespace {
 
 constexpr int64_t kBQ = 48;   // query rows per work item (4 A chunks)
-constexpr int64_t kBK = 128;  // keys per block (4 B blocks)
+constexpr int64_t kBK = 256;  // keys per block (measured: 256 beats 128 by 5-20% on 784 x 64, 8 x 104 and 1280 x 128)
 static_assert(kBQ % kMR == 0 && kBK % kNB == 0, "blocks must hold whole chunks");
 
 // C[MR rows, ncols] (ldc apart, fp32) = (accumulate ? C : 0) + A chunk x one B block.
