@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from amxopt import ops  # noqa: F401 - registers torch.ops.amxopt
-from amxopt.capture import CaptureError, capture, find_adapter, split_inputs
+from amxopt.capture import CaptureError, capture, prepare
 from amxopt.config import AmxConfig
 from amxopt.ops import AmxOpError
 from amxopt.ops.providers import resolve
@@ -47,7 +47,6 @@ def optimize(model: nn.Module, example_inputs: Any, config: AmxConfig | None = N
             f"amxopt: {type(model).__name__} is in training mode; amxopt optimizes inference, call .eval()"
         )
     config = dataclasses.replace(config, provider=resolve(config.provider))
-    adapter = find_adapter(model)(model)
-    args, kwargs = split_inputs(example_inputs)
-    first = build_graph(model, adapter, adapter.graph_inputs(adapter.bind(args, kwargs)), config)
+    adapter, graph_inputs = prepare(model, example_inputs)
+    first = build_graph(model, adapter, graph_inputs, config)
     return OptimizedModule(model, adapter, first, config)

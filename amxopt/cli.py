@@ -56,15 +56,14 @@ def _build(args, dtype):
 
 def _cmd_dump(args) -> int:
     from amxopt import AmxConfig
-    from amxopt.capture import find_adapter, split_inputs
+    from amxopt.capture import prepare
     from amxopt.ops.providers import resolve
     from amxopt.runtime import build_graph
 
     config = AmxConfig(provider=resolve(args.provider))
     model, inputs = _build(args, _DTYPES[args.dtype])
-    adapter = find_adapter(model)(model)
-    a, kw = split_inputs(inputs)
-    graph = build_graph(model, adapter, adapter.graph_inputs(adapter.bind(a, kw)), config, keep_text=True)
+    adapter, graph_inputs = prepare(model, inputs)
+    graph = build_graph(model, adapter, graph_inputs, config, keep_text=True)
     out = pathlib.Path(args.out or f"dumps/{args.model}")
     out.mkdir(parents=True, exist_ok=True)
     for i, rec in enumerate(graph.records, 1):

@@ -9,22 +9,17 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 import amxopt
-from amxopt.capture import find_adapter, split_inputs
+from amxopt.capture import prepare, split_inputs
 from amxopt.capture.base import export
 from amxopt.runtime import max_abs_error  # noqa: F401 - re-exported for the tests
-from amxopt.runtime.module import _drop_dtype_asserts
 
 CONFIG = amxopt.AmxConfig(provider="reference")
 
 
 def captured(model, inputs, dynamic: bool = True) -> tuple[fx.GraphModule, dict]:
     """Export ``model`` like optimize() does, without running passes; returns (gm, graph inputs)."""
-    adapter = find_adapter(model)(model)
-    args, kwargs = split_inputs(inputs)
-    graph_inputs = adapter.graph_inputs(adapter.bind(args, kwargs))
-    gm = export(model, adapter, graph_inputs, dynamic).gm
-    _drop_dtype_asserts(gm)
-    return gm, graph_inputs
+    adapter, graph_inputs = prepare(model, inputs)
+    return export(model, adapter, graph_inputs, dynamic).gm, graph_inputs
 
 
 def targets(gm: fx.GraphModule) -> list:

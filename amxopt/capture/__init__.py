@@ -31,6 +31,13 @@ def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     return (example_inputs,), {}
 
 
+def prepare(model: nn.Module, example_inputs: Any) -> tuple[Adapter, dict[str, Any]]:
+    """The adapter for ``model`` and the graph inputs of one call (the eager, data-dependent part run)."""
+    adapter = find_adapter(model)(model)
+    args, kwargs = split_inputs(example_inputs)
+    return adapter, adapter.graph_inputs(adapter.bind(args, kwargs))
+
+
 def capture(model: nn.Module, example_inputs: Any, config: AmxConfig | None = None) -> fx.GraphModule:
     """Capture ``model`` on ``example_inputs`` as an aten-level ``torch.fx.GraphModule``.
 
@@ -51,9 +58,18 @@ def capture(model: nn.Module, example_inputs: Any, config: AmxConfig | None = No
         print(gm.graph)
     """
     config = config or AmxConfig()
-    adapter = find_adapter(model)(model)
-    args, kwargs = split_inputs(example_inputs)
-    return export(model, adapter, adapter.graph_inputs(adapter.bind(args, kwargs)), config.dynamic).gm
+    adapter, graph_inputs = prepare(model, example_inputs)
+    return export(model, adapter, graph_inputs, config.dynamic).gm
 
 
-__all__ = ["ADAPTERS", "Adapter", "CaptureError", "Captured", "capture", "export", "find_adapter", "split_inputs"]
+__all__ = [
+    "ADAPTERS",
+    "Adapter",
+    "CaptureError",
+    "Captured",
+    "capture",
+    "export",
+    "find_adapter",
+    "prepare",
+    "split_inputs",
+]

@@ -111,12 +111,22 @@ def export(model: nn.Module, adapter: Adapter, graph_inputs: dict[str, Any], dyn
             logger.info("amxopt: %s export of %s failed: %s", "dynamic" if dyn else "static", adapter.model_name, e)
             continue
         gm = ep.module()
+        _drop_dtype_asserts(gm)
         note = "" if dyn or not dynamic else f"dynamic export failed ({errors[0]}); shapes are static"
         return Captured(gm=gm, dynamic=dyn, guards=_take_guards(gm), note=note)
     raise CaptureError(
         f"amxopt: torch.export could not capture {adapter.model_name} as one graph "
         f"(adapter {adapter.name!r}): " + "; ".join(errors)
     )
+
+
+def _drop_dtype_asserts(gm: fx.GraphModule) -> None:
+    # export records one dtype assert per .to() call; the graph inputs' dtypes are checked once per
+    # call by OptimizedModule instead, and the asserts would otherwise pin the casts that passes fold.
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target == torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def _take_guards(gm: fx.GraphModule) -> nn.Module | None:

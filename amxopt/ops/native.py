@@ -88,39 +88,20 @@ def packed_linear_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, ...]:
     return ((n + _NB - 1) // _NB, (k + 1) // 2, _NB, 2)
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    if weight.dtype != torch.bfloat16:
-        return reference.pack_linear_weight(weight)
-    return _ops().pack_linear_weight(weight)
+def _bf16_kernel(op: str):
+    """``op`` on the C++ kernel for bf16 inputs (the first argument decides), the reference otherwise."""
+    fallback = getattr(reference, op)
+
+    def run(first, *args):
+        return getattr(_ops(), op)(first, *args) if first.dtype == torch.bfloat16 else fallback(first, *args)
+
+    run.__name__ = run.__qualname__ = op
+    return run
 
 
-def linear(x, packed_weight, bias, activation, out_features):
-    if x.dtype != torch.bfloat16:
-        return reference.linear(x, packed_weight, bias, activation, out_features)
-    return _ops().linear(x, packed_weight, bias, activation, out_features)
-
-
-def patch_embed(x, packed_weight, bias, kernel_size, out_channels):
-    if x.dtype != torch.bfloat16:
-        return reference.patch_embed(x, packed_weight, bias, kernel_size, out_channels)
-    return _ops().patch_embed(x, packed_weight, bias, kernel_size, out_channels)
-
-
-def layer_norm(x, weight, bias, eps):
-    if x.dtype != torch.bfloat16:
-        return reference.layer_norm(x, weight, bias, eps)
-    return _ops().layer_norm(x, weight, bias, eps)
-
-
-def rms_norm(x, weight, eps):
-    if x.dtype != torch.bfloat16:
-        return reference.rms_norm(x, weight, eps)
-    return _ops().rms_norm(x, weight, eps)
-
-
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
-    if q.dtype != torch.bfloat16:
-        return reference.varlen_attention(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal
-        )
-    return _ops().varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
+pack_linear_weight = _bf16_kernel("pack_linear_weight")
+linear = _bf16_kernel("linear")
+patch_embed = _bf16_kernel("patch_embed")
+layer_norm = _bf16_kernel("layer_norm")
+rms_norm = _bf16_kernel("rms_norm")
+varlen_attention = _bf16_kernel("varlen_attention")

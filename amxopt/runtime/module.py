@@ -39,7 +39,6 @@ def build_graph(
 ) -> _Graph:
     """Capture ``model`` on ``graph_inputs`` and run the passes: one entry of the graph cache."""
     captured = export(model, adapter, graph_inputs, config.dynamic)
-    _drop_dtype_asserts(captured.gm)
     records = run_passes(captured.gm, config, keep_text=keep_text)
     notes = [captured.note] if captured.note else []
     report = Report.from_graph(
@@ -58,15 +57,6 @@ def build_graph(
 def _signature(graph_inputs: dict) -> tuple:
     leaves, spec = pytree.tree_flatten(graph_inputs)
     return spec, tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
-
-
-def _drop_dtype_asserts(gm: fx.GraphModule) -> None:
-    # export records one dtype assert per .to() call; the graph inputs' dtypes are checked once per
-    # call by OptimizedModule instead, and the asserts would otherwise pin the casts that passes fold.
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target == torch.ops.aten._assert_tensor_metadata.default:
-            gm.graph.erase_node(node)
-    gm.recompile()
 
 
 class OptimizedModule(nn.Module):
