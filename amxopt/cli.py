@@ -29,20 +29,34 @@ def _cmd_passes(args) -> int:
 
 
 def _cmd_info(args) -> int:
-    from amxopt.ops.native import cpu_flags
-    from amxopt.ops.providers import available_providers, get, resolve
+    from amxopt.ops import native
+    from amxopt.ops.providers import available_providers, resolve
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    flags = cpu_flags()
-    wanted = ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512_bf16", "avx512_vnni")
-    print("cpu: " + ", ".join(f"{f}={'yes' if f in flags else 'no'}" for f in wanted))
+    print(f"cpu: {native.cpu_model()}")
+    flags = native.cpu_flags()
+    wanted = ("amx_tile", "amx_bf16", "avx512f", "avx512_bf16", "avx512_vnni", "avx2", "fma")
+    print("     " + ", ".join(f"{f}={'yes' if f in flags else 'no'}" for f in wanted))
     for name, (ok, why) in available_providers().items():
         print(f"provider {name:<10} {'available' if ok else 'unavailable'}: {why}")
-    chosen = get(resolve("auto"))
-    for op in ("linear", "varlen_attention", "patch_embed", "layer_norm", "rms_norm"):
-        fn = getattr(chosen.impl, op)
-        where = chosen.name if fn.__module__ == chosen.impl.__name__ else f"{chosen.name} -> {fn.__module__}"
-        print(f"  amxopt.{op:<17} -> {where} (bf16; fp32 runs the reference ops)")
+    if resolve("auto") != "native":
+        print("every op runs the reference (plain ATen)")
+        return 0
+    for tier in native.TIERS:
+        ok, why = native.tier_supported(tier)
+        print(f"tier {tier:<12} {'runs here' if ok else 'skipped: ' + why}")
+    tier = native.active_tier()
+    print(
+        f"active tier: {tier}; vector ISA of epilogues and norms: {native.vec_isa()}; "
+        f"oneDNN bf16 matmul ISA: {native.onednn_isa()}"
+    )
+    print(f"  amxopt.linear            -> {native.gemm_engine(tier, 784)} (M=784); {native.gemm_engine(tier, 1)} (M=1)")
+    print("  amxopt.patch_embed       -> the linear engine on gathered patches")
+    print(
+        f"  amxopt.varlen_attention  -> bf16: {native.attention_engine(tier, True)}; "
+        f"fp32: {native.attention_engine(tier, False)}"
+    )
+    print(f"  amxopt.layer_norm/rms_norm -> {native.vec_isa()} row kernel, fp32 accumulation")
     return 0
 
 

@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from amxopt.ops import ACTIVATIONS
-from amxopt.ops.providers import available_providers
 
 # --- tolerances: stated once per dtype ----------------------------------------------------------
 
@@ -34,10 +33,6 @@ def assert_close_dtype(actual: torch.Tensor, expected: torch.Tensor, dtype: torc
     torch.testing.assert_close(actual.double(), expected.double(), **TOLERANCES[dtype])
 
 
-# --- providers ---------------------------------------------------------------------------------
-
-PROVIDERS = sorted(name for name, (ok, _why) in available_providers().items() if ok)
-
 # --- hypothesis profiles (loaded by tests/conftest.py; HYPOTHESIS_PROFILE overrides "ci") ---------
 
 settings.register_profile(
@@ -45,13 +40,13 @@ settings.register_profile(
     deadline=None,
     derandomize=True,
     max_examples=25,
-    suppress_health_check=[HealthCheck.too_slow],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
     "dev",
     deadline=None,
     max_examples=300,
-    suppress_health_check=[HealthCheck.too_slow],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 
 # --- cases -------------------------------------------------------------------------------------

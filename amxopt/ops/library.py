@@ -1,23 +1,55 @@
-"""The ``amxopt`` torch.library ops: schema, input checks, fake (meta) impl, provider dispatch.
+"""The ``amxopt`` ops: schemas, fake (meta) impls, and the reference ops they fall back to.
 
-Every op names its provider explicitly (the last argument), so a rewritten graph says which kernel
-family runs each node and optimizing two models with different providers never interferes.
-Checks shared by all providers live here, so a bad input gets the same clear error whichever
-kernel would have run; providers only compute.
+The schemas live here; the CPU kernels are registered in C++ (``csrc/ops.cpp``), so a graph's call
+goes through the dispatcher with no Python in between. Every op ends with ``provider='auto'``:
+``auto``/``native`` run amxopt's kernels on the best tier this CPU has, ``reference`` runs the plain
+ATen definition in ``amxopt.ops.reference`` (the C++ kernel forwards to ``amxopt::reference_<op>``,
+defined below). Where the C++ library cannot be built or loaded, Python registers the CPU kernels
+instead and every provider runs the reference.
+
+Shape checks are written once here and run by the fakes (so tracing a bad call fails with the same
+message) and by the reference ops; the C++ kernels repeat them in C++ (they must stand on their own).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from amxopt.ops import providers
+from amxopt.ops import native, reference
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "silu")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+_NB = 32  # packed weight: output columns per VNNI block (csrc/common.h kNB)
+
+_lib = torch.library.Library("amxopt", "DEF")
+
+_SCHEMAS = {
+    "pack_linear_weight": "(Tensor weight{provider}) -> Tensor",
+    "linear": "(Tensor x, Tensor packed_weight, Tensor? bias, str activation, SymInt out_features{provider}) -> Tensor",
+    "varlen_attention": (
+        "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+        "SymInt max_seqlen_k, float scale, bool causal{provider}) -> Tensor"
+    ),
+    "patch_embed": (
+        "(Tensor x, Tensor packed_weight, Tensor? bias, SymInt[] kernel_size, SymInt out_channels{provider}) -> Tensor"
+    ),
+    "layer_norm": "(Tensor x, Tensor? weight, Tensor? bias, float eps{provider}) -> Tensor",
+    "rms_norm": "(Tensor x, Tensor? weight, float eps{provider}) -> Tensor",
+}
+# Sizes are SymInt so that a traced replacement keeps them symbolic under dynamic shapes.
+OPS = tuple(_SCHEMAS)
+for _name, _schema in _SCHEMAS.items():
+    _lib.define(_name + _schema.format(provider=", str provider='auto'"))
+    _lib.define(f"reference_{_name}" + _schema.format(provider=""))
 
 
 class AmxOpError(ValueError):
-    """A bad input to an amxopt op: the message names the op and the offending shape or value."""
+    """A bad input to an amxopt op: the message names the op and the offending shape or value.
+
+    The C++ kernels raise plain ``ValueError`` with the same messages; catch ``ValueError``.
+    """
 
 
 def _check(cond: bool, op: str, msg: str) -> None:
@@ -29,33 +61,44 @@ def _check_float(op: str, name: str, t: torch.Tensor) -> None:
     _check(t.dtype in _FLOAT_DTYPES, op, f"{name} must be float32 or bfloat16, got {t.dtype}")
 
 
-# --- pack_linear_weight -------------------------------------------------------------------------
+def resolve_provider(provider: str) -> str:
+    """``auto`` -> ``native`` where amxopt's C++ kernels are loaded, else ``reference``."""
+    if provider == "auto":
+        return "native" if native.available()[0] else "reference"
+    if provider not in ("native", "reference"):
+        raise AmxOpError(f"amxopt: unknown provider {provider!r}; known: auto, native, reference")
+    return provider
 
 
-@torch.library.custom_op("amxopt::pack_linear_weight", mutates_args=())
-def pack_linear_weight(weight: torch.Tensor, provider: str) -> torch.Tensor:
-    """Convert a ``[N, K]`` Linear weight into ``provider``'s kernel layout (a new tensor)."""
+def packed_linear_shape(n: int, k: int, dtype: torch.dtype, provider: str = "auto") -> tuple[int, ...]:
+    """Shape of ``pack_linear_weight`` of an ``[n, k]`` weight.
+
+    Native bf16 with even K: the flat VNNI blocks plus one zero per padding column (csrc/common.h),
+    a length that names N and K exactly, so a weight packed for other in/out features is refused.
+    Otherwise the plain ``[n, k]`` matrix.
+    """
+    if resolve_provider(provider) == "native" and dtype == torch.bfloat16 and k % 2 == 0 and k > 0:
+        return (-(-n // _NB) * _NB * (k + 1) - n,)
+    return (n, k)
+
+
+# --- checks (shapes and dtypes only, so the fakes can run them) ----------------------------------
+
+
+def _check_pack(weight):
     _check(weight.dim() == 2, "pack_linear_weight", f"weight must be [N, K], got {tuple(weight.shape)}")
     _check_float("pack_linear_weight", "weight", weight)
-    return providers.get(provider).pack_linear_weight(weight)
-
-
-@pack_linear_weight.register_fake
-def _(weight, provider):
-    return weight.new_empty(providers.get(provider).packed_linear_shape(weight.shape[0], weight.shape[1], weight.dtype))
-
-
-# --- linear ------------------------------------------------------------------------------------
 
 
 def _check_gemm(op, x_desc, in_features, dtype, packed_weight, bias, out_features, provider):
     """Checks shared by the ops that multiply by a packed weight (``x_desc`` names the operand)."""
+    _check(out_features > 0, op, f"out_features must be positive, got {out_features}")
     _check(
         dtype == packed_weight.dtype,
         op,
         f"{x_desc} is {dtype} but the packed weight is {packed_weight.dtype}; cast the input or re-pack",
     )
-    expected = tuple(providers.get(provider).packed_linear_shape(out_features, in_features, dtype))
+    expected = packed_linear_shape(out_features, in_features, dtype, provider)
     _check(
         tuple(packed_weight.shape) == expected,
         op,
@@ -64,58 +107,18 @@ def _check_gemm(op, x_desc, in_features, dtype, packed_weight, bias, out_feature
     )
     if bias is not None:
         _check(bias.shape == (out_features,), op, f"bias has shape {tuple(bias.shape)}, expected ({out_features},)")
-        _check(
-            bias.dtype in (dtype, torch.float32),
-            op,
-            f"bias is {bias.dtype}; it must be {dtype} or float32",
-        )
+        _check(bias.dtype in (dtype, torch.float32), op, f"bias is {bias.dtype}; it must be {dtype} or float32")
 
 
-@torch.library.custom_op("amxopt::linear", mutates_args=())
-def linear(
-    x: torch.Tensor,
-    packed_weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    activation: str,
-    out_features: int,
-    provider: str,
-) -> torch.Tensor:
-    """``act(x @ w.T + b)`` for any leading dims of ``x``, with ``w`` from ``pack_linear_weight``."""
+def _check_linear(x, packed_weight, bias, activation, out_features, provider):
     op = "linear"
     _check(activation in ACTIVATIONS, op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     _check_float(op, "x", x)
     _check(x.dim() >= 1, op, f"x has shape {tuple(x.shape)}; it needs at least one dim")
     _check_gemm(op, f"x {tuple(x.shape)}", x.shape[-1], x.dtype, packed_weight, bias, out_features, provider)
-    return providers.get(provider).linear(x, packed_weight, bias, activation, out_features)
 
 
-@linear.register_fake
-def _(x, packed_weight, bias, activation, out_features, provider):
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-# --- varlen_attention --------------------------------------------------------------------------
-
-
-@torch.library.custom_op("amxopt::varlen_attention", mutates_args=())
-def varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float,
-    causal: bool,
-    provider: str,
-) -> torch.Tensor:
-    """Attention within each segment of packed ``q [T, H, D]``, ``k/v [Tk, Hk, D]``.
-
-    Segment ``i`` is rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of q and the matching rows of k/v.
-    ``max_seqlen_*`` are upper bounds on the segment lengths, or 0 when unknown (kernels then read
-    them from ``cu_seqlens``). ``causal`` is bottom-right aligned; GQA when ``H % Hk == 0``.
-    """
+def _check_attention_shapes(q, k, v, scale):
     op = "varlen_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check(t.dim() == 3, op, f"{name} must be packed [T, H, D], got {tuple(t.shape)}")
@@ -128,6 +131,12 @@ def varlen_attention(
         op,
         f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads",
     )
+    _check(math.isfinite(scale), op, f"scale must be finite, got {scale}")
+
+
+def _check_segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The data-dependent half of the attention checks (segment bounds): not for fakes."""
+    op = "varlen_attention"
     for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
         _check(
             cu.dim() == 1 and cu.numel() >= 2 and not cu.is_floating_point(),
@@ -149,33 +158,9 @@ def varlen_attention(
             op,
             f"{name}={bound} but the longest segment has {longest} tokens (pass 0 when unknown)",
         )
-    return providers.get(provider).varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal
-    )
 
 
-@varlen_attention.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, provider):
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
-
-
-# --- patch_embed -------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("amxopt::patch_embed", mutates_args=())
-def patch_embed(
-    x: torch.Tensor,
-    packed_weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    kernel_size: list[int],
-    out_channels: int,
-    provider: str,
-) -> torch.Tensor:
-    """Conv3d with kernel == stride, no padding: ``[B, C, T, H, W] -> [B, O, T/kt, H/kh, W/kw]``.
-
-    Computed as one GEMM of the patches against the packed ``[O, C*kt*kh*kw]`` weight; the result
-    is in channels-last memory order (a permuted view of ``[B, T/kt, H/kh, W/kw, O]``).
-    """
+def _check_patch(x, packed_weight, bias, kernel_size, out_channels, provider):
     op = "patch_embed"
     _check(x.dim() == 5, op, f"x must be [B, C, T, H, W], got {tuple(x.shape)}")
     _check(len(kernel_size) == 3, op, f"kernel_size must have 3 entries, got {kernel_size}")
@@ -186,18 +171,6 @@ def patch_embed(
     k_total = x.shape[1] * kernel_size[0] * kernel_size[1] * kernel_size[2]
     desc = f"x {tuple(x.shape)} (patches of {x.shape[1]}x{'x'.join(map(str, kernel_size))} = {k_total})"
     _check_gemm(op, desc, k_total, x.dtype, packed_weight, bias, out_channels, provider)
-    return providers.get(provider).patch_embed(x, packed_weight, bias, kernel_size, out_channels)
-
-
-@patch_embed.register_fake
-def _(x, packed_weight, bias, kernel_size, out_channels, provider):
-    b, _, t, h, w = x.shape
-    kt, kh, kw = kernel_size
-    # Channels-last: the GEMM writes [B, T', H', W', O]; Wan's flatten(2).transpose(1, 2) is then free.
-    return x.new_empty((b, t // kt, h // kh, w // kw, out_channels)).permute(0, 4, 1, 2, 3)
-
-
-# --- norms -------------------------------------------------------------------------------------
 
 
 def _check_norm(op, x, params):
@@ -213,27 +186,104 @@ def _check_norm(op, x, params):
             _check_float(op, name, p)
 
 
-@torch.library.custom_op("amxopt::layer_norm", mutates_args=())
-def layer_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, provider: str
-) -> torch.Tensor:
-    """LayerNorm over the last dim, fp32 accumulation, output in ``x.dtype`` (params may be fp32)."""
+# --- fakes: checks, then shapes only ---------------------------------------------------------------
+
+
+@torch.library.register_fake("amxopt::pack_linear_weight", lib=_lib)
+def _(weight, provider="auto"):
+    _check_pack(weight)
+    return weight.new_empty(packed_linear_shape(weight.shape[0], weight.shape[1], weight.dtype, provider))
+
+
+@torch.library.register_fake("amxopt::linear", lib=_lib)
+def _(x, packed_weight, bias, activation, out_features, provider="auto"):
+    _check_linear(x, packed_weight, bias, activation, out_features, provider)
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.register_fake("amxopt::varlen_attention", lib=_lib)
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, provider="auto"):
+    _check_attention_shapes(q, k, v, scale)
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+
+
+@torch.library.register_fake("amxopt::patch_embed", lib=_lib)
+def _(x, packed_weight, bias, kernel_size, out_channels, provider="auto"):
+    _check_patch(x, packed_weight, bias, kernel_size, out_channels, provider)
+    b, _, t, h, w = x.shape
+    kt, kh, kw = kernel_size
+    # Channels-last: the GEMM writes [B, T', H', W', O]; Wan's flatten(2).transpose(1, 2) is then free.
+    return x.new_empty((b, t // kt, h // kh, w // kw, out_channels)).permute(0, 4, 1, 2, 3)
+
+
+@torch.library.register_fake("amxopt::layer_norm", lib=_lib)
+def _(x, weight, bias, eps, provider="auto"):
     _check_norm("layer_norm", x, (("weight", weight), ("bias", bias)))
-    return providers.get(provider).layer_norm(x, weight, bias, eps)
-
-
-@layer_norm.register_fake
-def _(x, weight, bias, eps, provider):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("amxopt::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, provider: str) -> torch.Tensor:
-    """RMSNorm over the last dim, fp32 accumulation, output in ``x.dtype`` (weight may be fp32)."""
+@torch.library.register_fake("amxopt::rms_norm", lib=_lib)
+def _(x, weight, eps, provider="auto"):
     _check_norm("rms_norm", x, (("weight", weight),))
-    return providers.get(provider).rms_norm(x, weight, eps)
-
-
-@rms_norm.register_fake
-def _(x, weight, eps, provider):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# --- reference ops: checks, then amxopt.ops.reference ------------------------------------------------
+
+
+def _ref_pack_linear_weight(weight):
+    _check_pack(weight)
+    return reference.pack_linear_weight(weight)
+
+
+def _ref_linear(x, packed_weight, bias, activation, out_features):
+    _check_linear(x, packed_weight, bias, activation, out_features, "reference")
+    return reference.linear(x, packed_weight, bias, activation, out_features)
+
+
+def _ref_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+    _check_attention_shapes(q, k, v, scale)
+    _check_segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
+
+
+def _ref_patch_embed(x, packed_weight, bias, kernel_size, out_channels):
+    _check_patch(x, packed_weight, bias, kernel_size, out_channels, "reference")
+    return reference.patch_embed(x, packed_weight, bias, kernel_size, out_channels)
+
+
+def _ref_layer_norm(x, weight, bias, eps):
+    _check_norm("layer_norm", x, (("weight", weight), ("bias", bias)))
+    return reference.layer_norm(x, weight, bias, eps)
+
+
+def _ref_rms_norm(x, weight, eps):
+    _check_norm("rms_norm", x, (("weight", weight),))
+    return reference.rms_norm(x, weight, eps)
+
+
+_REFERENCE = {
+    "pack_linear_weight": _ref_pack_linear_weight,
+    "linear": _ref_linear,
+    "varlen_attention": _ref_varlen_attention,
+    "patch_embed": _ref_patch_embed,
+    "layer_norm": _ref_layer_norm,
+    "rms_norm": _ref_rms_norm,
+}
+for _name, _fn in _REFERENCE.items():
+    _lib.impl(f"reference_{_name}", _fn, "CPU")
+
+
+def _python_kernel(fn):
+    def run(*args):
+        *args, provider = args
+        resolve_provider(provider)  # an unknown provider is an error even here
+        return fn(*args)
+
+    return run
+
+
+# The C++ kernels, or (where they cannot be loaded) the reference behind every provider.
+if not native.load()[0]:
+    for _name, _fn in _REFERENCE.items():
+        _lib.impl(_name, _python_kernel(_fn), "CPU")

@@ -1,41 +1,36 @@
-"""The ``native`` provider: amxopt's own C++ kernels (``csrc/``), bf16 on AVX-512-BF16 CPUs.
+"""The ``native`` provider: amxopt's C++ kernels (``csrc/``), loaded on every x86-64 CPU.
 
-The extension is compiled from the project's sources into ``amxopt/ops/_build/`` the first time the
-provider is asked whether it is available (the Makefile's install step does that by running
-``amxopt info``); later loads find it there and rebuild only if a source changed. It is never loaded
-on a CPU without the instructions it uses. fp32 tensors go to the reference implementations (ATen's fp32 GEMMs are
-already at the hardware limit; the kernels here are for bf16).
-
-Kernel availability is a CPU question: the kernels use AVX-512F/BW and AVX-512-BF16 instructions.
+The library is compiled from the project's sources by :mod:`amxopt.ops.build` the first time it is
+needed (the Makefile's install step does that by running ``amxopt info``) and found up to date later.
+It registers the CPU kernels of every ``amxopt`` op and picks, per op call, the best tier the CPU
+runs: ``amx`` (oneDNN brgemm on AMX tiles), ``avx512_bf16``, or ``fp32`` (bf16 models computed in
+fp32: on CPUs without bf16 dot products eager bf16 is emulated and several times slower than fp32).
+:func:`max_tier` caps the tier, so one machine can test every tier below its best.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-import pathlib
+import os
+import re
+import subprocess
+import sys
 
 import torch
 
-from amxopt.ops import reference
+from amxopt.ops import build
 
 logger = logging.getLogger(__name__)
 
-_CSRC = pathlib.Path(__file__).parent / "csrc"
-_BUILD = pathlib.Path(__file__).parent / "_build"
-_SOURCES = ("gemm.cpp", "norm.cpp", "attention.cpp")
-_FLAGS = [
-    "-O3",
-    "-march=x86-64-v4",
-    "-mavx512bf16",
-    "-DCPU_CAPABILITY=AVX512",
-    "-DCPU_CAPABILITY_AVX512",
-    # at::parallel_for is OpenMP in these wheels; the extension then links libgomp.so.1, which
-    # resolves to the copy torch already loaded, so there is one thread pool, set by torch.set_num_threads.
-    "-fopenmp",
-]
-_NB = 32  # output columns per packed block (csrc/gemm.cpp kNB)
-_REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+TIERS = ("amx", "avx512_bf16", "fp32")  # best first
+# What each tier needs from the CPU, by /proc/cpuinfo flag (the C++ side reads CPUID itself).
+TIER_FLAGS = {
+    "amx": ("amx_tile", "amx_bf16", "avx512_bf16"),
+    "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+    "fp32": (),
+}
 
 
 @functools.cache
@@ -48,60 +43,90 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def build(verbose: bool = False) -> None:
-    """Compile (or find up to date) and load the extension; registers ``torch.ops.amxopt_native``."""
-    from torch.utils.cpp_extension import load
+@functools.cache
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
 
-    _BUILD.mkdir(exist_ok=True)
-    load(
-        name="amxopt_native",
-        sources=[str(_CSRC / s) for s in _SOURCES],
-        extra_cflags=_FLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(_BUILD),
-        is_python_module=False,
-        verbose=verbose,
-    )
+
+def tier_supported(tier: str) -> tuple[bool, str]:
+    """Whether this CPU runs ``tier``, and if not, which flags it lacks."""
+    missing = [f for f in TIER_FLAGS[tier] if f not in cpu_flags()]
+    return (not missing, f"CPU lacks {', '.join(missing)}" if missing else "")
 
 
 @functools.cache
-def available() -> tuple[bool, str]:
-    missing = [f for f in _REQUIRED_FLAGS if f not in cpu_flags()]
-    if missing:
-        return False, f"CPU lacks {', '.join(missing)}"
+def load() -> tuple[bool, str]:
+    """Build (if needed) and load the C++ library; (loaded?, why)."""
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        return False, "amxopt's kernels are for Linux on x86-64"
     try:
-        build()
-    except Exception as e:  # noqa: BLE001 - any build/load failure means "not available"
-        logger.warning("amxopt: native kernels unavailable: %s", e)
-        return False, f"extension did not build/load: {str(e).strip().splitlines()[-1][:200]}"
-    amx = "amx_bf16" in cpu_flags()
-    return True, "amxopt C++ kernels: bf16 on AVX-512-BF16" + ("" if amx else " (this CPU has no AMX)")
+        torch.ops.load_library(str(build.build()))
+    except Exception as e:  # noqa: BLE001 - any build/load failure means "run the reference"
+        logger.warning("amxopt: native kernels unavailable, every op runs the reference: %s", e)
+        return False, f"C++ kernels did not build/load: {str(e).strip().splitlines()[-1][:200]}"
+    return True, f"amxopt C++ kernels, best tier here: {cpu_tier()}"
+
+
+def available() -> tuple[bool, str]:
+    return load()
 
 
 def _ops():
     return torch.ops.amxopt_native
 
 
-def packed_linear_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, ...]:
-    if dtype != torch.bfloat16:
-        return (n, k)
-    return ((n + _NB - 1) // _NB, (k + 1) // 2, _NB, 2)
+def cpu_tier() -> str:
+    """The best bf16 tier this CPU runs: ``amx``, ``avx512_bf16`` or ``fp32``."""
+    return _ops().cpu_tier()
 
 
-def _bf16_kernel(op: str):
-    """``op`` on the C++ kernel for bf16 inputs (the first argument decides), the reference otherwise."""
-    fallback = getattr(reference, op)
-
-    def run(first, *args):
-        return getattr(_ops(), op)(first, *args) if first.dtype == torch.bfloat16 else fallback(first, *args)
-
-    run.__name__ = run.__qualname__ = op
-    return run
+def active_tier() -> str:
+    return _ops().active_tier()
 
 
-pack_linear_weight = _bf16_kernel("pack_linear_weight")
-linear = _bf16_kernel("linear")
-patch_embed = _bf16_kernel("patch_embed")
-layer_norm = _bf16_kernel("layer_norm")
-rms_norm = _bf16_kernel("rms_norm")
-varlen_attention = _bf16_kernel("varlen_attention")
+def vec_isa() -> str:
+    """The vector ISA of the drivers' epilogues and norms: ``avx512``, ``avx2`` or ``default``."""
+    return _ops().vec_isa()
+
+
+def gemm_engine(tier: str, rows: int) -> str:
+    return _ops().gemm_engine(tier, rows)
+
+
+def attention_engine(tier: str, bf16: bool) -> str:
+    return _ops().attention_engine(tier, bf16)
+
+
+_cap = TIERS[0]  # the cap set by max_tier (the C++ side holds the same value)
+
+
+@contextlib.contextmanager
+def max_tier(tier: str):
+    """Run the kernels at ``tier`` at most (process-wide), e.g. the fp32 tier on an AMX machine."""
+    if tier not in TIERS:
+        raise ValueError(f"amxopt: unknown tier {tier!r}; known: {TIERS}")
+    global _cap
+    previous, _cap = _cap, tier
+    _ops().set_max_tier(tier)
+    try:
+        yield
+    finally:
+        _cap = previous
+        _ops().set_max_tier(previous)
+
+
+@functools.cache
+def onednn_isa() -> str:
+    """The ISA oneDNN picks for a bf16 matmul here (from ``ONEDNN_VERBOSE``, in a fresh process)."""
+    code = "import torch; a = torch.randn(64, 64).bfloat16(); torch.mm(a, a)"
+    env = dict(os.environ, ONEDNN_VERBOSE="1")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown ({e})"
+    isa = re.search(r"isa:([^\n]*)", out)
+    return isa.group(1).strip() if isa else "none (torch does not send bf16 matmuls to oneDNN on this CPU)"

@@ -56,6 +56,10 @@ def varlen_attention(
             continue
         # [1, H, L, D]: ATen's fused CPU attention kernels need 4-D inputs (3-D falls back to math).
         qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        # softmax(s q.k) == softmax(|s| (-q).k): ATen's kernels mishandle a negative scale with a mask.
+        seg_scale = abs(scale)
+        if scale < 0:
+            qs = -qs
         mask = None
         if causal:
             # Bottom-right aligned, as flash-attention defines causal for len_q != len_k.
@@ -63,11 +67,11 @@ def varlen_attention(
             mask = rows >= torch.arange(k1 - k0).unsqueeze(0)
         if k1 == k0 or (mask is not None and not mask.any(dim=1).all()):
             # Rows that see no key: define their output as zeros (flash-attention's convention).
-            seg = _masked_attention(qs, ks, vs, mask, scale, gqa)
+            seg = _masked_attention(qs, ks, vs, mask, seg_scale, gqa)
         elif causal and q1 - q0 == k1 - k0:
-            seg = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            seg = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=seg_scale, enable_gqa=gqa)
         else:
-            seg = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            seg = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=seg_scale, enable_gqa=gqa)
         out[q0:q1] = seg[0].transpose(0, 1)
     return out
 

@@ -14,7 +14,6 @@ import torch.utils._pytree as pytree
 import amxopt
 from amxopt import models
 from tests.helpers import CONFIG, check_rewrite, max_abs_error
-from tests.strategies import PROVIDERS
 
 # name -> (expected replaced counts, input sizes: the first is the capture example)
 CASES = {
@@ -36,10 +35,10 @@ def _outputs_close(actual, expected) -> None:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_fp32_equivalence(name):
+def test_fp32_equivalence(name, provider):
     counts, sizes = CASES[name]
     model = models.build_model(name, torch.float32)
-    opt = check_rewrite(model, models.example_inputs(name, size=sizes[0]), counts)
+    opt = check_rewrite(model, models.example_inputs(name, size=sizes[0]), counts, provider=provider)
     with torch.no_grad():
         for size in sizes[1:]:
             inputs = models.example_inputs(name, size=size, seed=1)
@@ -47,7 +46,6 @@ def test_fp32_equivalence(name):
     assert len(opt.graphs) == 1, f"{name}: dynamic capture did not cover the other sizes ({len(opt.graphs)} graphs)"
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_bf16_error_bound(name, provider):
     _, sizes = CASES[name]

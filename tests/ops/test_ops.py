@@ -17,7 +17,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from amxopt.ops import ACTIVATIONS, AmxOpError, providers
 from tests.strategies import (
-    PROVIDERS,
     assert_close_dtype,
     linear_cases,
     norm_cases,
@@ -26,8 +25,6 @@ from tests.strategies import (
 )
 
 ops = torch.ops.amxopt
-
-pytestmark = pytest.mark.parametrize("provider", PROVIDERS)
 
 
 # --- oracles: plain math in float64 ------------------------------------------------------------
@@ -234,7 +231,8 @@ def test_rms_norm_matches_oracle(provider, case):
     assert_matches_fake(ops.rms_norm, args, out)
 
 
-# --- 3. bad input: AmxOpError naming the op and the offending shape/value ------------------------
+# --- 3. bad input: ValueError naming the op and the offending shape/value ------------------------
+# (AmxOpError from the Python checks, plain ValueError from the C++ kernels: the same messages.)
 
 _X, _W = torch.randn(3, 5), torch.randn(4, 5)
 _Q, _K = torch.randn(6, 2, 8), torch.randn(6, 1, 8)
@@ -413,7 +411,7 @@ ERROR_CASES.update(
 @pytest.mark.parametrize("case", list(ERROR_CASES))
 def test_bad_input_raises(provider, case):
     call, match = ERROR_CASES[case]
-    with pytest.raises(AmxOpError, match=match):
+    with pytest.raises(ValueError, match=match):
         call(provider)
 
 
@@ -493,7 +491,7 @@ def test_pack_linear_weight_does_not_mutate_or_alias(provider, dtype):
         packed = pack(weight, provider)
         assert torch.equal(weight, original)
         assert packed.dtype == dtype
-        assert tuple(packed.shape) == tuple(providers.get(provider).packed_linear_shape(6, 10, dtype))
+        assert tuple(packed.shape) == tuple(providers.packed_linear_shape(provider, 6, 10, dtype))
         snapshot = packed.clone()
         weight.add_(1.0)
         assert torch.equal(packed, snapshot)
@@ -515,3 +513,119 @@ def test_patch_embed_is_conv3d_channels_last(provider):
     assert out.shape == (2, 7, 2, 2, 3)
     assert out.permute(0, 2, 3, 4, 1).is_contiguous()  # [B, T', H', W', O] in memory
     assert_matches_fake(ops.patch_embed, args, out)
+
+
+# --- 5. blocking boundaries, layouts and inputs the first review found untested -------------------
+# The native engines block their loops (csrc/gemm.cpp: 4-row small-M path, 256-row and 256-column fp32
+# tiles, 32-row x 4-block brgemm tiles; the AVX-512-BF16 kernel: 512-deep K blocks, 96-row tiles;
+# attention: 48-query x 256-key blocks); these shapes cross every one of those boundaries.
+
+_GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
+    (4, 64, 33),  # the last small-M row count, N one past a 32-column block
+    (5, 66, 64),  # the first blocked row count
+    (13, 1030, 70),  # K > 512 (two K blocks and a tail); 13 rows = a 12-row chunk + 1
+    (97, 96, 300),  # M one past a 96-row tile; N past a 256-column group
+    (260, 40, 264),  # M past a 256-row sgemm tile, N past 8 blocks
+]
+
+
+@pytest.mark.parametrize("shape", _GEMM_BOUNDARY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_across_blocking_boundaries(provider, shape, dtype):
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m * 7 + n)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    out = ops.linear(x, pack(w, provider), b, "gelu_tanh", n, provider)
+    assert_close_dtype(out, linear_oracle(x, w, b, "gelu_tanh"), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_across_blocking_boundaries(provider, dtype, causal):
+    # A segment of 300 keys (two 256-key blocks), one of 97 queries (three query blocks), short ones;
+    # 2 segments x 4 heads x 3 blocks: far more work items than threads.
+    lens = [300, 97, 1, 50]
+    args = _varlen_args(provider, lens, lens, 4, 2, 64, causal, dtype)
+    out = ops.varlen_attention(*args)
+    q, k, v, cu_q, cu_k, _, _, scale, _, _ = args
+    assert_close_dtype(out, attention_oracle(q, k, v, cu_q, cu_k, scale, causal), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_negative_scale_is_correct(provider, dtype, causal):
+    q, k, v, cu_q, cu_k, mq, mk, _, _, _ = _varlen_args(provider, [7, 20], [7, 20], 2, 1, 16, causal, dtype)
+    out = ops.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, -0.4, causal, provider)
+    assert_close_dtype(out, attention_oracle(q, k, v, cu_q, cu_k, -0.4, causal), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weight_with_wrong_in_features_raises(provider, dtype):
+    # Odd K and K + 1 must not share a packed shape: the weight packed for one is refused for the other.
+    for k in (5, 6):
+        packed = pack(torch.randn(40, k).to(dtype), provider)
+        for wrong in (k - 1, k + 1):
+            with pytest.raises(ValueError, match=rf"amxopt\.linear: x \(3, {wrong}\) has {wrong} input features"):
+                ops.linear(torch.randn(3, wrong).to(dtype), packed, None, "none", 40, provider)
+        for wrong_n in (8, 33, 41):
+            with pytest.raises(ValueError, match=rf"out_features={wrong_n} the packed weight should have shape"):
+                ops.linear(torch.randn(3, k).to(dtype), packed, None, "none", wrong_n, provider)
+
+
+ERROR_CASES_NATIVE_ENTRY = {
+    "zero-kv-heads": (
+        lambda p: ops.varlen_attention(_Q, torch.randn(6, 0, 8), torch.randn(6, 0, 8), _CU, _CU, 0, 0, 0.3, False, p),
+        r"amxopt\.varlen_attention: 2 query heads are not a multiple of 0 key/value heads",
+    ),
+    "short-bias": (lambda p: _lin(p, bias=torch.randn(2)), r"amxopt\.linear: bias has shape \(2,\), expected \(4,\)"),
+    "short-norm-weight": (
+        lambda p: ops.rms_norm(_NX, torch.randn(3), 1e-6, p),
+        r"amxopt\.rms_norm: weight has shape \(3,\), expected \(8,\)",
+    ),
+    "cu-seqlens-beyond-tokens": (
+        lambda p: _attn(p, cu_q=_cu(0, 9, 6), cu_k=_cu(0, 3, 6)),
+        r"amxopt\.varlen_attention: cu_seqlens_q must be non-decreasing, got \[0, 9, 6\]",
+    ),
+    "cu-seqlens-negative": (
+        lambda p: _attn(p, cu_q=_cu(0, -2, 6), cu_k=_cu(0, 3, 6)),
+        r"amxopt\.varlen_attention: cu_seqlens_q must be non-decreasing, got \[0, -2, 6\]",
+    ),
+    "scale-nan": (
+        lambda p: ops.varlen_attention(_Q, _K, _K, _CU, _CU, 0, 0, float("nan"), False, p),
+        r"amxopt\.varlen_attention: scale must be finite, got nan",
+    ),
+    "zero-out-features": (lambda p: _lin(p, out_features=0), r"amxopt\.linear: out_features must be positive, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES_NATIVE_ENTRY))
+def test_kernel_entry_points_check_their_inputs(provider, case):
+    # Called directly (not through a graph): the C++ kernels must refuse these on their own.
+    call, match = ERROR_CASES_NATIVE_ENTRY[case]
+    with pytest.raises(ValueError, match=match):
+        call(provider)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_noncontiguous_inputs(provider, dtype):
+    g = torch.Generator().manual_seed(5)
+    # linear: x a transposed view and a strided slice
+    w = (torch.randn(24, 20, generator=g) / 4).to(dtype)
+    packed = pack(w, provider)
+    for x in (torch.randn(20, 9, generator=g).to(dtype).t(), torch.randn(9, 40, generator=g).to(dtype)[:, ::2]):
+        assert not x.is_contiguous()
+        assert_close_dtype(ops.linear(x, packed, None, "silu", 24, provider), linear_oracle(x, w, None, "silu"), dtype)
+    # attention: q/k/v as head-major views ([H, T, D] transposed) and with a strided head dim
+    q, k, v = (torch.randn(2, 30, 16, generator=g).to(dtype).transpose(0, 1) for _ in range(3))
+    cu = _cu(0, 12, 30)
+    expected = attention_oracle(q, k, v, cu, cu, 0.25, False)
+    assert_close_dtype(ops.varlen_attention(q, k, v, cu, cu, 0, 0, 0.25, False, provider), expected, dtype)
+    qs, ks, vs = (t.repeat_interleave(2, dim=2)[:, :, ::2] for t in (q, k, v))
+    assert qs.stride(2) == 2
+    assert_close_dtype(ops.varlen_attention(qs, ks, vs, cu, cu, 0, 0, 0.25, False, provider), expected, dtype)
+    # norms: a transposed x and a column slice
+    for x in (torch.randn(16, 5, generator=g).to(dtype).t(), torch.randn(5, 32, generator=g).to(dtype)[:, :16]):
+        assert_close_dtype(ops.layer_norm(x, None, None, 1e-5, provider), layer_norm_oracle(x, None, None, 1e-5), dtype)
+        assert_close_dtype(ops.rms_norm(x, None, 1e-5, provider), rms_norm_oracle(x, None, 1e-5), dtype)

@@ -1,111 +1,94 @@
-// Shared helpers for amxopt's native CPU kernels (AVX-512 + AVX-512-BF16).
+// ISA-neutral declarations shared by amxopt's native kernels: element types, activations, the
+// CPU's kernel tiers, and the dispatch tables that the ISA-specific translation units fill in.
+//
+// Layout of the sources: the drivers (ops.cpp: op entry points and input checks; gemm.cpp: packing,
+// blocking, threading, the brgemm and fp32 engines; attention.cpp; norm.cpp) are compiled for
+// plain x86-64. What needs an ISA lives in its own translation unit, built with that ISA's flags
+// (amxopt/ops/build.py): vec_{default,avx2,avx512}.cpp compile vec_kernels.h once per ISA, and
+// *_avx512_bf16.cpp hold the hand-written AVX-512-BF16 kernels. Nothing ISA-specific runs unless
+// cpu.cpp found the instructions on this CPU.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <immintrin.h>
-#include <torch/library.h>
 
-#include <array>
-#include <cmath>
-#include <utility>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace amxopt {
 
 using bf16 = at::BFloat16;
-using fVec = at::vec::Vectorized<float>;
 
-// 16 bf16 (one 256-bit load) -> 16 fp32.
-inline __m512 load_bf16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline __m512 load_bf16_masked(const bf16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const __m256i*)p)), 16));
-}
-// 16 fp32 -> 16 bf16, round to nearest even.
-inline void store_bf16(bf16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
-inline void store_bf16_masked(bf16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16((__m256i*)p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+enum class Act : int { None, Gelu, GeluTanh, Silu };
 
-inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+// Packed bf16 Linear weight ("VNNI"): [ceil(N/kNB)][K/2][kNB][2], N zero padded to kNB, K even,
+// stored flat and followed by one zero per padding column: its length,
+// ceil(N/kNB) * kNB * (K + 1) - N, names N and K exactly, so a weight packed for another in- or
+// out-features is refused by the shape check. Odd K keeps the plain [N, K] layout.
+constexpr int64_t kNB = 32;
+inline int64_t vnni_length(int64_t n, int64_t k) { return (n + kNB - 1) / kNB * kNB * (k + 1) - n; }
 
-// --- bf16 dot-product blocks (AVX-512-BF16), shared by the GEMM and attention kernels -----------
-//
-// B ("VNNI") layout: [ceil(N/kNB)][ceil(K/2)][kNB][2] bf16 - per block of 32 output columns, k pairs
-// interleaved per column; zero padded. A ("pairs") layout: chunks of kMR rows, [ceil(K/2)][kMR]
-// uint32, each uint32 two consecutive-k bf16 of one row; zero padded.
-constexpr int64_t kNB = 32;  // output columns per B block (2 zmm of fp32 accumulators)
-constexpr int kMR = 12;      // rows per A chunk (24 accumulators + 2 B + 1 A registers)
+// --- per-ISA vector kernels (vec_kernels.h, compiled once per ISA) -------------------------------
+struct VecKernels {
+  const char* isa;
+  // out[r][c] = act(acc[r][c] + bias[c]) for r < rows, c < cols (bias fp32 or null); acc is scratch.
+  void (*epilogue_bf16)(float* acc, int64_t lda, const float* bias, Act act, bf16* out, int64_t ldo, int64_t rows,
+                        int64_t cols);
+  void (*epilogue_f32)(float* acc, int64_t lda, const float* bias, Act act, float* out, int64_t ldo, int64_t rows,
+                       int64_t cols);
+  void (*bf16_to_f32)(const bf16* src, float* dst, int64_t n);
+  // One VNNI column block ([pairs][kNB][2] bf16) -> fp32 [2 * pairs][ldd] (its kNB columns).
+  void (*unpack_vnni)(const bf16* src, int64_t pairs, float* dst, int64_t ldd);
+  // out[0..kNB) = a[0..2*pairs) (fp32) x one VNNI column block: the small-M kernel of the fp32 tier.
+  void (*gemv_vnni)(const float* a, const bf16* block, int64_t pairs, float* out);
+  // LayerNorm (rms=false) or RMSNorm over rows of D, fp32 math; w/b fp32 or null; buf holds D floats.
+  void (*norm_bf16)(const bf16* x, int64_t ldx, bf16* y, int64_t rows, int64_t D, const float* w, const float* b,
+                    float eps, bool rms, float* buf);
+  void (*norm_f32)(const float* x, int64_t ldx, float* y, int64_t rows, int64_t D, const float* w, const float* b,
+                   float eps, bool rms, float* buf);
+};
+extern const VecKernels kVecDefault;  // vec_default.cpp (any x86-64)
+extern const VecKernels kVecAvx2;     // vec_avx2.cpp (AVX2 + FMA)
+extern const VecKernels kVecAvx512;   // vec_avx512.cpp (AVX-512 F/BW/VL/DQ)
 
-// B[n][k] = src[n * ld + k] for n < N, k < K, packed VNNI; dst must be zeroed (padding).
-inline void pack_b_vnni(const bf16* src, int64_t ld, int64_t N, int64_t K, bf16* dst) {
-  const int64_t pairs = (K + 1) / 2;
-  uint32_t* d32 = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t n = 0; n < N; ++n) {  // a row's k pairs are already adjacent: copy them as uint32
-    const bf16* row = src + n * ld;
-    uint32_t* col = d32 + (n / kNB) * pairs * kNB + (n % kNB);
-    for (int64_t p = 0; p < K / 2; ++p) col[p * kNB] = reinterpret_cast<const uint32_t*>(row)[p];
-    if (K & 1) col[(K / 2) * kNB] = uint32_t(row[K - 1].x);
-  }
-}
+// --- the CPU and its tiers (cpu.cpp) -------------------------------------------------------------
+// bf16 compute tiers, best first: amx (oneDNN brgemm on AMX tiles), avx512_bf16 (vdpbf16ps),
+// fp32 (bf16 operands converted to fp32, fp32 FMA: the right kernel where bf16 is emulated).
+enum class Tier : int { Fp32 = 0, Avx512Bf16 = 1, Amx = 2 };
+const char* tier_name(Tier t);
+Tier parse_tier(const std::string& name);
+Tier cpu_tier();       // the best tier this CPU runs
+Tier active_tier();    // min(cpu_tier(), the cap set by set_max_tier)
+void set_max_tier(Tier t);
+const VecKernels& vec();  // the widest vector ISA this CPU runs
 
-// B[n][k] = src[k * ld + n] (src holds B transposed, e.g. V [keys, D] as B with N = D), packed VNNI
-// with `pairs` (>= ceil(K/2)) k pairs per column block; dst must be zeroed. Two source rows are
-// interleaved 32 columns at a time (one 128-byte store per k pair and column block).
-inline void pack_b_vnni_t(const bf16* src, int64_t ld, int64_t N, int64_t K, int64_t pairs, bf16* dst) {
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
-                                      5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int64_t k = 0; k < K; k += 2) {
-    const bf16* r0 = src + k * ld;
-    const bf16* r1 = r0 + ld;
-    for (int64_t n = 0; n < N; n += kNB) {
-      const __mmask32 m = n + 32 <= N ? ~__mmask32(0) : __mmask32((1ull << (N - n)) - 1);
-      const __m512i a = _mm512_maskz_loadu_epi16(m, r0 + n);
-      const __m512i b = k + 1 < K ? _mm512_maskz_loadu_epi16(m, r1 + n) : _mm512_setzero_si512();
-      bf16* out = dst + (n / kNB) * pairs * kNB * 2 + (k / 2) * kNB * 2;
-      _mm512_storeu_si512(out, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi16(a, hi, b));
-    }
-  }
-}
+// --- hand-written AVX-512-BF16 kernels (*_avx512_bf16.cpp) ---------------------------------------
+// C[M, N] (ldc) = act(A[M, K] (lda) @ W^T + bias), W packed VNNI; K even.
+void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
+                      int64_t N, int64_t K, Act act);
+at::Tensor varlen_attention_avx512_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale,
+                                        bool causal);
 
-// One chunk of up to kMR rows of A (rows ld apart) into the pairs layout, rows beyond `rows` zeroed.
-inline void pack_a_chunk(const bf16* src, int64_t ld, int64_t rows, int64_t K, uint32_t* dst) {
-  const int64_t pairs = (K + 1) / 2;
-  for (int64_t i = 0; i < rows; ++i) {
-    const bf16* row = src + i * ld;
-    for (int64_t p = 0; p < K / 2; ++p) dst[p * kMR + i] = reinterpret_cast<const uint32_t*>(row)[p];
-    if (K & 1) dst[(K / 2) * kMR + i] = uint32_t(row[K - 1].x);  // odd K: zero partner
-  }
-  for (int64_t i = rows; i < kMR; ++i)
-    for (int64_t p = 0; p < pairs; ++p) dst[p * kMR + i] = 0u;
-}
-
-// acc[MR][2] += A chunk (pairs layout, `pairs` k pairs) x one 32-column B block.
-template <int MR>
-inline void dot_block(__m512 (&acc)[MR][2], const uint32_t* Ap, const bf16* B, int64_t pairs) {
-  for (int64_t p = 0; p < pairs; ++p) {
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B + p * 64);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(B + p * 64 + 32);
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(Ap[p * kMR + i]);
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
-    }
-  }
-}
-
-// Table of f<1>..f<kMR> so that a runtime row count picks a fully unrolled instantiation.
-template <template <int> class F, int... Is>
-constexpr auto make_row_table(std::integer_sequence<int, Is...>) {
-  return std::array{F<Is + 1>::run...};
-}
+// --- drivers shared between translation units -----------------------------------------------------
+// C = act(A @ W^T + bias) for a bf16 x and VNNI-packed W, on the given tier (gemm.cpp).
+void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
+               int64_t N, int64_t K, Act act, Tier tier);
+// Which engine gemm_bf16 uses for M rows on `tier` (for `amxopt info` and the benches).
+const char* gemm_engine(Tier tier, int64_t M);
+at::Tensor pack_vnni(const at::Tensor& w);  // [N, K] bf16, K even -> VNNI
+// act(x2 @ W^T + bias) for x2 [M, K] with unit column stride; packed VNNI (bf16) or plain [N, K];
+// bias32 fp32 contiguous or undefined.
+at::Tensor linear_2d(const at::Tensor& x2, const at::Tensor& packed, const at::Tensor& bias32, Act act, int64_t N,
+                     Tier tier);
+// attention.cpp
+at::Tensor varlen_attention_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale,
+                                   bool causal, Tier tier);
+const char* attention_engine(Tier tier, const at::Tensor& q);
+// norm.cpp
+at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                       const std::optional<at::Tensor>& bias, double eps, bool rms);
 
 }  // namespace amxopt

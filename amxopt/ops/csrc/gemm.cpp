@@ -1,215 +1,164 @@
-// amxopt.linear / amxopt.patch_embed kernels: bf16 GEMM with fp32 accumulation on AVX-512-BF16.
+// GEMM drivers behind amxopt.linear and amxopt.patch_embed: C = act(A @ W^T + bias), A bf16 or fp32.
 //
-// Packed weight (VNNI) layout: [N/32][K/2][32][2] bf16, N padded to 32 and K to 2 with zeros. For
-// each block of 32 output columns, consecutive k pairs are interleaved per column, so one 64-byte
-// load feeds a vdpbf16ps over 16 columns x 2 k. Microkernel: MR (<= 12) rows x 32 columns held in
-// 2*MR zmm accumulators. A is first copied into k-pair-major chunks of MR rows (pack_a). K is walked
-// in blocks of kKC so that the A chunk and the weight slice
-// (kKC/2 * 128 bytes) stay in L1 while a tile's rows are swept; between K blocks the accumulators
-// park in a per-tile fp32 buffer. Epilogue: + bias (fp32), activation (gelu / gelu_tanh / silu),
-// round to bf16. Work is split over tiles of kMT rows x kNG column blocks, column-major (a thread keeps
-// kNG weight panels hot while it sweeps rows; each A chunk fetched serves kNG panels, which matters
-// once A outgrows the caches, e.g. Wan's 1280 x 8960 FFN input), with at::parallel_for.
-#include "common.h"
+// Weights are packed once (pack_linear_weight): bf16 with even K into the VNNI layout of common.h,
+// [N/32][K/2][32][2], which is both oneDNN brgemm's bf16 B operand (per 32-column block, ld_b = 32)
+// and the hand-written AVX-512-BF16 kernel's; anything else keeps the plain [N, K] matrix.
+// Engines, by tier (common.h):
+//   amx          oneDNN brgemm per (32-row x 32-column) tile, A read in place, work items of 32 rows
+//                x 4 column blocks over at::parallel_for; M <= 4 goes to the AVX-512-BF16 kernel
+//                (AMX tiles do not pay off for a few rows).
+//   avx512_bf16  the hand-written vdpbf16ps kernel (gemm_avx512_bf16.cpp).
+//   fp32         A converted to fp32 once; per group of 8 column blocks (256 columns) the weight is
+//                unpacked to fp32 in a per-thread buffer and multiplied with ATen's sgemm in row
+//                tiles of 256; M <= 4 uses a VNNI GEMV that reads the bf16 weight directly (the
+//                weight read is the whole cost there, so it stays bf16).
+// Every engine ends in the same epilogue: + bias (fp32), activation, one rounding to the output dtype.
+#include <ATen/native/CPUBlas.h>
 
-#include <vector>
+#include "common.h"
 
 namespace amxopt {
 namespace {
 
-constexpr int64_t kMT = 96;  // rows per parallel tile (measured: 48-192 within noise; 96 best on 784x4096x1024)
-constexpr int64_t kKC = 512; // K per block (even: blocks start on a k pair)
-constexpr int64_t kNG = 4;   // column blocks per tile: each A chunk read from memory serves 128 columns
-static_assert(kMT % kMR == 0, "row tiles must hold whole microkernel row chunks");
+constexpr int64_t kSmallM = 4;    // rows up to which the weight-streaming kernels win
+constexpr int64_t kBrgemmM = 32;  // rows per brgemm call (2 AMX tiles of 16 rows)
+constexpr int64_t kBrgemmG = 4;   // column blocks per brgemm work item (A tile reused 4 times)
+constexpr int64_t kFp32G = 8;     // column blocks unpacked together by the fp32 engine
+constexpr int64_t kFp32M = 256;   // rows per sgemm call of the fp32 engine
 
-enum class Act { None, Gelu, GeluTanh, Silu };
-
-Act parse_act(const std::string& a) {
-  if (a == "none") return Act::None;
-  if (a == "gelu") return Act::Gelu;
-  if (a == "gelu_tanh") return Act::GeluTanh;
-  if (a == "silu") return Act::Silu;
-  TORCH_CHECK(false, "amxopt native linear: unknown activation '", a, "'");
+void gemm_brgemm(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
+                 int64_t N, int64_t K, Act act) {
+  const int64_t nblocks = (N + kNB - 1) / kNB, ngroups = (nblocks + kBrgemmG - 1) / kBrgemmG;
+  const int64_t mtiles = (M + kBrgemmM - 1) / kBrgemmM, panel = K * kNB;
+  const auto& v = vec();
+  at::parallel_for(0, ngroups * mtiles, 1, [&](int64_t begin, int64_t end) {
+    float acc[kBrgemmM * kNB];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t g = t / mtiles, m0 = (t % mtiles) * kBrgemmM, mb = std::min(kBrgemmM, M - m0);
+      for (int64_t nb = g * kBrgemmG; nb < std::min(nblocks, (g + 1) * kBrgemmG); ++nb) {
+        const int64_t n0 = nb * kNB;
+        at::native::cpublas::brgemm(mb, kNB, K, lda, kNB, kNB, false, A + m0 * lda, Wp + nb * panel, acc, true);
+        v.epilogue_bf16(acc, kNB, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, mb, std::min(kNB, N - n0));
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
 }
 
-inline __m512 activate(__m512 x, Act act) {
-  switch (act) {
-    case Act::None:
-      return x;
-    case Act::Gelu: {
-      fVec v(x);
-      return v * (fVec(0.5f) + fVec(0.5f) * (v * fVec(float(M_SQRT1_2))).erf());
-    }
-    case Act::GeluTanh: {
-      // 0.5 x (1 + tanh(u)) == x * sigmoid(2u): one exp instead of a tanh (measured 20% of Wan's
-      // FFN-up GEMM with Sleef's tanh); exp_u20's error is far below bf16 rounding.
-      fVec v(x);
-      fVec u2 = fVec(-2.0f * 0.7978845608028654f) * (v + fVec(0.044715f) * v * v * v);
-      return v / (fVec(1.0f) + u2.exp_u20());
-    }
-    case Act::Silu: {
-      fVec v(x);
-      return v / (fVec(1.0f) + v.neg().exp_u20());
-    }
-  }
-  return x;
-}
-
-// Ap: packed A, kMR uint32 (bf16 pairs) per k pair, rows beyond MR ignored.
-// acc_buf: [MR][32] fp32 partial sums carried between K blocks (read unless first, written unless last).
-template <int MR>
-void microkernel(const uint32_t* Ap, const bf16* B, int64_t pairs, const float* bias, bf16* C, int64_t ldc,
-                 int64_t ncols, Act act, float* acc_buf, bool first, bool last) {
-  __m512 acc[MR][2];
-#pragma GCC unroll 12
-  for (int i = 0; i < MR; ++i) {
-    acc[i][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_buf + i * 32);
-    acc[i][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_buf + i * 32 + 16);
-  }
-  dot_block<MR>(acc, Ap, B, pairs);
-  if (!last) {
-    for (int i = 0; i < MR; ++i) {
-      _mm512_storeu_ps(acc_buf + i * 32, acc[i][0]);
-      _mm512_storeu_ps(acc_buf + i * 32 + 16, acc[i][1]);
-    }
+void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
+                      int64_t N, int64_t K, Act act) {
+  const int64_t nblocks = (N + kNB - 1) / kNB, pairs = K / 2, panel = K * kNB;
+  const auto& v = vec();
+  auto a32 = at::empty({M, K}, at::kFloat);
+  float* Af = a32.data_ptr<float>();
+  at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) v.bf16_to_f32(A + r * lda, Af + r * K, K);
+  });
+  if (M <= kSmallM) {
+    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+      float acc[kNB];
+      for (int64_t nb = b0; nb < b1; ++nb) {
+        const int64_t n0 = nb * kNB;
+        for (int64_t r = 0; r < M; ++r) {
+          v.gemv_vnni(Af + r * K, Wp + nb * panel, pairs, acc);
+          v.epilogue_bf16(acc, kNB, bias ? bias + n0 : nullptr, act, C + r * ldc + n0, ldc, 1, std::min(kNB, N - n0));
+        }
+      }
+    });
     return;
   }
-  const __mmask16 m0 = tail_mask(ncols), m1 = tail_mask(ncols - 16);
-  __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
-  if (bias) {
-    bias0 = _mm512_maskz_loadu_ps(m0, bias);
-    if (ncols > 16) bias1 = _mm512_maskz_loadu_ps(m1, bias + 16);
-  }
-  for (int i = 0; i < MR; ++i) {
-    store_bf16_masked(C + i * ldc, activate(_mm512_add_ps(acc[i][0], bias0), act), m0);
-    if (ncols > 16) store_bf16_masked(C + i * ldc + 16, activate(_mm512_add_ps(acc[i][1], bias1), act), m1);
-  }
-}
-
-template <int MR>
-struct Micro {
-  static constexpr auto run = &microkernel<MR>;
-};
-const auto kMicro = make_row_table<Micro>(std::make_integer_sequence<int, kMR>{});
-
-// A [M, K] (rows lda apart) -> [ceil(M/kMR)][pairs][kMR] uint32 bf16 pairs, zero padded: the
-// microkernel then reads one contiguous 48-byte line per k pair instead of 12 rows whose large,
-// power-of-two strides (K = 4096) alias the same L1 sets.
-at::Tensor pack_a(const bf16* A, int64_t lda, int64_t M, int64_t K) {
-  const int64_t pairs = (K + 1) / 2, chunks = (M + kMR - 1) / kMR;
-  auto buf = at::empty({chunks, pairs, kMR}, at::TensorOptions().dtype(at::kInt));  // every entry written
-  uint32_t* d = reinterpret_cast<uint32_t*>(buf.data_ptr<int32_t>());
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c)
-      pack_a_chunk(A + c * kMR * lda, lda, std::min<int64_t>(kMR, M - c * kMR), K, d + c * pairs * kMR);
-  });
-  return buf;
-}
-
-// C[M, N] = act(A[M, K] @ W^T + bias), W packed; A rows lda apart; bias fp32 or null.
-void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t M, int64_t N,
-               int64_t K, Act act) {
-  const int64_t nblocks = (N + kNB - 1) / kNB;
-  const int64_t ngroups = (nblocks + kNG - 1) / kNG;
-  const int64_t mtiles = (M + kMT - 1) / kMT;
-  const int64_t pairs = (K + 1) / 2;
-  const int64_t panel = pairs * 2 * kNB;  // bf16 elements per packed column block
-  const int64_t kc_pairs = kKC / 2;
-  auto a_buf = pack_a(A, lda, M, K);
-  const uint32_t* Ap = reinterpret_cast<const uint32_t*>(a_buf.data_ptr<int32_t>());
-  at::parallel_for(0, ngroups * mtiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc_buf(kMT * kNG * kNB);  // partial sums of a tile between K blocks
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t g = t / mtiles, mt = t % mtiles;
-      const int64_t nb_end = std::min(nblocks, (g + 1) * kNG);
-      const int64_t m0 = mt * kMT, m_end = std::min(M, m0 + kMT);
-      for (int64_t p0 = 0; p0 < pairs; p0 += kc_pairs) {
-        const int64_t np = std::min(kc_pairs, pairs - p0);
-        const bool first = p0 == 0, last = p0 + np >= pairs;
-        for (int64_t m = m0; m < m_end; m += kMR) {
-          const int rows = int(std::min<int64_t>(kMR, m_end - m));
-          const uint32_t* a = Ap + (m / kMR) * pairs * kMR + p0 * kMR;  // stays in L1 across the group
-          for (int64_t nb = g * kNG; nb < nb_end; ++nb) {
-            const int64_t n0 = nb * kNB;
-            kMicro[rows - 1](a, Wp + nb * panel + p0 * 2 * kNB, np, bias ? bias + n0 : nullptr, C + m * N + n0, N,
-                             std::min(kNB, N - n0), act, acc_buf.data() + (((m - m0) / kMR) * kNG + nb - g * kNG) * kMR * kNB, first,
-                             last);
-          }
-        }
+  const int64_t ngroups = (nblocks + kFp32G - 1) / kFp32G, ldb = kFp32G * kNB;
+  at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> b(K * ldb), acc(std::min(M, kFp32M) * ldb);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t nb0 = g * kFp32G, nb1 = std::min(nblocks, nb0 + kFp32G), n0 = nb0 * kNB;
+      const int64_t cols = std::min(N, nb1 * kNB) - n0;
+      for (int64_t nb = nb0; nb < nb1; ++nb) v.unpack_vnni(Wp + nb * panel, pairs, b.data() + (nb - nb0) * kNB, ldb);
+      const int64_t gcols = (nb1 - nb0) * kNB;
+      auto bt = at::from_blob(b.data(), {K, gcols}, {ldb, 1}, at::kFloat);
+      for (int64_t m0 = 0; m0 < M; m0 += kFp32M) {
+        const int64_t mt = std::min(kFp32M, M - m0);
+        // ATen's sgemm (MKL), single-threaded inside this parallel region.
+        auto ct = at::from_blob(acc.data(), {mt, gcols}, at::kFloat);
+        at::mm_out(ct, at::from_blob(Af + m0 * K, {mt, K}, at::kFloat), bt);
+        v.epilogue_bf16(acc.data(), gcols, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, mt, cols);
       }
     }
   });
 }
 
-void check_packed(const at::Tensor& w, int64_t n, int64_t k, const char* op) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 4 && w.size(0) == (n + kNB - 1) / kNB &&
-                  w.size(1) == (k + 1) / 2 && w.size(2) == kNB && w.size(3) == 2,
-              "amxopt native ", op, ": packed weight ", w.sizes(), " is not the VNNI packing of a [", n, ", ", k,
-              "] bf16 weight");
+}  // namespace
+
+const char* gemm_engine(Tier tier, int64_t M) {
+  switch (tier) {
+    case Tier::Amx:
+      return M <= kSmallM ? "avx512_bf16 microkernel (small M)" : "oneDNN brgemm";
+    case Tier::Avx512Bf16:
+      return "avx512_bf16 microkernel";
+    case Tier::Fp32:
+      return M <= kSmallM ? "fp32 VNNI GEMV (small M)" : "fp32 sgemm on unpacked weight blocks";
+  }
+  return "?";
 }
 
-at::Tensor pack_linear_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
-              "amxopt native pack_linear_weight: expected a [N, K] bf16 weight, got ", w.scalar_type(), " ", w.sizes());
-  const int64_t N = w.size(0), K = w.size(1), nblocks = (N + kNB - 1) / kNB, pairs = (K + 1) / 2;
+void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
+               int64_t N, int64_t K, Act act, Tier tier) {
+  if (M == 0 || N == 0) return;
+  switch (tier) {
+    case Tier::Amx:
+      if (M > kSmallM) return gemm_brgemm(A, lda, Wp, bias, C, ldc, M, N, K, act);
+      [[fallthrough]];
+    case Tier::Avx512Bf16:
+      return gemm_avx512_bf16(A, lda, Wp, bias, C, ldc, M, N, K, act);
+    case Tier::Fp32:
+      return gemm_fp32_engine(A, lda, Wp, bias, C, ldc, M, N, K, act);
+  }
+}
+
+at::Tensor pack_vnni(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1), pairs = K / 2;
   auto src = w.contiguous();
-  auto out = at::zeros({nblocks, pairs, kNB, 2}, w.options());
-  const bf16* s = src.data_ptr<bf16>();
-  bf16* d = out.data_ptr<bf16>();
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb)
-      pack_b_vnni(s + nb * kNB * K, K, std::min(kNB, N - nb * kNB), K, d + nb * pairs * kNB * 2);
+  auto out = at::zeros({vnni_length(N, K)}, w.options());
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(src.data_ptr<bf16>());
+  uint32_t* d = reinterpret_cast<uint32_t*>(out.data_ptr<bf16>());
+  // A row's k pairs are adjacent in [N, K]: each moves as one uint32 to column n of its block.
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      uint32_t* col = d + (n / kNB) * pairs * kNB + (n % kNB);
+      for (int64_t p = 0; p < pairs; ++p) col[p * kNB] = s[n * pairs + p];
+    }
   });
   return out;
 }
 
-at::Tensor linear_2d(const at::Tensor& x2, const at::Tensor& wp, const std::optional<at::Tensor>& bias, Act act,
-                     int64_t N) {
-  const int64_t M = x2.size(0), K = x2.size(1);
-  check_packed(wp, N, K, "linear");
-  auto out = at::empty({M, N}, x2.options());
-  at::Tensor b32;
-  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
-  if (M > 0)
-    gemm_bf16(x2.data_ptr<bf16>(), x2.stride(0), wp.data_ptr<bf16>(), bias.has_value() ? b32.data_ptr<float>() : nullptr,
-              out.data_ptr<bf16>(), M, N, K, act);
+// y = act(x2 @ W^T + bias) for a plain [N, K] weight (fp32 models, odd K): ATen's GEMM in fp32,
+// then the shared epilogue in place.
+at::Tensor linear_plain(const at::Tensor& x2, const at::Tensor& w, const float* bias, Act act) {
+  const bool bf = x2.scalar_type() == at::kBFloat16;
+  auto y = at::mm(bf ? x2.to(at::kFloat) : x2, (bf ? w.to(at::kFloat) : w).t());
+  const int64_t M = y.size(0), N = y.size(1);
+  auto out = bf ? at::empty({M, N}, x2.options()) : y;
+  const auto& v = vec();
+  float* acc = y.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    if (bf)
+      v.epilogue_bf16(acc + r0 * N, N, bias, act, out.data_ptr<bf16>() + r0 * N, N, r1 - r0, N);
+    else
+      v.epilogue_f32(acc + r0 * N, N, bias, act, acc + r0 * N, N, r1 - r0, N);
+  });
   return out;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias,
-                  const std::string& activation, int64_t out_features) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "amxopt native linear: x must be bf16, got ", x.scalar_type());
-  auto x2 = x.reshape({-1, x.size(-1)});
-  if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < x2.size(1))) x2 = x2.contiguous();
-  auto sizes = x.sizes().vec();
-  sizes.back() = out_features;
-  return linear_2d(x2, wp, bias, parse_act(activation), out_features).view(sizes);
+// x2 [M, K] (unit column stride) times a packed weight; bias fp32 contiguous or undefined.
+at::Tensor linear_2d(const at::Tensor& x2, const at::Tensor& packed, const at::Tensor& bias32, Act act, int64_t N,
+                     Tier tier) {
+  const float* bias = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  if (packed.dim() == 2) return linear_plain(x2, packed, bias, act);
+  const int64_t M = x2.size(0), K = x2.size(1);
+  auto out = at::empty({M, N}, x2.options());
+  gemm_bf16(x2.data_ptr<bf16>(), x2.stride(0), packed.data_ptr<bf16>(), bias, out.data_ptr<bf16>(), N, M, N, K, act,
+            tier);
+  return out;
 }
 
-// Conv3d with kernel == stride as one GEMM: gather patches [B*T'*H'*W', C*kt*kh*kw], multiply, and
-// return [B, O, T', H', W'] as a permuted view of the GEMM's [B, T', H', W', O] (channels-last).
-at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias,
-                       at::IntArrayRef kernel, int64_t out_channels) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 5, "amxopt native patch_embed: x must be bf16 5-D");
-  const int64_t B = x.size(0), C = x.size(1), kt = kernel[0], kh = kernel[1], kw = kernel[2];
-  const int64_t nt = x.size(2) / kt, nh = x.size(3) / kh, nw = x.size(4) / kw;
-  auto patches = (nt == 1 && nh == 1 && nw == 1)
-                     ? x.reshape({B, C * kt * kh * kw})
-                     : x.reshape({B, C, nt, kt, nh, kh, nw, kw})
-                           .permute({0, 2, 4, 6, 1, 3, 5, 7})
-                           .reshape({B * nt * nh * nw, C * kt * kh * kw});
-  if (!patches.is_contiguous()) patches = patches.contiguous();
-  auto y = linear_2d(patches, wp, bias, Act::None, out_channels);
-  return y.view({B, nt, nh, nw, out_channels}).permute({0, 4, 1, 2, 3});
-}
-
-}  // namespace
 }  // namespace amxopt
-
-TORCH_LIBRARY_FRAGMENT(amxopt_native, m) {
-  m.def("pack_linear_weight(Tensor w) -> Tensor", &amxopt::pack_linear_weight);
-  m.def("linear(Tensor x, Tensor packed_weight, Tensor? bias, str activation, int out_features) -> Tensor",
-        &amxopt::linear);
-  m.def("patch_embed(Tensor x, Tensor packed_weight, Tensor? bias, int[] kernel_size, int out_channels) -> Tensor",
-        &amxopt::patch_embed);
-}

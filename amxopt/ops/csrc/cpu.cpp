@@ -1,0 +1,67 @@
+// What this CPU runs: the widest vector ISA for the VecKernels table, and the best bf16 tier.
+// Read once from CPUID (through the compiler's __builtin_cpu_supports, which also checks that the OS
+// saves the registers); AMX additionally needs the kernel's permission for the tile state, which
+// at::cpu::init_amx() requests (arch_prctl), as oneDNN would on its first AMX kernel.
+#include <ATen/cpu/Utils.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <atomic>
+
+#include "common.h"
+
+namespace amxopt {
+namespace {
+
+bool has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+Tier detect_tier() {
+  if (!has_avx512() || !__builtin_cpu_supports("avx512bf16")) return Tier::Fp32;
+  // oneDNN packs bf16 for brgemm only where it will run it on AMX tiles.
+  if (__builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") && at::cpu::init_amx() &&
+      at::native::cpublas::could_pack(at::kBFloat16))
+    return Tier::Amx;
+  return Tier::Avx512Bf16;
+}
+
+std::atomic<int> max_tier{int(Tier::Amx)};
+
+}  // namespace
+
+const char* tier_name(Tier t) {
+  switch (t) {
+    case Tier::Amx:
+      return "amx";
+    case Tier::Avx512Bf16:
+      return "avx512_bf16";
+    case Tier::Fp32:
+      return "fp32";
+  }
+  return "?";
+}
+
+Tier parse_tier(const std::string& name) {
+  for (Tier t : {Tier::Fp32, Tier::Avx512Bf16, Tier::Amx})
+    if (name == tier_name(t)) return t;
+  TORCH_CHECK_VALUE(false, "amxopt: unknown tier '", name, "'; known: amx, avx512_bf16, fp32");
+}
+
+Tier cpu_tier() {
+  static const Tier tier = detect_tier();
+  return tier;
+}
+
+Tier active_tier() { return Tier(std::min(int(cpu_tier()), max_tier.load())); }
+
+void set_max_tier(Tier t) { max_tier.store(int(t)); }
+
+const VecKernels& vec() {
+  static const VecKernels& k = has_avx512()                                                    ? kVecAvx512
+                               : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? kVecAvx2
+                                                                                                 : kVecDefault;
+  return k;
+}
+
+}  // namespace amxopt

@@ -1,0 +1,278 @@
+// The amxopt ops' CPU kernels: input checks, provider choice, and the call into a driver.
+//
+// The schemas (and their fakes) are defined in Python (amxopt/ops/library.py); registering the CPU
+// kernels here means a call from a graph goes through the C++ dispatcher only, with no Python in
+// between. provider "auto" and "native" run amxopt's kernels on the active tier (cpu.cpp);
+// "reference" calls the Python reference op of the same name (amxopt::reference_<op>), the oracle.
+// Every check raises ValueError naming the op and the offending shape or value.
+#include <ATen/native/CPUBlas.h>
+#include <c10/core/DispatchKeySet.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "common.h"
+
+namespace amxopt {
+namespace {
+
+#define AMX_CHECK(cond, op, ...) TORCH_CHECK_VALUE(cond, "amxopt.", op, ": ", __VA_ARGS__)
+
+// Shapes and dtypes as Python prints them, so a message reads the same from every provider.
+std::string shape(at::IntArrayRef s) {
+  std::ostringstream o;
+  o << "(";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  o << (s.size() == 1 ? ",)" : ")");
+  return o.str();
+}
+
+std::string list(const std::vector<int64_t>& v) {
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < v.size(); ++i) o << (i ? ", " : "") << v[i];
+  o << "]";
+  return o.str();
+}
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return "torch.float32";
+    case at::kBFloat16:
+      return "torch.bfloat16";
+    case at::kHalf:
+      return "torch.float16";
+    case at::kDouble:
+      return "torch.float64";
+    case at::kLong:
+      return "torch.int64";
+    case at::kInt:
+      return "torch.int32";
+    default:
+      return std::string("torch.") + c10::toString(t);
+  }
+}
+
+bool use_reference(c10::string_view provider, const char* op) {
+  if (provider == "auto" || provider == "native") return false;
+  if (provider == "reference") return true;
+  AMX_CHECK(false, op, "unknown provider '", std::string(provider), "'; known: auto, native, reference");
+}
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> reference_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+Act parse_act(c10::string_view a, const char* op) {
+  if (a == "none") return Act::None;
+  if (a == "gelu") return Act::Gelu;
+  if (a == "gelu_tanh") return Act::GeluTanh;
+  if (a == "silu") return Act::Silu;
+  AMX_CHECK(false, op, "activation must be one of none, gelu, gelu_tanh, silu, got '", std::string(a), "'");
+}
+
+void check_float(const char* op, const char* name, const at::Tensor& t) {
+  AMX_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, op, name,
+            " must be float32 or bfloat16, got ", dtype_name(t.scalar_type()));
+}
+
+std::vector<int64_t> packed_shape(int64_t n, int64_t k, at::ScalarType dtype) {
+  if (dtype == at::kBFloat16 && k % 2 == 0 && k > 0) return {vnni_length(n, k)};
+  return {n, k};
+}
+
+// Shared by linear and patch_embed: the packed weight must be the packing of an [N, K] weight.
+at::Tensor check_gemm(const char* op, const std::string& x_desc, int64_t K, at::ScalarType x_dtype,
+                      const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t N) {
+  AMX_CHECK(N > 0, op, "out_features must be positive, got ", N);
+  AMX_CHECK(x_dtype == packed.scalar_type(), op, x_desc, " is ", dtype_name(x_dtype), " but the packed weight is ",
+            dtype_name(packed.scalar_type()), "; cast the input or re-pack");
+  const auto expected = packed_shape(N, K, x_dtype);
+  AMX_CHECK(packed.sizes() == at::IntArrayRef(expected), op, x_desc, " has ", K,
+            " input features; with out_features=", N, " the packed weight should have shape ", shape(expected),
+            ", got ", shape(packed.sizes()));
+  AMX_CHECK(packed.dim() == 2 || packed.is_contiguous(), op, "the packed weight must be contiguous");
+  if (!bias.has_value()) return at::Tensor();
+  AMX_CHECK(bias->dim() == 1 && bias->size(0) == N, op, "bias has shape ", shape(bias->sizes()), ", expected (", N, ",)");
+  AMX_CHECK(bias->scalar_type() == x_dtype || bias->scalar_type() == at::kFloat, op, "bias is ", dtype_name(bias->scalar_type()),
+            "; it must be ", dtype_name(x_dtype), " or float32");
+  return bias->to(at::kFloat).contiguous();
+}
+
+// --- pack_linear_weight / linear / patch_embed -------------------------------------------------------
+
+at::Tensor pack_linear_weight(const at::Tensor& w, c10::string_view provider) {
+  const char* op = "pack_linear_weight";
+  if (use_reference(provider, op))
+    return reference_op<at::Tensor(const at::Tensor&)>("amxopt::reference_pack_linear_weight").call(w);
+  AMX_CHECK(w.dim() == 2, op, "weight must be [N, K], got ", shape(w.sizes()));
+  check_float(op, "weight", w);
+  if (packed_shape(w.size(0), w.size(1), w.scalar_type()).size() == 1) return pack_vnni(w.detach());
+  return w.detach().contiguous().clone();
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                  c10::string_view activation, int64_t out_features, c10::string_view provider) {
+  const char* op = "linear";
+  if (use_reference(provider, op))
+    return reference_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                   c10::string_view, int64_t)>("amxopt::reference_linear")
+        .call(x, packed, bias, activation, out_features);
+  const Act act = parse_act(activation, op);
+  check_float(op, "x", x);
+  AMX_CHECK(x.dim() >= 1, op, "x has shape ", shape(x.sizes()), "; it needs at least one dim");
+  std::ostringstream desc;
+  desc << "x " << shape(x.sizes());
+  auto bias32 = check_gemm(op, desc.str(), x.size(-1), x.scalar_type(), packed, bias, out_features);
+  auto x2 = x.reshape({-1, x.size(-1)});
+  if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < x2.size(1))) x2 = x2.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  return linear_2d(x2, packed, bias32, act, out_features, active_tier()).view(sizes);
+}
+
+// Conv3d with kernel == stride as one GEMM: gather patches [B*T'*H'*W', C*kt*kh*kw], multiply, and
+// return [B, O, T', H', W'] as a permuted view of the GEMM's [B, T', H', W', O] (channels-last).
+at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                       at::IntArrayRef kernel, int64_t out_channels, c10::string_view provider) {
+  const char* op = "patch_embed";
+  if (use_reference(provider, op))
+    return reference_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                   at::IntArrayRef, int64_t)>("amxopt::reference_patch_embed")
+        .call(x, packed, bias, kernel, out_channels);
+  AMX_CHECK(x.dim() == 5, op, "x must be [B, C, T, H, W], got ", shape(x.sizes()));
+  AMX_CHECK(kernel.size() == 3, op, "kernel_size must have 3 entries, got ", list(kernel.vec()));
+  AMX_CHECK(kernel[0] > 0 && kernel[1] > 0 && kernel[2] > 0, op, "kernel_size must be positive, got ", list(kernel.vec()));
+  check_float(op, "x", x);
+  for (int i = 0; i < 3; ++i)
+    AMX_CHECK(x.size(2 + i) % kernel[i] == 0, op, "x ", shape(x.sizes()), " is not divisible by kernel ", shape(kernel));
+  const int64_t B = x.size(0), C = x.size(1), kt = kernel[0], kh = kernel[1], kw = kernel[2];
+  const int64_t nt = x.size(2) / kt, nh = x.size(3) / kh, nw = x.size(4) / kw, K = C * kt * kh * kw;
+  std::ostringstream desc;
+  desc << "x " << shape(x.sizes()) << " (patches of " << C << "x" << kt << "x" << kh << "x" << kw << " = " << K << ")";
+  auto bias32 = check_gemm(op, desc.str(), K, x.scalar_type(), packed, bias, out_channels);
+  auto patches = x.reshape({B, C, nt, kt, nh, kh, nw, kw})
+                     .permute({0, 2, 4, 6, 1, 3, 5, 7})
+                     .reshape({B * nt * nh * nw, K})
+                     .contiguous();
+  auto y = linear_2d(patches, packed, bias32, Act::None, out_channels, active_tier());
+  return y.view({B, nt, nh, nw, out_channels}).permute({0, 4, 1, 2, 3});
+}
+
+// --- varlen_attention ---------------------------------------------------------------------------------
+
+std::vector<int64_t> checked_bounds(const char* op, const char* name, const at::Tensor& cu, int64_t total,
+                                    int64_t bound_arg, const char* bound_name) {
+  AMX_CHECK(cu.dim() == 1 && cu.numel() >= 2 && !cu.is_floating_point() && !cu.is_complex(), op, name,
+            " must be a 1-D integer tensor of segment bounds, got ", dtype_name(cu.scalar_type()), " ", shape(cu.sizes()));
+  auto c = cu.to(at::kLong).contiguous();
+  std::vector<int64_t> b(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  AMX_CHECK(b.front() == 0, op, name, " must start at 0, got ", b.front());
+  AMX_CHECK(b.back() == total, op, name, " ends at ", b.back(), " but there are ", total, " tokens");
+  int64_t longest = 0;
+  for (size_t i = 1; i < b.size(); ++i) {
+    AMX_CHECK(b[i] >= b[i - 1], op, name, " must be non-decreasing, got ", list(b));
+    longest = std::max(longest, b[i] - b[i - 1]);
+  }
+  AMX_CHECK(bound_arg == 0 || bound_arg >= longest, op, bound_name, "=", bound_arg, " but the longest segment has ",
+            longest, " tokens (pass 0 when unknown)");
+  return b;
+}
+
+at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+                            const at::Tensor& cu_k, int64_t max_q, int64_t max_k, double scale, bool causal,
+                            c10::string_view provider) {
+  const char* op = "varlen_attention";
+  if (use_reference(provider, op))
+    return reference_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, int64_t, int64_t, double, bool)>(
+               "amxopt::reference_varlen_attention")
+        .call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
+    AMX_CHECK(t.dim() == 3, op, name, " must be packed [T, H, D], got ", shape(t.sizes()));
+    check_float(op, name, t);
+  }
+  AMX_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), op, "q/k/v dtypes differ: ",
+            dtype_name(q.scalar_type()), ", ", dtype_name(k.scalar_type()), ", ", dtype_name(v.scalar_type()));
+  AMX_CHECK(k.sizes() == v.sizes(), op, "k ", shape(k.sizes()), " and v ", shape(v.sizes()), " must match");
+  AMX_CHECK(q.size(2) == k.size(2), op, "head dims differ: q ", q.size(2), ", k ", k.size(2));
+  AMX_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op, q.size(1),
+            " query heads are not a multiple of ", k.size(1), " key/value heads");
+  AMX_CHECK(std::isfinite(scale), op, "scale must be finite, got ", scale);
+  const auto bq = checked_bounds(op, "cu_seqlens_q", cu_q, q.size(0), max_q, "max_seqlen_q");
+  const auto bk = checked_bounds(op, "cu_seqlens_k", cu_k, k.size(0), max_k, "max_seqlen_k");
+  AMX_CHECK(bq.size() == bk.size(), op, bq.size() - 1, " query segments but ", bk.size() - 1, " key segments");
+  if (q.numel() == 0) return at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+  return varlen_attention_native(q, k, v, bq, bk, scale, causal, active_tier());
+}
+
+// --- norms ------------------------------------------------------------------------------------------
+
+void check_norm(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& w,
+                const std::optional<at::Tensor>& b) {
+  AMX_CHECK(x.dim() >= 1, op, "x has shape ", shape(x.sizes()), "; it needs at least one dim");
+  check_float(op, "x", x);
+  for (auto [name, p] : {std::pair<const char*, const std::optional<at::Tensor>&>{"weight", w}, {"bias", b}}) {
+    if (!p.has_value()) continue;
+    AMX_CHECK(p->dim() == 1 && p->size(0) == x.size(-1), op, name, " has shape ", shape(p->sizes()), ", expected (",
+              x.size(-1), ",) for x ", shape(x.sizes()));
+    check_float(op, name, *p);
+  }
+}
+
+at::Tensor layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& b,
+                      double eps, c10::string_view provider) {
+  const char* op = "layer_norm";
+  if (use_reference(provider, op))
+    return reference_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
+                                   const std::optional<at::Tensor>&, double)>("amxopt::reference_layer_norm")
+        .call(x, w, b, eps);
+  check_norm(op, x, w, b);
+  return norm_native(x, w, b, eps, false);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& w, double eps, c10::string_view provider) {
+  const char* op = "rms_norm";
+  if (use_reference(provider, op))
+    return reference_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, double)>(
+               "amxopt::reference_rms_norm")
+        .call(x, w, eps);
+  check_norm(op, x, w, std::nullopt);
+  return norm_native(x, w, std::nullopt, eps, true);
+}
+
+// --- what runs here (amxopt info, tests, benches) ---------------------------------------------------------
+
+std::string cpu_tier_name() { return tier_name(cpu_tier()); }
+std::string active_tier_name() { return tier_name(active_tier()); }
+void set_max_tier_name(c10::string_view name) { set_max_tier(parse_tier(std::string(name))); }
+std::string vec_isa() { return vec().isa; }
+std::string gemm_engine_name(c10::string_view tier, int64_t rows) {
+  return gemm_engine(parse_tier(std::string(tier)), rows);
+}
+std::string attention_engine_name(c10::string_view tier, bool bf16) {
+  return attention_engine(parse_tier(std::string(tier)), at::empty({0}, bf16 ? at::kBFloat16 : at::kFloat));
+}
+
+}  // namespace
+}  // namespace amxopt
+
+TORCH_LIBRARY_IMPL(amxopt, CPU, m) {
+  m.impl("pack_linear_weight", &amxopt::pack_linear_weight);
+  m.impl("linear", &amxopt::linear);
+  m.impl("patch_embed", &amxopt::patch_embed);
+  m.impl("varlen_attention", &amxopt::varlen_attention);
+  m.impl("layer_norm", &amxopt::layer_norm);
+  m.impl("rms_norm", &amxopt::rms_norm);
+}
+
+TORCH_LIBRARY(amxopt_native, m) {
+  m.def("cpu_tier() -> str", &amxopt::cpu_tier_name);
+  m.def("active_tier() -> str", &amxopt::active_tier_name);
+  m.def("set_max_tier(str tier) -> ()", &amxopt::set_max_tier_name);
+  m.def("vec_isa() -> str", &amxopt::vec_isa);
+  m.def("gemm_engine(str tier, int rows) -> str", &amxopt::gemm_engine_name);
+  m.def("attention_engine(str tier, bool bf16) -> str", &amxopt::attention_engine_name);
+}

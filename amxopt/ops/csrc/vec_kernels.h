@@ -1,0 +1,205 @@
+// The vector kernels of amxopt's drivers, written once with ATen's at::vec and compiled once per
+// ISA: vec_default.cpp, vec_avx2.cpp and vec_avx512.cpp each include this file with their own
+// CPU_CAPABILITY and compiler flags, then publish the functions as a VecKernels table (common.h).
+// Everything here has internal linkage, so the ISA builds never collide at link time.
+//
+// Memory layouts: rows are contiguous with a leading dimension; a VNNI column block is
+// [pairs][kNB][2] bf16 (the two k of a pair adjacent, per output column).
+#pragma once
+
+#ifndef CPU_CAPABILITY
+#error "vec_kernels.h must be compiled with a CPU_CAPABILITY"
+#endif
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+
+#include "common.h"
+
+namespace amxopt {
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+using bVec = at::vec::Vectorized<bf16>;
+constexpr int64_t kF = fVec::size();
+
+inline fVec activate(fVec v, Act act) {
+  switch (act) {
+    case Act::None:
+      return v;
+    case Act::Gelu:
+      return v * (fVec(0.5f) + fVec(0.5f) * (v * fVec(float(M_SQRT1_2))).erf());
+    case Act::GeluTanh: {
+      // 0.5 x (1 + tanh(u)) == x * sigmoid(2u): one exp instead of a tanh; exp_u20's error is far
+      // below bf16 rounding. For u2 -> +inf the quotient is -0, for u2 -> -inf it is x.
+      fVec u2 = fVec(-2.0f * 0.7978845608028654f) * (v + fVec(0.044715f) * v * v * v);
+      return v / (fVec(1.0f) + u2.exp_u20());
+    }
+    case Act::Silu:
+      return v / (fVec(1.0f) + v.neg().exp_u20());
+  }
+  return v;
+}
+
+inline float activate(float x, Act act) {
+  switch (act) {
+    case Act::None:
+      return x;
+    case Act::Gelu:
+      return 0.5f * x * (1.0f + std::erf(x * float(M_SQRT1_2)));
+    case Act::GeluTanh:
+      return 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    case Act::Silu:
+      return x / (1.0f + std::exp(-x));
+  }
+  return x;
+}
+
+void bf16_to_f32(const bf16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + bVec::size() <= n; i += bVec::size()) {
+    auto [lo, hi] = at::vec::convert_to_float<bf16>(bVec::loadu(src + i));
+    lo.store(dst + i);
+    hi.store(dst + i + kF);
+  }
+  for (; i < n; ++i) dst[i] = float(src[i]);
+}
+
+void f32_to_bf16(const float* src, bf16* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + bVec::size() <= n; i += bVec::size())
+    at::vec::convert_from_float<bf16>(fVec::loadu(src + i), fVec::loadu(src + i + kF)).store(dst + i);
+  for (; i < n; ++i) dst[i] = bf16(src[i]);
+}
+
+// acc rows get bias and activation in place (fp32), then are written out (rounded once for bf16).
+void epilogue_rows(float* acc, int64_t lda, const float* bias, Act act, int64_t rows, int64_t cols) {
+  if (!bias && act == Act::None) return;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* a = acc + r * lda;
+    int64_t c = 0;
+    for (; c + kF <= cols; c += kF) {
+      fVec v = fVec::loadu(a + c);
+      if (bias) v = v + fVec::loadu(bias + c);
+      activate(v, act).store(a + c);
+    }
+    for (; c < cols; ++c) a[c] = activate(a[c] + (bias ? bias[c] : 0.f), act);
+  }
+}
+
+void epilogue_bf16(float* acc, int64_t lda, const float* bias, Act act, bf16* out, int64_t ldo, int64_t rows,
+                   int64_t cols) {
+  epilogue_rows(acc, lda, bias, act, rows, cols);
+  for (int64_t r = 0; r < rows; ++r) f32_to_bf16(acc + r * lda, out + r * ldo, cols);
+}
+
+void epilogue_f32(float* acc, int64_t lda, const float* bias, Act act, float* out, int64_t ldo, int64_t rows,
+                  int64_t cols) {
+  epilogue_rows(acc, lda, bias, act, rows, cols);
+  if (out != acc || ldo != lda)
+    for (int64_t r = 0; r < rows; ++r) std::copy(acc + r * lda, acc + r * lda + cols, out + r * ldo);
+}
+
+void unpack_vnni(const bf16* src, int64_t pairs, float* dst, int64_t ldd) {
+  for (int64_t p = 0; p < pairs; ++p) {
+    const bf16* s = src + p * kNB * 2;
+    float* even = dst + (2 * p) * ldd;
+    float* odd = even + ldd;
+    for (int64_t c = 0; c < kNB; ++c) {
+      even[c] = float(s[2 * c]);
+      odd[c] = float(s[2 * c + 1]);
+    }
+  }
+}
+
+// Lanes of a converted pair row alternate (column c, k even), (column c, k odd): multiply by a
+// vector alternating a[2p], a[2p+1] and sum adjacent lanes at the end.
+void gemv_vnni(const float* a, const bf16* block, int64_t pairs, float* out) {
+  constexpr int64_t kVecs = 2 * kNB / kF;  // fp32 vectors per pair row (64 values)
+  constexpr int64_t kOdd = kF == 16 ? 0xAAAA : kF == 8 ? 0xAA : 0xA;
+  fVec acc[kVecs];
+  for (auto& v : acc) v = fVec(0.f);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const fVec alt = fVec::blend<kOdd>(fVec(a[2 * p]), fVec(a[2 * p + 1]));
+    const bf16* s = block + p * 2 * kNB;
+    for (int64_t j = 0; j < kVecs; j += 2) {
+      auto [lo, hi] = at::vec::convert_to_float<bf16>(bVec::loadu(s + j * kF));
+      acc[j] = at::vec::fmadd(lo, alt, acc[j]);
+      acc[j + 1] = at::vec::fmadd(hi, alt, acc[j + 1]);
+    }
+  }
+  float lanes[2 * kNB];
+  for (int64_t j = 0; j < kVecs; ++j) acc[j].store(lanes + j * kF);
+  for (int64_t c = 0; c < kNB; ++c) out[c] = lanes[2 * c] + lanes[2 * c + 1];
+}
+
+inline float hsum(fVec v) {
+  return at::vec::vec_reduce_all<float>([](fVec x, fVec y) { return x + y; }, v);
+}
+
+// Two passes over an fp32 copy of the row (no cancellation in the variance), one write.
+template <typename T>
+void norm_rows(const T* x, int64_t ldx, T* y, int64_t rows, int64_t D, const float* w, const float* b, float eps,
+               bool rms, float* f) {
+  const int64_t Dv = D / kF * kF;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * ldx;
+    T* yr = y + r * D;
+    if constexpr (std::is_same_v<T, bf16>) {
+      bf16_to_f32(xr, f, D);
+    } else {
+      std::copy(xr, xr + D, f);
+    }
+    float mean = 0.f;
+    fVec s(0.f);
+    float tail = 0.f;
+    if (!rms) {
+      for (int64_t i = 0; i < Dv; i += kF) s = s + fVec::loadu(f + i);
+      for (int64_t i = Dv; i < D; ++i) tail += f[i];
+      mean = (hsum(s) + tail) / D;
+    }
+    const fVec mu(mean);
+    s = fVec(0.f);
+    tail = 0.f;
+    for (int64_t i = 0; i < Dv; i += kF) {
+      const fVec d = fVec::loadu(f + i) - mu;
+      s = at::vec::fmadd(d, d, s);
+    }
+    for (int64_t i = Dv; i < D; ++i) tail += (f[i] - mean) * (f[i] - mean);
+    const float inv = 1.f / std::sqrt((hsum(s) + tail) / D + eps);
+    const fVec sc(inv);
+    for (int64_t i = 0; i < Dv; i += kF) {
+      fVec v = (fVec::loadu(f + i) - mu) * sc;
+      if (w) v = v * fVec::loadu(w + i);
+      if (b) v = v + fVec::loadu(b + i);
+      v.store(f + i);
+    }
+    for (int64_t i = Dv; i < D; ++i) f[i] = (f[i] - mean) * inv * (w ? w[i] : 1.f) + (b ? b[i] : 0.f);
+    if constexpr (std::is_same_v<T, bf16>) {
+      f32_to_bf16(f, yr, D);
+    } else {
+      std::copy(f, f + D, yr);
+    }
+  }
+}
+
+void norm_bf16(const bf16* x, int64_t ldx, bf16* y, int64_t rows, int64_t D, const float* w, const float* b, float eps,
+               bool rms, float* buf) {
+  norm_rows<bf16>(x, ldx, y, rows, D, w, b, eps, rms, buf);
+}
+
+void norm_f32(const float* x, int64_t ldx, float* y, int64_t rows, int64_t D, const float* w, const float* b,
+              float eps, bool rms, float* buf) {
+  norm_rows<float>(x, ldx, y, rows, D, w, b, eps, rms, buf);
+}
+
+}  // namespace
+}  // namespace amxopt
+
+#define AMXOPT_VEC_TABLE(name, isa_name)                                                                     \
+  namespace amxopt {                                                                                         \
+  const VecKernels name = {isa_name,   epilogue_bf16, epilogue_f32, bf16_to_f32, unpack_vnni, gemv_vnni, \
+                           norm_bf16, norm_f32};                                                             \
+  }
