@@ -74,7 +74,7 @@ def _cmd_dump(args) -> int:
     from amxopt.ops.providers import resolve
     from amxopt.runtime import build_graph
 
-    config = AmxConfig(provider=resolve(args.provider))
+    config = AmxConfig(provider=resolve(args.provider), autotune=args.autotune)
     model, inputs = _build(args, _DTYPES[args.dtype])
     adapter, graph_inputs = prepare(model, inputs)
     graph = build_graph(model, adapter, graph_inputs, config, keep_text=True)
@@ -96,7 +96,7 @@ def _cmd_check(args) -> int:
     for name in ("fp32", "bf16"):
         model, inputs = _build(args, _DTYPES[name])
         t = time.perf_counter()
-        opt = amxopt.optimize(model, inputs, amxopt.AmxConfig(provider=args.provider))
+        opt = amxopt.optimize(model, inputs, amxopt.AmxConfig(provider=args.provider, autotune=args.autotune))
         took = time.perf_counter() - t
         err = max_abs_error(opt(**inputs), model(**inputs))
         print(f"{name}: optimized in {took:.1f}s, max abs error vs original {err:.3e}, counts {opt.report.counts()}")
@@ -117,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("model", help="a zoo name (see amxopt.models.ZOO), e.g. tiny-qwen3-vl-vision")
         p.add_argument("--size", default=None, help="input size, e.g. 448 (image side), 30 (audio s), 5,32,32")
         p.add_argument("--provider", default="auto")
+        p.add_argument(
+            "--no-autotune",
+            dest="autotune",
+            action="store_false",
+            help="replace every matching node, without timing it against ATen",
+        )
         if name == "dump":
             p.add_argument("--out", default=None, help="output directory (default dumps/MODEL)")
             p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")

@@ -18,6 +18,10 @@ class AmxConfig:
         fuse_activation: fold a following gelu/silu into ``amxopt.linear``'s epilogue.
         release_weights: drop the unpacked originals from the graph once they are packed.
         max_recaptures: bound on cached graphs per optimized model (one per input signature).
+        autotune: time each distinct op shape against the ATen code it would replace and keep the
+            faster (native provider only); the report lists every decision with both timings.
+        autotune_cache: directory of the on-disk decision cache (keyed by CPU, torch, kernels, tier
+            and shape); ``None`` is ``$XDG_CACHE_HOME/amxopt`` or ``~/.cache/amxopt``.
 
     Example::
 
@@ -30,3 +34,5 @@ class AmxConfig:
     fuse_activation: bool = True
     release_weights: bool = True
     max_recaptures: int = 8
+    autotune: bool = True
+    autotune_cache: str | None = None

@@ -21,6 +21,7 @@ import torch
 
 import amxopt
 from amxopt import models
+from amxopt.ops import native
 from amxopt.runtime import max_abs_error
 
 # model -> (input size, what it is)
@@ -96,7 +97,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {native.cpu_model()}, "
+        f"amxopt tier {native.active_tier()}"
+    )
     results = [bench_model(n, DEFAULT_MODELS.get(n, (None,))[0], args.repeats) for n in args.models.split(",")]
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_ACTIVATIONS = {
+ACTIVATIONS = {
     "none": lambda y: y,
     "gelu": F.gelu,
     "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
@@ -33,7 +33,7 @@ def linear(
         y = (F.linear(x, packed_weight).float() + bias).to(x.dtype)
     else:
         y = F.linear(x, packed_weight, bias)
-    return _ACTIVATIONS[activation](y)
+    return ACTIVATIONS[activation](y)
 
 
 def varlen_attention(

@@ -16,6 +16,7 @@ from amxopt.patterns import AMX_KINDS
 # node.meta keys written by the passes and read by the report.
 REPLACED = "amxopt_replaced"  # on a new amxopt node: the aten op it replaced
 LEFT = "amxopt_left"  # on an aten node a pass chose to keep: why
+TIMED = "amxopt_timing"  # on a new amxopt node or a kept aten node: the autotune Timing that decided it
 _KEEP_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node")
 
 
@@ -31,7 +32,7 @@ def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
-def insert_traced(node: fx.Node, fn: Callable, args: list[Any], replaced: str) -> fx.Node:
+def insert_traced(node: fx.Node, fn: Callable, args: list[Any], replaced: str, timing: Any = None) -> fx.Node:
     """Trace ``fn(*args)`` on the fake values of its Node args and inline it before ``node``.
 
     Non-Node ``args`` are bound as constants. The new nodes get fake values (symbolic where the
@@ -67,6 +68,8 @@ def insert_traced(node: fx.Node, fn: Callable, args: list[Any], replaced: str) -
     for n in env.values():
         if n.op == "call_function" and n.target in AMX_KINDS:
             n.meta[REPLACED] = replaced
+            if timing is not None:
+                n.meta[TIMED] = timing
     return result
 
 
@@ -79,8 +82,18 @@ def replace_node(old: fx.Node, new: fx.Node, *extra_dead: fx.Node) -> None:
             n.graph.erase_node(n)
 
 
-def leave(node: fx.Node, reason: str) -> None:
+def leave(node: fx.Node, reason: str, timing: Any = None) -> None:
     node.meta[LEFT] = reason
+    if timing is not None:
+        node.meta[TIMED] = timing
+
+
+def kept_for_speed(node: fx.Node, timing: Any) -> bool:
+    """Leave ``node`` as ATen (and say why) when autotune found ATen faster; True if it did."""
+    if timing is None or timing.amxopt_wins:
+        return False
+    leave(node, f"ATen is faster here: {timing}", timing)
+    return True
 
 
 def is_constant(node: Any) -> bool:

@@ -24,7 +24,18 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
-from amxopt.passes._graph import REPLACED, arg, cleanup, dtype_of, insert_traced, leave, replace_node, val
+from amxopt.passes import _autotune
+from amxopt.passes._graph import (
+    REPLACED,
+    arg,
+    cleanup,
+    dtype_of,
+    insert_traced,
+    kept_for_speed,
+    leave,
+    replace_node,
+    val,
+)
 from amxopt.patterns import sdpa_replacement
 
 aten = torch.ops.aten
@@ -49,6 +60,23 @@ def _refusal(node: fx.Node) -> str | None:
     return None
 
 
+def _timing(node: fx.Node, fn, config: AmxConfig) -> _autotune.Timing | None:
+    """Dense attention: amxopt's varlen op against the aten SDPA call it replaces. (Adapter-routed
+    varlen nodes are not timed: what they replace is the model's per-segment Python loop.)"""
+    if not _autotune.enabled(config):
+        return None
+    q, k, v = (_autotune.materialize(val(a)) for a in node.args[:3])
+    rest = [_autotune.materialize(val(a)) if isinstance(a, fx.Node) else a for a in node.args[3:]]
+    kwargs = {n: _autotune.materialize(val(a)) if isinstance(a, fx.Node) else a for n, a in node.kwargs.items()}
+    causal = " causal" if arg(node, 5, "is_causal", False) else ""
+    return _autotune.compare(
+        f"attention [{_autotune.describe(q, k, v)}]{causal}",
+        config,
+        lambda: fn(q, k, v),
+        lambda: node.target(q, k, v, *rest, **kwargs),
+    )
+
+
 def replace_attention(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
     n_replaced = 0
     for node in list(gm.graph.nodes):
@@ -71,7 +99,11 @@ def replace_attention(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
                 causal=bool(arg(node, 5, "is_causal", False)),
                 provider=config.provider,
             )
-            replace_node(node, insert_traced(node, fn, list(node.args[:3]), "aten.scaled_dot_product_attention"))
+            timing = _timing(node, fn, config)
+            if kept_for_speed(node, timing):
+                continue
+            source = "aten.scaled_dot_product_attention"
+            replace_node(node, insert_traced(node, fn, list(node.args[:3]), source, timing))
             n_replaced += 1
     if n_replaced:
         cleanup(gm)

@@ -18,7 +18,19 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
-from amxopt.passes._graph import arg, cleanup, dtype_of, insert_traced, is_constant, leave, replace_node
+from amxopt.ops import reference
+from amxopt.passes import _autotune
+from amxopt.passes._graph import (
+    arg,
+    cleanup,
+    dtype_of,
+    insert_traced,
+    is_constant,
+    kept_for_speed,
+    leave,
+    replace_node,
+    val,
+)
 from amxopt.patterns import ACTIVATION_RULES, linear_replacement
 
 aten = torch.ops.aten
@@ -47,6 +59,24 @@ def _fusable_activation(node: fx.Node) -> tuple[fx.Node | None, str]:
     return None, "none"
 
 
+def _timing(node: fx.Node, activation: str, config: AmxConfig) -> _autotune.Timing | None:
+    """amxopt.linear (+ fused activation) against aten.linear + the activation, at this node's shapes."""
+    if not _autotune.enabled(config):
+        return None
+    xv, wv, bias = val(node.args[0]), val(node.args[1]), arg(node, 2, "bias")
+    x = _autotune.materialize(xv).flatten(0, -2) if xv.dim() > 1 else _autotune.materialize(xv)[None]
+    w = _autotune.materialize(wv, scale=x.shape[-1] ** -0.5)
+    b = _autotune.materialize(val(bias)) if bias is not None else None
+    packed = torch.ops.amxopt.pack_linear_weight(w, config.provider)
+    act = reference.ACTIVATIONS[activation]
+    return _autotune.compare(
+        f"linear [{_autotune.describe(x, w, b)}] {activation}",
+        config,
+        lambda: torch.ops.amxopt.linear(x, packed, b, activation, w.shape[0], config.provider),
+        lambda: act(torch.nn.functional.linear(x, w, b)),
+    )
+
+
 def replace_linear(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
     n_replaced = 0
     for node in list(gm.graph.nodes):
@@ -57,9 +87,13 @@ def replace_linear(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
             leave(node, reason)
             continue
         act_node, activation = _fusable_activation(node) if config.fuse_activation else (None, "none")
+        timing = _timing(node, activation, config)
+        if kept_for_speed(node, timing):
+            continue
         fn = functools.partial(linear_replacement, activation=activation, provider=config.provider)
         last = act_node or node
-        new = insert_traced(last, fn, [node.args[0], node.args[1], arg(node, 2, "bias")], "aten.linear")
+        args = [node.args[0], node.args[1], arg(node, 2, "bias")]
+        new = insert_traced(last, fn, args, "aten.linear", timing)
         if act_node is not None:
             replace_node(act_node, new, node)
         else:

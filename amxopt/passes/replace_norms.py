@@ -20,7 +20,8 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
-from amxopt.passes._graph import arg, cleanup, dtype_of, insert_traced, leave, replace_node, val
+from amxopt.passes import _autotune
+from amxopt.passes._graph import arg, cleanup, dtype_of, insert_traced, kept_for_speed, leave, replace_node, val
 from amxopt.patterns import layer_norm_replacement, rms_norm_replacement
 
 aten = torch.ops.aten
@@ -59,6 +60,32 @@ def _upcast_window(node: fx.Node) -> tuple[fx.Node, fx.Node]:
     return x, out
 
 
+def _timing(node: fx.Node, x: fx.Node, out: fx.Node, params: list, fn, config: AmxConfig):
+    """The amxopt norm against the aten norm it replaces (with the up/down casts when folded)."""
+    if not _autotune.enabled(config):
+        return None
+    xs = _autotune.materialize(val(x))
+    ps = [_autotune.materialize(val(p)) if p is not None else None for p in params]
+    rest = [_autotune.materialize(val(a)) if isinstance(a, fx.Node) else a for a in node.args[1:]]
+    kwargs = {k: _autotune.materialize(val(v)) if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
+    upcast = out is not node
+
+    def run_aten():
+        y = node.target(xs.float() if upcast else xs, *rest, **kwargs)
+        return y.to(xs.dtype) if upcast else y
+
+    return _autotune.compare(
+        f"{op_kind(node)} [{_autotune.describe(xs, *ps)}]{' fp32 upcast' if upcast else ''}",
+        config,
+        lambda: fn(xs, *ps),
+        run_aten,
+    )
+
+
+def op_kind(node: fx.Node) -> str:
+    return "layer_norm" if node.target == aten.layer_norm.default else "rms_norm"
+
+
 def replace_norms(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
     n_replaced = 0
     for node in list(gm.graph.nodes):
@@ -86,7 +113,10 @@ def replace_norms(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
         if reason:
             leave(node, reason)
             continue
-        new = insert_traced(out, fn, [x, *params], source)
+        timing = _timing(node, x, out, params, fn, config)
+        if kept_for_speed(node, timing):
+            continue
+        new = insert_traced(out, fn, [x, *params], source, timing)
         if out is node:
             replace_node(node, new)
         else:

@@ -20,7 +20,18 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
-from amxopt.passes._graph import arg, cleanup, dtype_of, insert_traced, is_constant, leave, replace_node, val
+from amxopt.passes import _autotune
+from amxopt.passes._graph import (
+    arg,
+    cleanup,
+    dtype_of,
+    insert_traced,
+    is_constant,
+    kept_for_speed,
+    leave,
+    replace_node,
+    val,
+)
 from amxopt.patterns import patch_embed_replacement
 
 aten = torch.ops.aten
@@ -55,6 +66,23 @@ def _refusal(node: fx.Node) -> str | None:
     return None
 
 
+def _timing(node: fx.Node, config: AmxConfig) -> _autotune.Timing | None:
+    """amxopt.patch_embed against the aten.conv3d it replaces, at this node's shapes."""
+    if not _autotune.enabled(config):
+        return None
+    x, w = _autotune.materialize(val(node.args[0])), _autotune.materialize(val(node.args[1]), scale=0.05)
+    bias = arg(node, 2, "bias")
+    b = _autotune.materialize(val(bias)) if bias is not None else None
+    kernel, out_channels = list(w.shape[2:]), w.shape[0]
+    packed = torch.ops.amxopt.pack_linear_weight(w.reshape(out_channels, -1), config.provider)
+    return _autotune.compare(
+        f"patch_embed [{_autotune.describe(x, w, b)}]",
+        config,
+        lambda: torch.ops.amxopt.patch_embed(x, packed, b, kernel, out_channels, config.provider),
+        lambda: torch.nn.functional.conv3d(x, w, b, stride=kernel),
+    )
+
+
 def replace_patch_embed(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
     n_replaced = 0
     for node in list(gm.graph.nodes):
@@ -64,9 +92,12 @@ def replace_patch_embed(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
         if reason:
             leave(node, reason)
             continue
+        timing = _timing(node, config)
+        if kept_for_speed(node, timing):
+            continue
         fn = functools.partial(patch_embed_replacement, provider=config.provider)
         args = [node.args[0], node.args[1], arg(node, 2, "bias")]
-        replace_node(node, insert_traced(node, fn, args, "aten.conv3d"))
+        replace_node(node, insert_traced(node, fn, args, "aten.conv3d", timing))
         n_replaced += 1
     if n_replaced:
         cleanup(gm)

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from amxopt.passes._graph import LEFT, REPLACED, op_name
+from amxopt.passes._graph import LEFT, REPLACED, TIMED, op_name
 from amxopt.patterns import AMX_KINDS, KIND_TARGETS
 
 aten = torch.ops.aten
@@ -55,6 +55,7 @@ class Report:
     left: list[Entry]
     other_ops: dict[str, int]
     notes: list[str]
+    choices: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (winner, timing) per op shape
 
     @classmethod
     def from_graph(
@@ -70,7 +71,11 @@ class Report:
     ) -> Report:
         replaced, left, notes = [], [], list(notes)
         other: collections.Counter = collections.Counter()
+        choices: dict[str, tuple[str, str]] = {}
         for node in gm.graph.nodes:
+            if TIMED in node.meta:
+                timing = node.meta[TIMED]
+                choices[timing.op] = ("amxopt" if node.target in AMX_KINDS else "ATen", str(timing))
             if node.op == "get_attr" and LEFT in node.meta:
                 notes.append(f"{node.target}: {node.meta[LEFT]}")
             if node.op != "call_function":
@@ -83,7 +88,9 @@ class Report:
                 left.append(Entry(_TARGET_KIND[node.target], node.name, op_name(node.target), reason))
             elif node.target in _OTHER_COMPUTE:
                 other[op_name(node.target)] += 1
-        return cls(model, adapter, provider, dynamic, passes, replaced, left, dict(other), notes)
+        return cls(
+            model, adapter, provider, dynamic, passes, replaced, left, dict(other), notes, list(choices.values())
+        )
 
     def counts(self) -> dict[str, int]:
         """Replaced nodes by kind: keys ``linear``, ``attention``, ``patch_embed``, ``layer_norm``, ``rms_norm``."""
@@ -111,7 +118,10 @@ class Report:
             lines.append(f"  {kind:<12}{n:>9}{left[kind]:>6}   {became}")
         if self.left:
             lines += ["", "left alone:"]
-            lines += [f"  {e.kind:<12}{e.node:<28}{e.source:<40}{e.detail}" for e in self.left]
+            lines += [f"  {e.kind:<12} {e.node} ({e.source}): {e.detail}" for e in self.left]
+        if self.choices:
+            lines += ["", "kernel choices (timed at optimize, median; the faster one runs):"]
+            lines += [f"  {winner:<7} {timing}" for winner, timing in self.choices]
         if self.other_ops:
             other = ", ".join(f"{op} x{n}" for op, n in sorted(self.other_ops.items()))
             lines += ["", f"other compute kept as ATen (outside amxopt's op set): {other}"]

@@ -1,0 +1,153 @@
+"""Never slower than eager: time amxopt's kernel against the ATen code it would replace.
+
+A replace pass calls :func:`compare` for each node it could rewrite (when ``AmxConfig.autotune``
+is on and the provider is ``native``): both sides run on random inputs of the node's shapes (the
+example sizes behind symbolic dims), a warm-up call each, then interleaved rounds (short ops
+repeated to 2 ms a sample) until one side is clearly faster (1.5x after two rounds) or five rounds
+are done; the best sample of each side decides (noise on a shared machine only adds time). The
+pass keeps the ATen node, with the timings as its reason, when ATen wins.
+
+Decisions are cached on disk (``AmxConfig.autotune_cache``, default ``~/.cache/amxopt``), keyed by
+the CPU model, torch version, the kernels' build fingerprint, the active tier and the op's shapes,
+so a second ``optimize()`` of the same model times nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import pathlib
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from amxopt.config import AmxConfig
+from amxopt.ops import build, native
+
+logger = logging.getLogger(__name__)
+
+_ROUNDS = 5
+_DECISIVE = 1.5  # a ratio this far from 1 after two rounds settles it
+_SAMPLE_S = 2e-3  # short ops are repeated within a sample up to this long
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Medians of one comparison; ``op`` describes the op and shapes that were timed."""
+
+    op: str
+    amxopt_ms: float
+    aten_ms: float
+    cached: bool = False
+
+    @property
+    def amxopt_wins(self) -> bool:
+        return self.amxopt_ms <= self.aten_ms
+
+    def __str__(self) -> str:
+        return (
+            f"{self.op}: amxopt {self.amxopt_ms:.3g} ms, ATen {self.aten_ms:.3g} ms "
+            f"({self.aten_ms / max(self.amxopt_ms, 1e-9):.2f}x){' [cached]' if self.cached else ''}"
+        )
+
+
+def enabled(config: AmxConfig) -> bool:
+    return config.autotune and config.provider == "native"
+
+
+def concrete(shape) -> tuple[int, ...]:
+    """A fake tensor's shape with every symbolic dim replaced by the example size behind it."""
+    return tuple(optimization_hint(s) for s in shape)
+
+
+def randn(shape, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape) * scale).to(dtype)
+
+
+def materialize(value, scale: float = 1.0):
+    """A random real tensor like ``value`` (a node's fake tensor), or ``value`` itself if not a tensor."""
+    return randn(concrete(value.shape), value.dtype, scale) if isinstance(value, torch.Tensor) else value
+
+
+def describe(*tensors) -> str:
+    """``1x784x1024:bf16, 4096x1024:bf16`` for the cache key and the report."""
+    return ", ".join(
+        "x".join(map(str, concrete(t.shape))) + ":" + str(t.dtype).removeprefix("torch.") if t is not None else "-"
+        for t in tensors
+    )
+
+
+@functools.cache
+def _context() -> str:
+    path = build.library_path()
+    return f"{native.cpu_model()}|torch {torch.__version__}|kernels {path.parent.name}"
+
+
+def _cache_file(config: AmxConfig) -> pathlib.Path:
+    root = config.autotune_cache or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "amxopt"
+    )
+    return pathlib.Path(root) / "kernel_choices.json"
+
+
+@functools.cache
+def _load(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(path: pathlib.Path, table: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(table, f, indent=0, sort_keys=True)
+        os.replace(f.name, path)
+    except OSError as e:  # a read-only home is no reason to fail optimize()
+        logger.warning("amxopt: could not save kernel choices to %s: %s", path, e)
+
+
+def _sample(fn: Callable[[], object], repeat: int) -> float:
+    t = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t) / repeat
+
+
+def _time(run_amxopt: Callable[[], object], run_aten: Callable[[], object]) -> tuple[float, float]:
+    """Best-of-rounds milliseconds of each side (noise on a shared machine only ever adds time)."""
+    with torch.no_grad():
+        # Warm-up (first-call costs: kernel JIT, allocator) and calibration: a sample lasts >= 2 ms.
+        first = min(_sample(run_amxopt, 1), _sample(run_aten, 1))
+        repeat = max(1, min(1000, int(_SAMPLE_S / max(first, 1e-7))))
+        amx, aten = [], []
+        for round_ in range(_ROUNDS):
+            amx.append(_sample(run_amxopt, repeat))
+            aten.append(_sample(run_aten, repeat))
+            ratio = min(aten) / max(min(amx), 1e-12)
+            if round_ >= 1 and not 1 / _DECISIVE < ratio < _DECISIVE:
+                break
+    return min(amx) * 1e3, min(aten) * 1e3
+
+
+def compare(op: str, config: AmxConfig, run_amxopt: Callable[[], object], run_aten: Callable[[], object]) -> Timing:
+    """Time both sides of one rewrite (or read the cached result); ``op`` names kind and shapes."""
+    path = _cache_file(config)
+    table = _load(path)
+    key = f"{_context()}|{native.active_tier()}|{op}"
+    if key in table:
+        amx_ms, aten_ms = table[key]
+        return Timing(op, amx_ms, aten_ms, cached=True)
+    amx_ms, aten_ms = _time(run_amxopt, run_aten)
+    table[key] = [amx_ms, aten_ms]
+    _store(path, table)
+    timing = Timing(op, amx_ms, aten_ms)
+    logger.info("amxopt: timed %s", timing)
+    return timing

@@ -1,0 +1,75 @@
+"""Autotune: each distinct op shape is timed against the ATen code it replaces; the faster runs.
+
+Timing itself is stubbed where a test needs a given winner (a shared 2-core machine cannot promise
+one); the real timer runs in the first test, on shapes small enough to be quick.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import amxopt
+from amxopt.passes import _autotune
+from tests.models.test_equivalence import _PlainBlock
+
+KINDS_TIMED = ("linear", "attention", "layer_norm", "rms_norm")
+
+
+def _model(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return _PlainBlock().to(dtype).eval()
+
+
+def _optimize(model, tmp_path, **kw):
+    x = torch.randn(2, 9, 32, dtype=next(model.parameters()).dtype)
+    config = amxopt.AmxConfig(provider="native", autotune_cache=str(tmp_path), **kw)
+    return amxopt.optimize(model, (x,), config), x
+
+
+def test_every_decision_is_reported_with_both_timings_and_cached(tmp_path, monkeypatch):
+    opt, _ = _optimize(_model(), tmp_path)
+    choices = opt.report.choices
+    # linear 32->96 and 32->64 (+silu) and 64->32, attention, layer_norm, rms_norm: six distinct shapes
+    assert len(choices) == 6, str(opt.report)
+    for winner, timing in choices:
+        assert winner in ("amxopt", "ATen") and " ms, ATen " in timing and "amxopt " in timing
+    assert "kernel choices" in str(opt.report)
+    assert (tmp_path / "kernel_choices.json").exists()
+    # A second optimize of the same model reads every decision from disk: nothing is timed.
+    monkeypatch.setattr(_autotune, "_time", lambda *a: pytest.fail("timed a cached shape"))
+    again, _ = _optimize(_model(), tmp_path)
+    assert [w for w, _ in again.report.choices] == [w for w, _ in choices]
+    assert all(t.endswith("[cached]") for _, t in again.report.choices)
+
+
+def test_aten_is_kept_where_it_is_faster(tmp_path, monkeypatch):
+    monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: (2.0, 1.0))
+    model = _model(torch.float32)
+    opt, x = _optimize(model, tmp_path)
+    assert sum(opt.report.counts().values()) == 0, str(opt.report)
+    assert {e.kind for e in opt.report.left} == set(KINDS_TIMED)
+    for entry in opt.report.left:
+        assert "ATen is faster here" in entry.detail and "amxopt 2 ms, ATen 1 ms (0.50x)" in entry.detail
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_amxopt_is_kept_where_it_is_faster(tmp_path, monkeypatch):
+    monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: (1.0, 3.0))
+    opt, _ = _optimize(_model(), tmp_path)
+    assert opt.report.counts() == dict(linear=3, attention=1, patch_embed=0, layer_norm=1, rms_norm=1)
+    assert all(w == "amxopt" for w, _ in opt.report.choices)
+
+
+def test_autotune_off_times_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(_autotune, "_time", lambda *a: pytest.fail("timed with autotune=False"))
+    opt, _ = _optimize(_model(), tmp_path, autotune=False)
+    assert opt.report.choices == [] and not opt.report.left
+
+
+def test_reference_provider_times_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(_autotune, "_time", lambda *a: pytest.fail("timed the reference provider"))
+    x = torch.randn(2, 9, 32, dtype=torch.bfloat16)
+    opt = amxopt.optimize(_model(), (x,), amxopt.AmxConfig(provider="reference", autotune_cache=str(tmp_path)))
+    assert opt.report.choices == []
