@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import amxopt  # noqa: F401 - registers torch.ops.amxopt
+from amxopt.ops import native
 from amxopt.ops.providers import available_providers
 
 amx = torch.ops.amxopt
@@ -59,6 +60,31 @@ def avx512_bf16_peak() -> float | None:
             return None
 
 
+def variants() -> list[str]:
+    """What runs against eager: the reference, and native at every tier this CPU runs (``native[fp32]``)."""
+    labels = ["reference"]
+    if available_providers()["native"][0]:
+        labels += [f"native[{t}]" for t in native.TIERS if native.tier_supported(t)[0]]
+    return labels
+
+
+def provider_of(label: str) -> str:
+    return label.split("[")[0]
+
+
+def at_tier(label: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with the native tier capped as ``label`` says (uncapped for the CPU's best tier)."""
+    tier = label[label.index("[") + 1 : -1] if "[" in label else None
+    if tier is None or tier == native.cpu_tier():
+        return fn
+
+    def run():
+        with native.max_tier(tier):
+            return fn()
+
+    return run
+
+
 def linear_cases(providers: list[str]) -> list[Case]:
     cases = []
     shapes = [(784, 1024, 3072), (784, 1024, 4096), (784, 4096, 1024), (1280, 1536, 8960)]
@@ -67,8 +93,8 @@ def linear_cases(providers: list[str]) -> list[Case]:
         x, w, b = torch.randn(m, k, dtype=BF16), torch.randn(n, k, dtype=BF16) * 0.03, torch.randn(n, dtype=BF16)
         impls = {"eager": lambda x=x, w=w, b=b: F.linear(x, w, b)}
         for p in providers:
-            packed = amx.pack_linear_weight(w, p)
-            impls[p] = lambda x=x, pw=packed, b=b, n=n, p=p: amx.linear(x, pw, b, "none", n, p)
+            packed = amx.pack_linear_weight(w, provider_of(p))
+            impls[p] = at_tier(p, lambda x=x, pw=packed, b=b, n=n, p=provider_of(p): amx.linear(x, pw, b, "none", n, p))
         cases.append(Case("linear", f"M={m} K={k} N={n}", 2.0 * m * k * n, impls))
     return cases
 
@@ -99,8 +125,11 @@ def attention_cases(providers: list[str]) -> list[Case]:
 
         impls = {"eager": eager}
         for p in providers:
-            impls[p] = lambda q=q, k=k, v=v, cu=cu, m=max(lengths), s=scale, p=p: amx.varlen_attention(
-                q, k, v, cu, cu, m, m, s, False, p
+            impls[p] = at_tier(
+                p,
+                lambda q=q, k=k, v=v, cu=cu, m=max(lengths), s=scale, p=provider_of(p): amx.varlen_attention(
+                    q, k, v, cu, cu, m, m, s, False, p
+                ),
             )
         flops = sum(4.0 * heads * n * n * d for n in lengths)
         cases.append(
@@ -120,9 +149,12 @@ def patch_embed_cases(providers: list[str]) -> list[Case]:
         impls = {"eager": lambda x=x, conv=conv: conv(x)}
         w = conv.weight.detach().reshape(out_ch, -1)
         for p in providers:
-            packed = amx.pack_linear_weight(w, p)
-            impls[p] = lambda x=x, pw=packed, b=conv.bias.detach(), kr=list(kernel), o=out_ch, p=p: amx.patch_embed(
-                x, pw, b, kr, o, p
+            packed = amx.pack_linear_weight(w, provider_of(p))
+            impls[p] = at_tier(
+                p,
+                lambda x=x, pw=packed, b=conv.bias.detach(), kr=list(kernel), o=out_ch, p=provider_of(p): (
+                    amx.patch_embed(x, pw, b, kr, o, p)
+                ),
             )
         patches = x.numel() // w.shape[1]
         cases.append(Case("patch_embed", label, 2.0 * patches * w.shape[1] * out_ch, impls))
@@ -135,11 +167,11 @@ def norm_cases(providers: list[str]) -> list[Case]:
         x, w, b = torch.randn(rows, d, dtype=BF16), torch.randn(d, dtype=BF16), torch.randn(d, dtype=BF16)
         impls = {"eager": lambda x=x, w=w, b=b, d=d: F.layer_norm(x, (d,), w, b, 1e-6)}
         for p in providers:
-            impls[p] = lambda x=x, w=w, b=b, p=p: amx.layer_norm(x, w, b, 1e-6, p)
+            impls[p] = at_tier(p, lambda x=x, w=w, b=b, p=provider_of(p): amx.layer_norm(x, w, b, 1e-6, p))
         cases.append(Case("layer_norm", f"{rows} x {d}", 0.0, impls))
         impls = {"eager": lambda x=x, w=w, d=d: F.rms_norm(x, (d,), w, 1e-6)}
         for p in providers:
-            impls[p] = lambda x=x, w=w, p=p: amx.rms_norm(x, w, 1e-6, p)
+            impls[p] = at_tier(p, lambda x=x, w=w, p=provider_of(p): amx.rms_norm(x, w, 1e-6, p))
         cases.append(Case("rms_norm", f"{rows} x {d}", 0.0, impls))
     return cases
 
@@ -166,10 +198,11 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
 
-    providers = [p for p, (ok, _) in available_providers().items() if ok]
-    peak = avx512_bf16_peak()
+    providers = variants()
+    peak = avx512_bf16_peak() if native.tier_supported("avx512_bf16")[0] else None
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; providers {providers}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; cpu {native.cpu_model()}; "
+        f"best tier {native.cpu_tier()}; variants {providers}; "
         f"AVX-512-BF16 peak measured now: {peak if peak else 'n/a'} TFLOP/s; AMX limit quoted: {AMX_PEAK_TFLOPS}"
     )
     cases = linear_cases(providers) + attention_cases(providers) + patch_embed_cases(providers) + norm_cases(providers)
@@ -200,6 +233,8 @@ def main() -> None:
             )
     if args.json:
         meta = dict(
+            cpu=native.cpu_model(),
+            tier=native.cpu_tier(),
             torch=torch.__version__,
             threads=torch.get_num_threads(),
             avx512_bf16_peak_tflops=peak,

@@ -15,20 +15,24 @@ import torch
 
 import amxopt
 from amxopt import models
+from amxopt.ops import native
 from amxopt.runtime import max_abs_error
 
 
-def median_times(fns: dict, inputs: dict, repeats: int) -> dict[str, float]:
+def median_times(fns: dict, inputs: dict, repeats: int, budget_s: float) -> tuple[dict[str, float], int]:
+    """Medians of interleaved calls: ``repeats`` rounds, fewer if a round would overrun ``budget_s``."""
     times = {name: [] for name in fns}
     with torch.no_grad():
+        t = time.perf_counter()
         for name, fn in fns.items():  # warm-up
             fn(**inputs)
+        repeats = max(1, min(repeats, int(budget_s / (time.perf_counter() - t))))
         for _ in range(repeats):
             for name, fn in fns.items():  # interleaved, so drift on a shared machine hits all alike
                 t = time.perf_counter()
                 fn(**inputs)
                 times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: statistics.median(ts) for name, ts in times.items()}, repeats
 
 
 def main() -> None:
@@ -36,6 +40,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-vl-2b-vision")
     parser.add_argument("--size", type=int, default=448, help="image side in pixels")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds for the timed rounds (fewer if slow)")
     args = parser.parse_args()
 
     print(f"building {args.model} (random weights, real config) ...", flush=True)
@@ -66,8 +71,11 @@ def main() -> None:
     print(f"  original  bf16 (eager)  {err_eager16:.3e}")
     print(f"  optimized bf16          {err_opt16:.3e}   ({err_opt16 / err_eager16:.2f}x the eager bf16 error)\n")
 
-    t = median_times({"eager bf16": bf16, "amxopt bf16": opt16}, x16, args.repeats)
-    print(f"time, median of {args.repeats} (provider {opt16.config.provider}, {torch.get_num_threads()} threads):")
+    t, repeats = median_times({"eager bf16": bf16, "amxopt bf16": opt16}, x16, args.repeats, args.budget)
+    print(
+        f"time, median of {repeats} on {native.cpu_model()} ({torch.get_num_threads()} threads; provider "
+        f"{opt16.config.provider}, tier {native.active_tier() if opt16.config.provider == 'native' else '-'}):"
+    )
     for name, secs in t.items():
         print(f"  {name:<12} {secs * 1000:8.1f} ms")
     print(f"  speed-up     {t['eager bf16'] / t['amxopt bf16']:8.2f}x")

@@ -139,49 +139,69 @@ inline float hsum(fVec v) {
   return at::vec::vec_reduce_all<float>([](fVec x, fVec y) { return x + y; }, v);
 }
 
-// Two passes over an fp32 copy of the row (no cancellation in the variance), one write.
+// 2 * kF values of a row as two fp32 vectors (one full bf16 vector converted, or two fp32 loads).
+template <typename T>
+inline std::tuple<fVec, fVec> load2(const T* p) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return at::vec::convert_to_float<bf16>(bVec::loadu(p));
+  } else {
+    return {fVec::loadu(p), fVec::loadu(p + kF)};
+  }
+}
+
+// Three fused passes per row, all but the first on an fp32 copy in L1: (1) load, convert, keep the
+// copy and sum (sum of squares for RMSNorm); (2) LayerNorm only: the centred sum of squares (two
+// passes, so no cancellation when |mean| >> std); (3) normalize, weight, bias, round and store.
 template <typename T>
 void norm_rows(const T* x, int64_t ldx, T* y, int64_t rows, int64_t D, const float* w, const float* b, float eps,
                bool rms, float* f) {
-  const int64_t Dv = D / kF * kF;
+  const int64_t Dv = D / (2 * kF) * (2 * kF);  // vector part; the rest is scalar
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * ldx;
     T* yr = y + r * D;
-    if constexpr (std::is_same_v<T, bf16>) {
-      bf16_to_f32(xr, f, D);
-    } else {
-      std::copy(xr, xr + D, f);
+    fVec s0(0.f), s1(0.f);
+    for (int64_t i = 0; i < Dv; i += 2 * kF) {
+      const auto [a, c] = load2(xr + i);
+      a.store(f + i);
+      c.store(f + i + kF);
+      s0 = rms ? at::vec::fmadd(a, a, s0) : s0 + a;
+      s1 = rms ? at::vec::fmadd(c, c, s1) : s1 + c;
     }
-    float mean = 0.f;
-    fVec s(0.f);
     float tail = 0.f;
+    for (int64_t i = Dv; i < D; ++i) {
+      f[i] = float(xr[i]);
+      tail += rms ? f[i] * f[i] : f[i];
+    }
+    const float first = hsum(s0 + s1) + tail;
+    float mean = 0.f, var = first / D;
     if (!rms) {
-      for (int64_t i = 0; i < Dv; i += kF) s = s + fVec::loadu(f + i);
-      for (int64_t i = Dv; i < D; ++i) tail += f[i];
-      mean = (hsum(s) + tail) / D;
+      mean = first / D;
+      const fVec mu(mean);
+      s0 = fVec(0.f);
+      s1 = fVec(0.f);
+      for (int64_t i = 0; i < Dv; i += 2 * kF) {
+        const fVec d0 = fVec::loadu(f + i) - mu, d1 = fVec::loadu(f + i + kF) - mu;
+        s0 = at::vec::fmadd(d0, d0, s0);
+        s1 = at::vec::fmadd(d1, d1, s1);
+      }
+      tail = 0.f;
+      for (int64_t i = Dv; i < D; ++i) tail += (f[i] - mean) * (f[i] - mean);
+      var = (hsum(s0 + s1) + tail) / D;
     }
-    const fVec mu(mean);
-    s = fVec(0.f);
-    tail = 0.f;
-    for (int64_t i = 0; i < Dv; i += kF) {
-      const fVec d = fVec::loadu(f + i) - mu;
-      s = at::vec::fmadd(d, d, s);
+    const float inv = 1.f / std::sqrt(var + eps);
+    const fVec mu(mean), sc(inv);
+    for (int64_t i = 0; i < Dv; i += 2 * kF) {
+      fVec v0 = (fVec::loadu(f + i) - mu) * sc, v1 = (fVec::loadu(f + i + kF) - mu) * sc;
+      if (w) v0 = v0 * fVec::loadu(w + i), v1 = v1 * fVec::loadu(w + i + kF);
+      if (b) v0 = v0 + fVec::loadu(b + i), v1 = v1 + fVec::loadu(b + i + kF);
+      if constexpr (std::is_same_v<T, bf16>) {
+        at::vec::convert_from_float<bf16>(v0, v1).store(yr + i);
+      } else {
+        v0.store(yr + i);
+        v1.store(yr + i + kF);
+      }
     }
-    for (int64_t i = Dv; i < D; ++i) tail += (f[i] - mean) * (f[i] - mean);
-    const float inv = 1.f / std::sqrt((hsum(s) + tail) / D + eps);
-    const fVec sc(inv);
-    for (int64_t i = 0; i < Dv; i += kF) {
-      fVec v = (fVec::loadu(f + i) - mu) * sc;
-      if (w) v = v * fVec::loadu(w + i);
-      if (b) v = v + fVec::loadu(b + i);
-      v.store(f + i);
-    }
-    for (int64_t i = Dv; i < D; ++i) f[i] = (f[i] - mean) * inv * (w ? w[i] : 1.f) + (b ? b[i] : 0.f);
-    if constexpr (std::is_same_v<T, bf16>) {
-      f32_to_bf16(f, yr, D);
-    } else {
-      std::copy(f, f + D, yr);
-    }
+    for (int64_t i = Dv; i < D; ++i) yr[i] = T((f[i] - mean) * inv * (w ? w[i] : 1.f) + (b ? b[i] : 0.f));
   }
 }
 
