@@ -35,6 +35,10 @@ _SCHEMAS = {
     "patch_embed": (
         "(Tensor x, Tensor packed_weight, Tensor? bias, SymInt[] kernel_size, SymInt out_channels{provider}) -> Tensor"
     ),
+    "conv2d": (
+        "(Tensor x, Tensor weight, Tensor? bias, SymInt[] stride, SymInt[] padding, SymInt[] dilation, "
+        "SymInt groups{provider}) -> Tensor"
+    ),
     "layer_norm": "(Tensor x, Tensor? weight, Tensor? bias, float eps{provider}) -> Tensor",
     "rms_norm": "(Tensor x, Tensor? weight, float eps{provider}) -> Tensor",
 }
@@ -173,6 +177,34 @@ def _check_patch(x, packed_weight, bias, kernel_size, out_channels, provider):
     _check_gemm(op, desc, k_total, x.dtype, packed_weight, bias, out_channels, provider)
 
 
+def _check_conv2d(x, weight, bias, stride, padding, dilation, groups):
+    op = "conv2d"
+    _check(x.dim() == 4, op, f"x must be [B, C, H, W], got {tuple(x.shape)}")
+    _check_float(op, "x", x)
+    _check(
+        weight.dim() == 4 and weight.dtype == x.dtype,
+        op,
+        f"weight must be a 4-D {x.dtype} tensor, got {weight.dtype} {tuple(weight.shape)}",
+    )
+    _check(
+        groups > 0 and weight.shape[1] * groups == x.shape[1],
+        op,
+        f"weight {tuple(weight.shape)} with groups={groups} does not take the {x.shape[1]} channels of x "
+        f"{tuple(x.shape)}",
+    )
+    _check(
+        len(stride) == len(padding) == len(dilation) == 2,
+        op,
+        f"stride, padding and dilation need 2 entries each, got {list(stride)}, {list(padding)}, {list(dilation)}",
+    )
+    if bias is not None:
+        _check(
+            bias.shape == (weight.shape[0],) and bias.dtype in (x.dtype, torch.float32),
+            op,
+            f"bias must be ({weight.shape[0]},) in {x.dtype} or float32, got {bias.dtype} {tuple(bias.shape)}",
+        )
+
+
 def _check_norm(op, x, params):
     _check(x.dim() >= 1, op, f"x has shape {tuple(x.shape)}; it needs at least one dim")
     _check_float(op, "x", x)
@@ -216,6 +248,12 @@ def _(x, packed_weight, bias, kernel_size, out_channels, provider="auto"):
     return x.new_empty((b, t // kt, h // kh, w // kw, out_channels)).permute(0, 4, 1, 2, 3)
 
 
+@torch.library.register_fake("amxopt::conv2d", lib=_lib)
+def _(x, weight, bias, stride, padding, dilation, groups, provider="auto"):
+    _check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return reference.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+
 @torch.library.register_fake("amxopt::layer_norm", lib=_lib)
 def _(x, weight, bias, eps, provider="auto"):
     _check_norm("layer_norm", x, (("weight", weight), ("bias", bias)))
@@ -252,6 +290,11 @@ def _ref_patch_embed(x, packed_weight, bias, kernel_size, out_channels):
     return reference.patch_embed(x, packed_weight, bias, kernel_size, out_channels)
 
 
+def _ref_conv2d(x, weight, bias, stride, padding, dilation, groups):
+    _check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return reference.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+
 def _ref_layer_norm(x, weight, bias, eps):
     _check_norm("layer_norm", x, (("weight", weight), ("bias", bias)))
     return reference.layer_norm(x, weight, bias, eps)
@@ -267,6 +310,7 @@ _REFERENCE = {
     "linear": _ref_linear,
     "varlen_attention": _ref_varlen_attention,
     "patch_embed": _ref_patch_embed,
+    "conv2d": _ref_conv2d,
     "layer_norm": _ref_layer_norm,
     "rms_norm": _ref_rms_norm,
 }

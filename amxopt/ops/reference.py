@@ -106,6 +106,19 @@ def patch_embed(
     return y.reshape(b, nt, nh, nw, out_channels).permute(0, 4, 1, 2, 3)
 
 
+def conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+) -> torch.Tensor:
+    b = None if bias is None else bias.to(x.dtype)
+    return F.conv2d(x, weight, b, list(stride), list(padding), list(dilation), groups)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     w = None if weight is None else weight.float()
     b = None if bias is None else bias.float()

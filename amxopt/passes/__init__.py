@@ -16,6 +16,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from amxopt.config import AmxConfig
 from amxopt.passes.pack_weights import pack_weights
 from amxopt.passes.replace_attention import replace_attention
+from amxopt.passes.replace_conv2d import replace_conv2d
 from amxopt.passes.replace_linear import replace_linear
 from amxopt.passes.replace_norms import replace_norms
 from amxopt.passes.replace_patch_embed import replace_patch_embed
@@ -25,6 +26,7 @@ Pass = Callable[[fx.GraphModule, AmxConfig], PassResult]
 DEFAULT_PASSES: tuple[Pass, ...] = (
     replace_attention,
     replace_patch_embed,
+    replace_conv2d,
     replace_norms,
     replace_linear,
     pack_weights,

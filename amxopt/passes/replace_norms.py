@@ -75,14 +75,14 @@ def _timing(node: fx.Node, x: fx.Node, out: fx.Node, params: list, fn, config: A
         return y.to(xs.dtype) if upcast else y
 
     return _autotune.compare(
-        f"{op_kind(node)} [{_autotune.describe(xs, *ps)}]{' fp32 upcast' if upcast else ''}",
+        f"{_op_kind(node)} [{_autotune.describe(xs, *ps)}]{' fp32 upcast' if upcast else ''}",
         config,
         lambda: fn(xs, *ps),
         run_aten,
     )
 
 
-def op_kind(node: fx.Node) -> str:
+def _op_kind(node: fx.Node) -> str:
     return "layer_norm" if node.target == aten.layer_norm.default else "rms_norm"
 
 

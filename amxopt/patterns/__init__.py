@@ -36,6 +36,7 @@ KIND_TARGETS = {
     "linear": (aten.linear.default,),
     "attention": (aten.scaled_dot_product_attention.default,),
     "patch_embed": (aten.conv3d.default, aten.conv3d.padding),
+    "conv2d": (aten.conv2d.default, aten.conv2d.padding),
     "layer_norm": (aten.layer_norm.default,),
     "rms_norm": (aten.rms_norm.default,),
 }
@@ -43,6 +44,7 @@ AMX_KINDS = {
     amx.linear.default: "linear",
     amx.varlen_attention.default: "attention",
     amx.patch_embed.default: "patch_embed",
+    amx.conv2d.default: "conv2d",
     amx.layer_norm.default: "layer_norm",
     amx.rms_norm.default: "rms_norm",
 }
@@ -71,6 +73,10 @@ def patch_embed_replacement(x, weight, bias, *, provider: str):
     out_channels, kernel = weight.shape[0], list(weight.shape[2:])
     packed = amx.pack_linear_weight(weight.reshape(out_channels, -1), provider)
     return amx.patch_embed(x, packed, bias, kernel, out_channels, provider)
+
+
+def conv2d_replacement(x, weight, bias, *, stride, padding, dilation, groups, provider: str):
+    return amx.conv2d(x, weight, bias, stride, padding, dilation, groups, provider)
 
 
 def layer_norm_replacement(x, weight, bias, *, eps: float, provider: str):

@@ -21,7 +21,6 @@ _TARGET_KIND = {t: kind for kind, targets in KIND_TARGETS.items() for t in targe
 # Compute-heavy ATen ops outside amxopt's op set: listed so the report shows what still runs as ATen.
 _OTHER_COMPUTE = (
     aten.conv1d.default,
-    aten.conv2d.default,
     aten.convolution.default,
     aten.matmul.default,
     aten.mm.default,

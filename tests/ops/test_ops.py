@@ -148,6 +148,23 @@ OPCHECK_CASES = {
             p,
         ),
     ),
+    "conv2d-fp32-bias-stride2": lambda p: (
+        ops.conv2d,
+        (torch.randn(2, 3, 9, 8), torch.randn(4, 3, 3, 3), torch.randn(4), [2, 2], [1, 1], [1, 1], 1, p),
+    ),
+    "conv2d-bf16-groups-channels-last": lambda p: (
+        ops.conv2d,
+        (
+            torch.randn(1, 4, 6, 6, dtype=_bf).to(memory_format=torch.channels_last),
+            torch.randn(6, 2, 3, 3, dtype=_bf),
+            None,
+            [1, 1],
+            [0, 0],
+            [1, 1],
+            2,
+            p,
+        ),
+    ),
     "layer_norm-fp32": lambda p: (ops.layer_norm, (torch.randn(4, 10), torch.randn(10), torch.randn(10), 1e-5, p)),
     "layer_norm-bf16-fp32-params": lambda p: (
         ops.layer_norm,
@@ -629,3 +646,45 @@ def test_noncontiguous_inputs(provider, dtype):
     for x in (torch.randn(16, 5, generator=g).to(dtype).t(), torch.randn(5, 32, generator=g).to(dtype)[:, :16]):
         assert_close_dtype(ops.layer_norm(x, None, None, 1e-5, provider), layer_norm_oracle(x, None, None, 1e-5), dtype)
         assert_close_dtype(ops.rms_norm(x, None, 1e-5, provider), rms_norm_oracle(x, None, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape,weight,params",
+    [
+        ((3, 1, 17, 10), (8, 1, 3, 3), dict(stride=[2, 2], padding=[1, 1], dilation=[1, 1], groups=1)),
+        ((2, 6, 9, 9), (6, 3, 3, 2), dict(stride=[1, 2], padding=[0, 1], dilation=[2, 1], groups=2)),
+    ],
+)
+def test_conv2d_matches_oracle(provider, dtype, shape, weight, params):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    w = (torch.randn(*weight, generator=g) / 4).to(dtype)
+    b = torch.randn(weight[0], generator=g).to(dtype)
+    out = ops.conv2d(x, w, b, *params.values(), provider)
+    assert_close_dtype(out, F.conv2d(x.double(), w.double(), b.double(), **params), dtype)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (
+            lambda p: ops.conv2d(torch.randn(2, 3, 4), torch.randn(4, 3, 1, 1), None, [1, 1], [0, 0], [1, 1], 1, p),
+            r"amxopt\.conv2d: x must be \[B, C, H, W\], got \(2, 3, 4\)",
+        ),
+        (
+            lambda p: ops.conv2d(torch.randn(1, 3, 4, 4), torch.randn(4, 2, 1, 1), None, [1, 1], [0, 0], [1, 1], 1, p),
+            r"amxopt\.conv2d: weight \(4, 2, 1, 1\) with groups=1 does not take the 3 channels",
+        ),
+        (
+            lambda p: ops.conv2d(
+                torch.randn(1, 3, 4, 4), torch.randn(4, 3, 1, 1), torch.randn(5), [1, 1], [0, 0], [1, 1], 1, p
+            ),
+            r"amxopt\.conv2d: bias must be \(4,\)",
+        ),
+    ],
+    ids=["3d-x", "channels", "bias"],
+)
+def test_conv2d_bad_input_raises(provider, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(provider)

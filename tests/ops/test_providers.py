@@ -22,7 +22,11 @@ def test_native_builds_and_loads_on_every_x86_64_cpu():
 def test_cpu_tier_matches_cpu_flags():
     expected = next(t for t in native.TIERS if native.tier_supported(t)[0])
     assert native.cpu_tier() == expected
-    assert native.vec_isa() == ("avx512" if "avx512f" in native.cpu_flags() else "avx2")
+    flags = native.cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        assert native.vec_isa() == "avx512"
+    else:
+        assert native.vec_isa() == ("avx2" if {"avx2", "fma"} <= flags else "default")
 
 
 def test_max_tier_caps_and_restores():

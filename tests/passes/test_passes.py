@@ -12,6 +12,7 @@ from amxopt.passes import (
     DEFAULT_PASSES,
     pack_weights,
     replace_attention,
+    replace_conv2d,
     replace_linear,
     replace_norms,
     replace_patch_embed,
@@ -193,6 +194,39 @@ def test_replace_patch_embed_leaves_indivisible_input():
     gm, _ = captured(Patchify((1, 2, 2)).eval(), {"x": torch.randn(1, 4, 2, 7, 8)}, dynamic=False)
     assert not run(replace_patch_embed, gm)
     assert "divisible" in left_reasons(gm, aten.conv3d.default)[0]
+
+
+# --- replace_conv2d ----------------------------------------------------------------------------
+
+
+class AudioConvs(nn.Module):
+    """The Omni audio encoder's downsampling: 3x3 stride-2 convs with GELU between."""
+
+    def __init__(self, padding=1):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 8, 3, stride=2, padding=padding)
+        self.c2 = nn.Conv2d(8, 8, 3, stride=2, padding=padding, groups=2)
+
+    def forward(self, x):
+        return self.c2(F.gelu(self.c1(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replace_conv2d(dtype):
+    model = AudioConvs().to(dtype).eval()
+    gm, gi = captured(model, {"x": torch.randn(3, 1, 16, 10, dtype=dtype)})
+    assert run(replace_conv2d, gm)
+    assert count(gm, aten.conv2d.default) == 0 and count(gm, amx.conv2d.default) == 2
+    assert not run(replace_conv2d, gm)
+    if dtype == torch.float32:
+        assert_same(gm, gi, model)
+
+
+def test_replace_conv2d_leaves_string_padding():
+    gm, _ = captured(AudioConvs(padding="valid").eval(), {"x": torch.randn(1, 1, 16, 10)}, dynamic=False)
+    assert not run(replace_conv2d, gm)
+    reasons = left_reasons(gm, aten.conv2d.padding)
+    assert len(reasons) == 2 and all("string padding 'valid'" in r for r in reasons)
 
 
 # --- replace_norms -----------------------------------------------------------------------------

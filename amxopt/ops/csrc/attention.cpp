@@ -1,10 +1,12 @@
 // Driver of amxopt.varlen_attention: packed q [T, H, D], k/v [Tk, Hk, D], segments from cu_seqlens.
 //
-// bf16 on the avx512_bf16 and amx tiers: the flash kernel of attention_avx512_bf16.cpp (one call for
-// all segments, K/V packed once per segment and kv head). Everything else (the fp32 tier, fp32
-// models, a head dim that is not contiguous): ATen's fused CPU attention in fp32, one call per run of
-// consecutive segments with equal lengths (a batch of views, no copies; Qwen's frames and the audio
-// windows are such runs), so there is no per-segment loop in Python and, usually, one call in C++.
+// bf16 on the avx512_bf16 tier: the flash kernel of attention_avx512_bf16.cpp (one call for all
+// segments, K/V packed once per segment and kv head). Everything else: ATen's fused CPU attention,
+// one call per run of consecutive segments with equal lengths (a batch of views, no copies; Qwen's
+// frames and the audio windows are such runs), so there is no per-segment loop in Python and,
+// usually, one call in C++. It computes in bf16 on the amx tier (its block GEMMs are oneDNN's, on
+// AMX tiles: faster there than the AVX-512 kernel) and in fp32 otherwise (the fp32 tier converts
+// bf16 inputs: where bf16 is emulated, fp32 is faster).
 // Causal is bottom-right aligned; query rows that see no key give zeros.
 #include "common.h"
 
@@ -18,10 +20,10 @@ at::Tensor batch(const at::Tensor& x, int64_t row0, int64_t n, int64_t l, int64_
 }
 
 at::Tensor attention_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& bq,
-                          const std::vector<int64_t>& bk, double scale, bool causal) {
+                          const std::vector<int64_t>& bk, double scale, bool causal, at::ScalarType compute) {
   const int64_t H = q.size(1), Hk = k.size(1), Dv = v.size(2), nseg = int64_t(bq.size()) - 1;
   // softmax(s q.k) == softmax(|s| (-q).k): ATen's kernels mishandle a negative scale with a mask.
-  auto q32 = scale < 0 ? q.neg().to(at::kFloat) : q.to(at::kFloat), k32 = k.to(at::kFloat), v32 = v.to(at::kFloat);
+  auto q32 = scale < 0 ? q.neg().to(compute) : q.to(compute), k32 = k.to(compute), v32 = v.to(compute);
   bool blind = false;  // some query row sees no key: its output is zero
   for (int64_t s = 0; s < nseg; ++s) {
     const int64_t lq = bq[s + 1] - bq[s], lk = bk[s + 1] - bk[s];
@@ -52,17 +54,19 @@ at::Tensor attention_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Te
 }  // namespace
 
 const char* attention_engine(Tier tier, const at::Tensor& q) {
-  return q.scalar_type() == at::kBFloat16 && tier != Tier::Fp32 ? "avx512_bf16 flash kernel"
-                                                                 : "ATen fused attention in fp32, per run of equal segments";
+  if (q.scalar_type() != at::kBFloat16 || tier == Tier::Fp32)
+    return "ATen fused attention in fp32, per run of equal segments";
+  return tier == Tier::Amx ? "ATen fused attention in bf16 (oneDNN on AMX), per run of equal segments"
+                           : "avx512_bf16 flash kernel";
 }
 
 at::Tensor varlen_attention_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale,
                                    bool causal, Tier tier) {
+  const bool bf = q.scalar_type() == at::kBFloat16;
   const bool unit_d = q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1;
-  if (q.scalar_type() == at::kBFloat16 && tier != Tier::Fp32 && unit_d)
-    return varlen_attention_avx512_bf16(q, k, v, bq, bk, scale, causal);
-  return attention_sdpa(q, k, v, bq, bk, scale, causal);
+  if (bf && tier == Tier::Avx512Bf16 && unit_d) return varlen_attention_avx512_bf16(q, k, v, bq, bk, scale, causal);
+  return attention_sdpa(q, k, v, bq, bk, scale, causal, bf && tier == Tier::Amx ? at::kBFloat16 : at::kFloat);
 }
 
 }  // namespace amxopt

@@ -161,6 +161,43 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& packed, const std:
   return y.view({B, nt, nh, nw, out_channels}).permute({0, 4, 1, 2, 3});
 }
 
+// --- conv2d -----------------------------------------------------------------------------------------
+// Any 2-D convolution, computed where this CPU is fast: on the fp32 tier a bf16 convolution runs in
+// fp32 (ATen's bf16 convolution is emulated there: 30x slower for the Omni audio encoder's 3x3
+// stride-2 convs); elsewhere ATen's (oneDNN's) convolution in the input dtype.
+at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                  at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                  c10::string_view provider) {
+  const char* op = "conv2d";
+  if (use_reference(provider, op))
+    return reference_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                   at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, int64_t)>(
+               "amxopt::reference_conv2d")
+        .call(x, w, bias, stride, padding, dilation, groups);
+  AMX_CHECK(x.dim() == 4, op, "x must be [B, C, H, W], got ", shape(x.sizes()));
+  check_float(op, "x", x);
+  AMX_CHECK(w.dim() == 4 && w.scalar_type() == x.scalar_type(), op, "weight must be a 4-D ", dtype_name(x.scalar_type()),
+            " tensor, got ", dtype_name(w.scalar_type()), " ", shape(w.sizes()));
+  AMX_CHECK(groups > 0 && w.size(1) * groups == x.size(1), op, "weight ", shape(w.sizes()), " with groups=", groups,
+            " does not take the ", x.size(1), " channels of x ", shape(x.sizes()));
+  AMX_CHECK(stride.size() == 2 && padding.size() == 2 && dilation.size() == 2, op,
+            "stride, padding and dilation need 2 entries each, got ", list(stride.vec()), ", ", list(padding.vec()),
+            ", ", list(dilation.vec()));
+  if (bias.has_value())
+    AMX_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0) &&
+                  (bias->scalar_type() == x.scalar_type() || bias->scalar_type() == at::kFloat),
+              op, "bias must be (", w.size(0), ",) in ", dtype_name(x.scalar_type()), " or float32, got ",
+              dtype_name(bias->scalar_type()), " ", shape(bias->sizes()));
+  if (x.scalar_type() == at::kBFloat16 && active_tier() == Tier::Fp32) {
+    std::optional<at::Tensor> b32;
+    if (bias.has_value()) b32 = bias->to(at::kFloat);
+    return at::conv2d(x.to(at::kFloat), w.to(at::kFloat), b32, stride, padding, dilation, groups).to(at::kBFloat16);
+  }
+  std::optional<at::Tensor> b;
+  if (bias.has_value()) b = bias->to(x.scalar_type());
+  return at::conv2d(x, w, b, stride, padding, dilation, groups);
+}
+
 // --- varlen_attention ---------------------------------------------------------------------------------
 
 std::vector<int64_t> checked_bounds(const char* op, const char* name, const at::Tensor& cu, int64_t total,
@@ -264,6 +301,7 @@ TORCH_LIBRARY_IMPL(amxopt, CPU, m) {
   m.impl("linear", &amxopt::linear);
   m.impl("patch_embed", &amxopt::patch_embed);
   m.impl("varlen_attention", &amxopt::varlen_attention);
+  m.impl("conv2d", &amxopt::conv2d);
   m.impl("layer_norm", &amxopt::layer_norm);
   m.impl("rms_norm", &amxopt::rms_norm);
 }
