@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from amxopt import ops  # noqa: F401 - registers torch.ops.amxopt
-from amxopt.capture import CaptureError, capture, prepare
+from amxopt.capture import CaptureError, capture, find_adapter, prepare
 from amxopt.config import AmxConfig
 from amxopt.ops import AmxOpError
 from amxopt.ops.providers import resolve
@@ -22,13 +22,14 @@ from amxopt.runtime import OptimizedModule, Report, build_graph
 __all__ = ["AmxConfig", "AmxOpError", "CaptureError", "OptimizedModule", "Report", "capture", "optimize"]
 
 
-def optimize(model: nn.Module, example_inputs: Any, config: AmxConfig | None = None) -> OptimizedModule:
+def optimize(model: nn.Module, example_inputs: Any = None, config: AmxConfig | None = None) -> OptimizedModule:
     """Capture ``model``, rewrite it onto amxopt ops and pack its weights.
 
     Args:
         model: a ``transformers``/``diffusers``/plain ``nn.Module`` in eval mode, in the dtype it
             should run in (e.g. ``model.to(torch.bfloat16)``).
-        example_inputs: a tuple of positional args or a dict of kwargs for ``model``.
+        example_inputs: a tuple of positional args or a dict of kwargs for ``model``; ``None``
+            captures at the first call instead (and again when a call does not fit the graph).
         config: options; ``AmxConfig()`` by default.
 
     Returns:
@@ -47,6 +48,8 @@ def optimize(model: nn.Module, example_inputs: Any, config: AmxConfig | None = N
             f"amxopt: {type(model).__name__} is in training mode; amxopt optimizes inference, call .eval()"
         )
     config = dataclasses.replace(config, provider=resolve(config.provider))
+    if example_inputs is None:
+        return OptimizedModule(model, find_adapter(model)(model), None, config)
     adapter, graph_inputs = prepare(model, example_inputs)
     first = build_graph(model, adapter, graph_inputs, config)
     return OptimizedModule(model, adapter, first, config)

@@ -68,7 +68,7 @@ def bench_model(name: str, size, repeats: int) -> dict:
                 times[label].append(timed(fn, inputs)[1])
     med = {label: statistics.median(ts) for label, ts in times.items()}
     errors = {label: max_abs_error(outputs[label], outputs["eager fp32"]) for label in variants if "bf16" in label}
-    print(f"provider {opt.config.provider}; report counts {opt.report.counts()}; left {len(opt.report.left)}")
+    print(f"provider {opt.amx_config.provider}; report counts {opt.report.counts()}; left {len(opt.report.left)}")
     print("| variant | median s | vs eager bf16 | max abs err vs fp32 |\n|---|---|---|---|")
     for label, secs in med.items():
         err = f"{errors[label]:.3e}" if label in errors else "-"
@@ -77,7 +77,7 @@ def bench_model(name: str, size, repeats: int) -> dict:
     result = dict(
         model=name,
         input=str(size),
-        provider=opt.config.provider,
+        provider=opt.amx_config.provider,
         median_s=med,
         ratio_vs_eager_bf16={k: med["eager bf16"] / v for k, v in med.items()},
         max_abs_error_vs_fp32=errors,

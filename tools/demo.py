@@ -74,7 +74,7 @@ def main() -> None:
     t, repeats = median_times({"eager bf16": bf16, "amxopt bf16": opt16}, x16, args.repeats, args.budget)
     print(
         f"time, median of {repeats} on {native.cpu_model()} ({torch.get_num_threads()} threads; provider "
-        f"{opt16.config.provider}, tier {native.active_tier() if opt16.config.provider == 'native' else '-'}):"
+        f"{opt16.amx_config.provider}, tier {native.active_tier() if opt16.amx_config.provider == 'native' else '-'}):"
     )
     for name, secs in t.items():
         print(f"  {name:<12} {secs * 1000:8.1f} ms")

@@ -67,18 +67,40 @@ class OptimizedModule(nn.Module):
         report: the rewrite report of that graph.
     """
 
-    def __init__(self, model: nn.Module, adapter: Adapter, first: _Graph, config: AmxConfig) -> None:
+    def __init__(self, model: nn.Module, adapter: Adapter, first: _Graph | None, config: AmxConfig) -> None:
         super().__init__()
         self.adapter = adapter
-        self.config = config
-        self._graphs = [first]
+        self.amx_config = config
+        self._graphs: list[_Graph] = []
         # Kept for re-capture of calls no graph accepts; a plain ref, so that nn.Module does not
         # register the source model's weights as part of this module's state.
         self.__dict__["_source"] = model
-        self.add_module("graph_module", first.captured.gm)
+        if first is not None:
+            self._add(first)
+
+    def _add(self, graph: _Graph) -> None:
+        if not self._graphs:
+            self.add_module("graph_module", graph.captured.gm)
+        self._graphs.append(graph)
+
+    def __getattr__(self, name: str) -> Any:
+        # Drop-in: what callers read from the original model (dtype, device, config,
+        # spatial_merge_size, cache_context, ...) comes from it.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            source = self.__dict__.get("_source")
+            if source is None:
+                raise
+            return getattr(source, name)
 
     @property
     def report(self) -> Report:
+        if not self._graphs:
+            raise RuntimeError(
+                f"amxopt: {self.adapter.model_name} is captured at its first call (optimize() had no example "
+                "inputs): call it once, or pass example inputs to optimize(), before reading the report"
+            )
         return self._graphs[0].report
 
     @property
@@ -95,6 +117,8 @@ class OptimizedModule(nn.Module):
             return self._recapture(graph_inputs).captured.gm(**graph_inputs)
 
     def _check_dtypes(self, graph_inputs: dict) -> None:
+        if not self._graphs:
+            return
         expected = self._graphs[0].dtypes
         for name, dtype in expected.items():
             got = graph_inputs.get(name)
@@ -107,14 +131,16 @@ class OptimizedModule(nn.Module):
     def _recapture(self, graph_inputs: dict) -> _Graph:
         model = self.__dict__["_source"]
         shapes = {k: tuple(v.shape) for k, v in graph_inputs.items() if isinstance(v, torch.Tensor)}
-        if len(self._graphs) >= self.config.max_recaptures:
+        if len(self._graphs) >= self.amx_config.max_recaptures:
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}: {len(self._graphs)} graphs cached (max_recaptures) and "
                 f"none accepts inputs {shapes}"
             )
         logger.info("amxopt: re-capturing %s for inputs %s", self.adapter.model_name, shapes)
-        graph = build_graph(model, self.adapter, graph_inputs, dataclasses.replace(self.config, dynamic=False))
-        self._graphs.append(graph)
+        # The first capture is dynamic when the config says so; later ones cover what it could not.
+        config = self.amx_config if not self._graphs else dataclasses.replace(self.amx_config, dynamic=False)
+        graph = build_graph(model, self.adapter, graph_inputs, config)
+        self._add(graph)
         return graph
 
 

@@ -109,3 +109,28 @@ def test_model_without_adapter_gets_every_pass():
     x = torch.randn(3, 5, 32)
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_optimize_without_example_inputs_captures_at_first_call():
+    name = "tiny-qwen3-vl-vision"
+    model = models.build_model(name)
+    opt = amxopt.optimize(model, config=CONFIG)
+    with pytest.raises(RuntimeError, match="captured at its first call"):
+        opt.report
+    inputs = models.example_inputs(name, size=64)
+    with torch.no_grad():
+        _outputs_close(opt(**inputs), model(**inputs))
+        other = models.example_inputs(name, size=(96, 64), seed=1)
+        _outputs_close(opt(**other), model(**other))
+    assert opt.report.counts()["attention"] == 3
+    assert len(opt.graphs) == 1  # the first capture is dynamic: the second size ran on it
+
+
+def test_optimized_module_forwards_what_callers_read():
+    # Qwen3-VL's get_image_features reads visual.dtype and visual.spatial_merge_size; pipelines read .config.
+    model = models.build_model("tiny-qwen3-vl-vision", torch.bfloat16)
+    opt = amxopt.optimize(model, config=CONFIG)
+    assert opt.dtype == torch.bfloat16 and opt.spatial_merge_size == model.spatial_merge_size
+    assert opt.config is model.config and opt.amx_config.provider == "reference"
+    with pytest.raises(AttributeError):
+        opt.no_such_attribute
