@@ -38,7 +38,7 @@ def timed(fn, inputs) -> tuple[object, float]:
     return out, time.perf_counter() - t
 
 
-def bench_model(name: str, size, repeats: int) -> dict:
+def bench_model(name: str, size, repeats: int, with_compile: bool = True) -> dict:
     print(f"\n## {name}: {DEFAULT_MODELS.get(name, (None, ''))[1]}", flush=True)
     fp32 = models.build_model(name, torch.float32)
     bf16 = models.build_model(name, torch.bfloat16)
@@ -57,6 +57,8 @@ def bench_model(name: str, size, repeats: int) -> dict:
             "torch.compile bf16": (compiled, x16),
             "amxopt bf16": (opt, x16),
         }
+        if not with_compile:
+            del variants["torch.compile bf16"]
         outputs = {}
         for label, (fn, inputs) in variants.items():  # warm-up (and torch.compile's compilation)
             outputs[label], secs = timed(fn, inputs)
@@ -96,12 +98,21 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--no-compile",
+        dest="with_compile",
+        action="store_false",
+        help="skip torch.compile (its first call takes minutes where bf16 is emulated, e.g. AMD Zen 3)",
+    )
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {native.cpu_model()}, "
         f"amxopt tier {native.active_tier()}"
     )
-    results = [bench_model(n, DEFAULT_MODELS.get(n, (None,))[0], args.repeats) for n in args.models.split(",")]
+    results = [
+        bench_model(n, DEFAULT_MODELS.get(n, (None,))[0], args.repeats, args.with_compile)
+        for n in args.models.split(",")
+    ]
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 

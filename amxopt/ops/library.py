@@ -81,7 +81,9 @@ def packed_linear_shape(n: int, k: int, dtype: torch.dtype, provider: str = "aut
     a length that names N and K exactly, so a weight packed for other in/out features is refused.
     Otherwise the plain ``[n, k]`` matrix.
     """
-    if resolve_provider(provider) == "native" and dtype == torch.bfloat16 and k % 2 == 0 and k > 0:
+    # Where the C++ library did not load, every provider runs the reference, and packs like it.
+    native_layout = resolve_provider(provider) == "native" and native.available()[0]
+    if native_layout and dtype == torch.bfloat16 and k % 2 == 0 and k > 0:
         return (-(-n // _NB) * _NB * (k + 1) - n,)
     return (n, k)
 
@@ -319,10 +321,12 @@ for _name, _fn in _REFERENCE.items():
 
 
 def _python_kernel(fn):
-    def run(*args):
-        *args, provider = args
+    arity = fn.__code__.co_argcount  # the op's arguments before ``provider``
+
+    def run(*args, **kwargs):
+        provider = args[arity] if len(args) > arity else kwargs.pop("provider", "auto")
         resolve_provider(provider)  # an unknown provider is an error even here
-        return fn(*args)
+        return fn(*args[:arity], **kwargs)
 
     return run
 

@@ -2,6 +2,7 @@
 
 The library is compiled from the project's sources by :mod:`amxopt.ops.build` the first time it is
 needed (the Makefile's install step does that by running ``amxopt info``) and found up to date later.
+``AMXOPT_NATIVE=0`` in the environment keeps it unloaded (every op then runs the reference).
 It registers the CPU kernels of every ``amxopt`` op and picks, per op call, the best tier the CPU
 runs: ``amx`` (oneDNN brgemm on AMX tiles), ``avx512_bf16``, or ``fp32`` (bf16 models computed in
 fp32: on CPUs without bf16 dot products eager bf16 is emulated and several times slower than fp32).
@@ -63,6 +64,8 @@ def load() -> tuple[bool, str]:
     """Build (if needed) and load the C++ library; (loaded?, why)."""
     if sys.platform != "linux" or os.uname().machine != "x86_64":
         return False, "amxopt's kernels are for Linux on x86-64"
+    if os.environ.get("AMXOPT_NATIVE") == "0":
+        return False, "disabled by AMXOPT_NATIVE=0"
     try:
         torch.ops.load_library(str(build.build()))
     except Exception as e:  # noqa: BLE001 - any build/load failure means "run the reference"

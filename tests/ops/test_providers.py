@@ -80,3 +80,26 @@ def test_onednn_capped_below_amx_runs_the_avx512_tier():
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_without_the_native_library_every_op_runs_the_reference():
+    # Where the C++ library cannot load, Python registers the reference as the ops' CPU kernels.
+    code = (
+        "import torch, amxopt\n"
+        "from amxopt.ops import providers\n"
+        "assert providers.resolve('auto') == 'reference'\n"
+        "x, w = torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)\n"
+        "packed = torch.ops.amxopt.pack_linear_weight(w)\n"
+        "assert packed.shape == (5, 8)\n"
+        "y = torch.ops.amxopt.linear(x, packed, None, 'gelu', 5)\n"
+        "torch.testing.assert_close(y, torch.nn.functional.gelu(x @ w.T))\n"
+        "try:\n"
+        "    torch.ops.amxopt.linear(x, packed, None, 'relu', 5)\n"
+        "except ValueError as e:\n"
+        "    assert 'activation must be one of' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('relu accepted')\n"
+    )
+    env = dict(os.environ, AMXOPT_NATIVE="0")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
