@@ -92,7 +92,7 @@ class Report:
         )
 
     def counts(self) -> dict[str, int]:
-        """Replaced nodes by kind: keys ``linear``, ``attention``, ``patch_embed``, ``layer_norm``, ``rms_norm``."""
+        """Replaced nodes by kind: keys ``linear``, ``attention``, ``patch_embed``, ``conv2d``, ``layer_norm``, ``rms_norm``."""
         c = collections.Counter(e.kind for e in self.replaced)
         return {k: c[k] for k in KINDS}
 
@@ -119,7 +119,7 @@ class Report:
             lines += ["", "left alone:"]
             lines += [f"  {e.kind:<12} {e.node} ({e.source}): {e.detail}" for e in self.left]
         if self.choices:
-            lines += ["", "kernel choices (timed at optimize, median; the faster one runs):"]
+            lines += ["", "kernel choices (timed at optimize, best of interleaved rounds; the faster one runs):"]
             lines += [f"  {winner:<7} {timing}" for winner, timing in self.choices]
         if self.other_ops:
             other = ", ".join(f"{op} x{n}" for op, n in sorted(self.other_ops.items()))
