@@ -2,10 +2,11 @@
 
 A replace pass calls :func:`compare` for each node it could rewrite (when ``AmxConfig.autotune``
 is on and the provider is ``native``): both sides run on random inputs of the node's shapes (the
-example sizes behind symbolic dims), a warm-up call each, then interleaved rounds (short ops
-repeated to 2 ms a sample) until one side is clearly faster (1.5x after two rounds) or five rounds
-are done; the best sample of each side decides (noise on a shared machine only adds time). The
-pass keeps the ATen node, with the timings as its reason, when ATen wins.
+example sizes behind symbolic dims), a warm-up call each (which decides alone when a side takes
+over 0.2 s and is 3x behind), then interleaved rounds (short ops repeated to 2 ms a sample) until
+one side is clearly faster (1.5x after two rounds), five rounds are done or 5 s have passed; the
+best sample of each side decides (noise on a shared machine only adds time). The pass keeps the
+ATen node, with the timings as its reason, when ATen wins.
 
 Decisions are cached on disk (``AmxConfig.autotune_cache``, default ``~/.cache/amxopt``), keyed by
 the CPU model, torch version, the kernels' build fingerprint, the active tier and the op's shapes,
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 _ROUNDS = 5
 _DECISIVE = 1.5  # a ratio this far from 1 after two rounds settles it
 _SAMPLE_S = 2e-3  # short ops are repeated within a sample up to this long
+_SLOW_S, _FAR = 0.2, 3.0  # a warm-up call this slow, and this far behind the other side, settles it
+_BUDGET_S = 5.0  # rounds stop after this long (after the first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +127,21 @@ def _sample(fn: Callable[[], object], repeat: int) -> float:
 def _time(run_amxopt: Callable[[], object], run_aten: Callable[[], object]) -> tuple[float, float]:
     """Best-of-rounds milliseconds of each side (noise on a shared machine only ever adds time)."""
     with torch.no_grad():
-        # Warm-up (first-call costs: kernel JIT, allocator) and calibration: a sample lasts >= 2 ms.
-        first = min(_sample(run_amxopt, 1), _sample(run_aten, 1))
-        repeat = max(1, min(1000, int(_SAMPLE_S / max(first, 1e-7))))
+        # Warm-up: first-call costs (kernel JIT, allocator) are not the steady state. Where one side
+        # is slow and far behind already, more rounds would only cost time (an emulated bf16 conv
+        # takes a minute on a CPU without bf16): the warm-up decides.
+        amx, aten = [_sample(run_amxopt, 1)], [_sample(run_aten, 1)]
+        if max(amx[0], aten[0]) > _SLOW_S and not 1 / _FAR < aten[0] / amx[0] < _FAR:
+            return amx[0] * 1e3, aten[0] * 1e3
+        repeat = max(1, min(1000, int(_SAMPLE_S / max(min(amx[0], aten[0]), 1e-7))))
         amx, aten = [], []
+        start = time.perf_counter()
         for round_ in range(_ROUNDS):
             amx.append(_sample(run_amxopt, repeat))
             aten.append(_sample(run_aten, repeat))
             ratio = min(aten) / max(min(amx), 1e-12)
-            if round_ >= 1 and not 1 / _DECISIVE < ratio < _DECISIVE:
+            decisive = round_ >= 1 and not 1 / _DECISIVE < ratio < _DECISIVE
+            if decisive or time.perf_counter() - start > _BUDGET_S:
                 break
     return min(amx) * 1e3, min(aten) * 1e3
 

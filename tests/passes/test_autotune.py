@@ -73,3 +73,24 @@ def test_reference_provider_times_nothing(tmp_path, monkeypatch):
     x = torch.randn(2, 9, 32, dtype=torch.bfloat16)
     opt = amxopt.optimize(_model(), (x,), amxopt.AmxConfig(provider="reference", autotune_cache=str(tmp_path)))
     assert opt.report.choices == []
+
+
+def test_a_slow_and_far_behind_side_is_decided_by_the_warm_up():
+    # An emulated bf16 conv can take a minute: once it is 3x behind after one call, stop timing it.
+    import time
+
+    calls = {"amxopt": 0, "aten": 0}
+
+    def side(name, secs):
+        def run():
+            calls[name] += 1
+            time.sleep(secs)
+
+        return run
+
+    amx_ms, aten_ms = _autotune._time(side("amxopt", 0.01), side("aten", 0.3))
+    assert calls == {"amxopt": 1, "aten": 1} and aten_ms > 3 * amx_ms
+    # Close timings take interleaved rounds, each side the same number of samples.
+    calls.update(amxopt=0, aten=0)
+    _autotune._time(side("amxopt", 0.004), side("aten", 0.004))
+    assert calls["amxopt"] == calls["aten"] > 2
