@@ -6,6 +6,8 @@ one); the real timer runs in the first test, on shapes small enough to be quick.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -77,8 +79,6 @@ def test_reference_provider_times_nothing(tmp_path, monkeypatch):
 
 def test_a_slow_and_far_behind_side_is_decided_by_the_warm_up():
     # An emulated bf16 conv can take a minute: once it is 3x behind after one call, stop timing it.
-    import time
-
     calls = {"amxopt": 0, "aten": 0}
 
     def side(name, secs):
