@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -76,6 +77,7 @@ def _link_flags() -> list[str]:
     ]
 
 
+@functools.cache
 def _fingerprint() -> str:
     h = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
