@@ -66,6 +66,13 @@ def test_unknown_provider_in_an_op_call_raises():
         torch.ops.amxopt.rms_norm(torch.randn(2, 4), None, 1e-6, "fast")
 
 
+def _run_in_fresh_process(code: str, **env: str) -> None:
+    """Run ``code`` in a new Python with ``env`` added (for settings read once per process)."""
+    env = dict(os.environ, **env)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 @pytest.mark.skipif(native.cpu_tier() != "amx", reason=f"needs an AMX CPU (best tier here: {native.cpu_tier()})")
 def test_onednn_capped_below_amx_runs_the_avx512_tier():
     # oneDNN reads ONEDNN_MAX_CPU_ISA once per process: run the check in a fresh one.
@@ -77,9 +84,7 @@ def test_onednn_capped_below_amx_runs_the_avx512_tier():
         "y = torch.ops.amxopt.linear(x, torch.ops.amxopt.pack_linear_weight(w), None, 'none', 96)\n"
         "torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=0.1, rtol=0.02)\n"
     )
-    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    _run_in_fresh_process(code, ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
 
 
 def test_without_the_native_library_every_op_runs_the_reference():
@@ -100,6 +105,4 @@ def test_without_the_native_library_every_op_runs_the_reference():
         "else:\n"
         "    raise AssertionError('relu accepted')\n"
     )
-    env = dict(os.environ, AMXOPT_NATIVE="0")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    _run_in_fresh_process(code, AMXOPT_NATIVE="0")
