@@ -35,22 +35,22 @@ TIER_FLAGS = {
 
 
 @functools.cache
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field: value`` of /proc/cpuinfo (None where the file or the field is missing)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), None)
+    except OSError:
+        return None
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where that file does not exist)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), ()))
-    except OSError:
-        return frozenset()
+    return frozenset((_cpuinfo("flags") or "").split())
 
 
-@functools.cache
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
+    return _cpuinfo("model name") or "unknown"
 
 
 def tier_supported(tier: str) -> tuple[bool, str]:
