@@ -10,44 +10,66 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from torch import nn
-
 from amxopt import ops  # noqa: F401 - registers torch.ops.amxopt
 from amxopt.capture import CaptureError, capture, find_adapter, prepare
 from amxopt.config import AmxConfig
 from amxopt.ops import AmxOpError
 from amxopt.ops.providers import resolve
 from amxopt.runtime import OptimizedModule, Report, build_graph
+from amxopt.runtime.components import ComponentsReport, has_towers, is_pipeline, optimize_components
 
-__all__ = ["AmxConfig", "AmxOpError", "CaptureError", "OptimizedModule", "Report", "capture", "optimize"]
+__all__ = [
+    "AmxConfig",
+    "AmxOpError",
+    "CaptureError",
+    "ComponentsReport",
+    "OptimizedModule",
+    "Report",
+    "capture",
+    "optimize",
+]
 
 
-def optimize(model: nn.Module, example_inputs: Any = None, config: AmxConfig | None = None) -> OptimizedModule:
+def optimize(model: Any, example_inputs: Any = None, config: AmxConfig | None = None) -> Any:
     """Capture ``model``, rewrite it onto amxopt ops and pack its weights.
 
     Args:
-        model: a ``transformers``/``diffusers``/plain ``nn.Module`` in eval mode, in the dtype it
-            should run in (e.g. ``model.to(torch.bfloat16)``).
+        model: in eval mode and in the dtype it should run in (e.g. ``.to(torch.bfloat16)``), one of
+            - a supported encoder/transformer or any plain ``nn.Module``: it is captured whole;
+            - a transformers model containing supported towers (``Qwen3VLForConditionalGeneration``,
+              the Qwen3-Omni thinker): each tower is replaced in place, the language model is left;
+            - a diffusers pipeline (``WanPipeline``, ...): ``transformer``, ``transformer_2`` and the
+              text/image encoders are replaced in place.
         example_inputs: a tuple of positional args or a dict of kwargs for ``model``; ``None``
             captures at the first call instead (and again when a call does not fit the graph).
+            Whole models and pipelines always capture each part at its first call.
         config: options; ``AmxConfig()`` by default.
 
     Returns:
-        An :class:`OptimizedModule` taking the same arguments and returning the same output type as
-        ``model``; ``.graph_module`` is the rewritten graph and ``.report`` the rewrite report.
+        For a module captured whole, an :class:`OptimizedModule` taking the same arguments and
+        returning the same output type as ``model`` (``.report`` is the rewrite report). For a whole
+        model or pipeline, ``model`` itself, its parts replaced, with ``model.amxopt_report`` (a
+        :class:`ComponentsReport`).
 
     Example::
 
-        opt = amxopt.optimize(vision.to(torch.bfloat16).eval(), {"hidden_states": px, "grid_thw": grid})
-        out = opt(hidden_states=px, grid_thw=grid)
-        print(opt.report)
+        model = amxopt.optimize(Qwen3VLForConditionalGeneration.from_pretrained(path).eval())
+        tokens = model.generate(**inputs)
+        print(model.amxopt_report)
     """
     config = config or AmxConfig()
-    if model.training:
+    if getattr(model, "training", False):
         raise ValueError(
             f"amxopt: {type(model).__name__} is in training mode; amxopt optimizes inference, call .eval()"
         )
     config = dataclasses.replace(config, provider=resolve(config.provider))
+    if is_pipeline(model) or has_towers(model):
+        if example_inputs is not None:
+            raise ValueError(
+                f"amxopt: {type(model).__name__} is optimized part by part, each captured at its first call; "
+                "call optimize() without example inputs"
+            )
+        return optimize_components(model, config)
     if example_inputs is None:
         return OptimizedModule(model, find_adapter(model)(model), None, config)
     adapter, graph_inputs = prepare(model, example_inputs)

@@ -35,7 +35,9 @@ def prepare(model: nn.Module, example_inputs: Any) -> tuple[Adapter, dict[str, A
     """The adapter for ``model`` and the graph inputs of one call (the eager, data-dependent part run)."""
     adapter = find_adapter(model)(model)
     args, kwargs = split_inputs(example_inputs)
-    return adapter, adapter.graph_inputs(adapter.bind(args, kwargs))
+    call = adapter.bind(args, kwargs)
+    adapter.output_options(call)  # the graph returns the default output; options apply per call
+    return adapter, adapter.graph_inputs(call)
 
 
 def capture(model: nn.Module, example_inputs: Any, config: AmxConfig | None = None) -> fx.GraphModule:

@@ -19,6 +19,8 @@ from torch import fx, nn
 
 logger = logging.getLogger(__name__)
 
+_OUTPUT_OPTIONS = ("return_dict",)
+
 
 class CaptureError(RuntimeError):
     """torch.export could not capture the model as one graph."""
@@ -55,6 +57,20 @@ class Adapter:
                 if out[name]:
                     raise TypeError(f"{self.model_name}.forward: extra positional args are not supported")
                 del out[name]
+        return out
+
+    def output_options(self, call: dict[str, Any]) -> dict[str, Any]:
+        """Take the arguments that only shape the output (``return_dict``) out of ``call``.
+
+        One graph then serves every caller: transformers' ``get_image_features`` passes
+        ``return_dict=True``, diffusers pipelines ``return_dict=False``.
+        """
+        return {k: call.pop(k) for k in _OUTPUT_OPTIONS if k in call}
+
+    def format_output(self, out: Any, options: dict[str, Any]) -> Any:
+        """The graph's output as the original would return it under ``options``."""
+        if options.get("return_dict") is False and hasattr(out, "to_tuple"):
+            return out.to_tuple()  # transformers ModelOutput and diffusers BaseOutput alike
         return out
 
     def graph_inputs(self, call: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from amxopt.capture import Adapter, Captured, export
+from amxopt.capture import Adapter, Captured, CaptureError, export
 from amxopt.config import AmxConfig
 from amxopt.passes import PassRecord, run_passes
 from amxopt.runtime.report import Report
@@ -67,11 +67,22 @@ class OptimizedModule(nn.Module):
         report: the rewrite report of that graph.
     """
 
-    def __init__(self, model: nn.Module, adapter: Adapter, first: _Graph | None, config: AmxConfig) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: Adapter,
+        first: _Graph | None,
+        config: AmxConfig,
+        eager_fallback: bool = False,
+    ) -> None:
         super().__init__()
         self.adapter = adapter
         self.amx_config = config
         self._graphs: list[_Graph] = []
+        # A pipeline component that torch.export cannot capture runs as it was (reported, logged)
+        # instead of failing the user's pipeline call; ``eager_reason`` says why.
+        self.eager_fallback = eager_fallback
+        self.eager_reason: str | None = None
         # Kept for re-capture of calls no graph accepts; a plain ref, so that nn.Module does not
         # register the source model's weights as part of this module's state.
         self.__dict__["_source"] = model
@@ -108,13 +119,24 @@ class OptimizedModule(nn.Module):
         return [g.captured.gm for g in self._graphs]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        graph_inputs = self.adapter.graph_inputs(self.adapter.bind(args, kwargs))
+        if self.eager_reason is not None:
+            return self.__dict__["_source"](*args, **kwargs)
+        call = self.adapter.bind(args, kwargs)
+        options = self.adapter.output_options(call)
+        graph_inputs = self.adapter.graph_inputs(call)
         self._check_dtypes(graph_inputs)
         with torch.no_grad():
-            for g in self._graphs:
-                if _accepts(g, graph_inputs):
-                    return g.captured.gm(**graph_inputs)
-            return self._recapture(graph_inputs).captured.gm(**graph_inputs)
+            graph = next((g for g in self._graphs if _accepts(g, graph_inputs)), None)
+            if graph is None:
+                try:
+                    graph = self._recapture(graph_inputs)
+                except CaptureError as e:
+                    if not self.eager_fallback or self._graphs:
+                        raise
+                    self.eager_reason = str(e)
+                    logger.warning("%s; it runs as eager PyTorch", e)
+                    return self.__dict__["_source"](*args, **kwargs)
+            return self.adapter.format_output(graph.captured.gm(**graph_inputs), options)
 
     def _check_dtypes(self, graph_inputs: dict) -> None:
         if not self._graphs:

@@ -1,0 +1,120 @@
+"""Whole models and pipelines: optimize the supported parts in place, say what is left and why.
+
+``amxopt.optimize`` hands a transformers model that *contains* supported towers (Qwen3-VL's
+``model.visual``, the Qwen3-Omni thinker's ``visual`` and ``audio_tower``) or a diffusers pipeline
+(``transformer``, ``transformer_2``, ``text_encoder``) to :func:`optimize_components`. Each part is
+replaced, on its parent, by an :class:`OptimizedModule` that captures at its first call, so the
+caller's own code (``generate``, ``pipe(...)``) runs unchanged and reaches the rewritten graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+from amxopt.capture import Adapter, find_adapter
+from amxopt.config import AmxConfig
+from amxopt.runtime.module import OptimizedModule
+
+# Pipeline components optimized through the generic passes (plus the Wan adapter for transformers).
+PIPELINE_COMPONENTS = ("transformer", "transformer_2", "text_encoder", "image_encoder")
+_LANGUAGE_MODEL = "language model: decoding with a KV cache is not in amxopt's scope yet; it runs as eager PyTorch"
+
+
+@dataclasses.dataclass
+class ComponentsReport:
+    """What ``amxopt.optimize`` did to a whole model or pipeline.
+
+    ``optimized`` maps each replaced part's path to its :class:`OptimizedModule` (whose own
+    ``report`` exists once it has been called); ``left`` maps every other part to the reason.
+    """
+
+    owner: str
+    optimized: dict[str, OptimizedModule]
+    left: dict[str, str]
+
+    def __str__(self) -> str:
+        width = max(map(len, [*self.optimized, *self.left]), default=0)
+        lines = [f"amxopt: {self.owner}: {len(self.optimized)} part(s) optimized, {len(self.left)} left as they are"]
+        for path, opt in self.optimized.items():
+            lines.append(f"  {path:<{width}} | optimized | adapter {opt.adapter.name}, {len(opt.graphs)} graph(s)")
+        for path, reason in self.left.items():
+            lines.append(f"  {path:<{width}} | left      | {reason}")
+        for path, opt in self.optimized.items():
+            lines += ["", f"[{path}]"]
+            if opt.eager_reason:
+                lines.append(f"runs as eager PyTorch: {opt.eager_reason}")
+            elif opt.graphs:
+                lines.append(str(opt.report))
+            else:
+                lines.append("not called yet: captured and rewritten at its first call")
+        return "\n".join(lines)
+
+
+def is_pipeline(obj: Any) -> bool:
+    """A diffusers pipeline: a ``components`` dict, not itself an ``nn.Module``."""
+    return not isinstance(obj, nn.Module) and isinstance(getattr(obj, "components", None), dict)
+
+
+def has_towers(model: nn.Module) -> bool:
+    """Whether ``model`` is not itself supported but contains a module a family adapter matches."""
+    return find_adapter(model) is Adapter and any(_tower(m) for m in model.modules())
+
+
+def optimize_components(obj: Any, config: AmxConfig) -> Any:
+    """Replace the supported parts of ``obj`` (a model with towers, or a pipeline) in place.
+
+    Returns ``obj`` itself, with an ``amxopt_report`` attribute (:class:`ComponentsReport`).
+    """
+    if is_pipeline(obj):
+        report = _optimize_pipeline(obj, config)
+    else:
+        report = ComponentsReport(type(obj).__name__, {}, {})
+        _optimize_towers(obj, "", config, report)
+    obj.amxopt_report = report
+    return obj
+
+
+def _tower(module: nn.Module) -> bool:
+    return not isinstance(module, OptimizedModule) and find_adapter(module) is not Adapter
+
+
+def _optimize_towers(module: nn.Module, prefix: str, config: AmxConfig, report: ComponentsReport) -> None:
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, OptimizedModule):
+            report.optimized[path] = child
+        elif _tower(child):
+            opt = OptimizedModule(child, find_adapter(child)(child), None, config)
+            setattr(module, name, opt)
+            report.optimized[path] = opt
+        elif any(_tower(m) for m in child.modules()):
+            _optimize_towers(child, f"{path}.", config, report)
+        elif any(True for _ in child.parameters()):
+            report.left[path] = _left_reason(name, child)
+
+
+def _left_reason(name: str, module: nn.Module) -> str:
+    cls = type(module).__name__
+    if name in ("language_model", "lm_head") or "TextModel" in cls:
+        return f"{cls}: {_LANGUAGE_MODEL}"
+    return f"{cls}: no amxopt adapter or pattern covers it; it runs as eager PyTorch"
+
+
+def _optimize_pipeline(pipe: Any, config: AmxConfig) -> ComponentsReport:
+    report = ComponentsReport(type(pipe).__name__, {}, {})
+    for name, component in pipe.components.items():
+        if not isinstance(component, nn.Module):
+            continue
+        if isinstance(component, OptimizedModule):
+            report.optimized[name] = component
+        elif name in PIPELINE_COMPONENTS:
+            opt = OptimizedModule(component, find_adapter(component)(component), None, config, eager_fallback=True)
+            # Not setattr: diffusers would record the new class in the pipeline's config.
+            pipe.__dict__[name] = opt
+            report.optimized[name] = opt
+        else:
+            report.left[name] = _left_reason(name, component)
+    return report

@@ -1,0 +1,179 @@
+"""Whole models and pipelines, called the way users call them: ``generate`` and ``pipe(...)``.
+
+``amxopt.optimize(model)`` (no example inputs) replaces the supported towers / pipeline components in
+place; these tests then run the caller's own code path and compare what the user sees:
+fp32 gives the same tokens / frames as the original, bf16 stays within 1.5x eager bf16's error
+(against the fp32 original) on the logits / frames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import amxopt
+from amxopt import pipelines
+from tests.helpers import CONFIG, max_abs_error
+
+_NEW_TOKENS = 4
+# Qwen3-VL prompts: one image; two images of different sizes; a video (frames, h, w in patches) and an image.
+VL_PROMPTS = {
+    "one image": dict(images=[(64, 96)]),
+    "two images": dict(images=[(64, 96), (32, 64)]),
+    "video": dict(videos=[(4, 4, 6)], images=[(32, 32)]),
+}
+_WAN_CALL = dict(
+    prompt="a cat walks on the grass",
+    negative_prompt="blurry low quality",
+    height=64,
+    width=64,
+    num_frames=5,
+    num_inference_steps=2,
+    guidance_scale=5.0,
+    max_sequence_length=16,
+    output_type="pt",
+)
+
+
+def _generate(model, inputs):
+    with torch.no_grad():
+        return model.generate(**inputs, max_new_tokens=_NEW_TOKENS, do_sample=False)
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits.float()
+
+
+def _frames(pipe, **kw):
+    return pipe(**{**_WAN_CALL, **kw}, generator=torch.Generator().manual_seed(0)).frames
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl():
+    return pipelines.build_qwen3_vl("tiny", torch.float32)
+
+
+@pytest.mark.parametrize("prompt", list(VL_PROMPTS))
+def test_qwen3_vl_generate_same_tokens_fp32(prompt, provider):
+    model = pipelines.build_qwen3_vl("tiny", torch.float32)
+    inputs = pipelines.qwen3_vl_prompt(model, **VL_PROMPTS[prompt])
+    expected = _generate(model, inputs)
+    opt = amxopt.optimize(model, config=dataclasses.replace(CONFIG, provider=provider))
+    assert opt is model and isinstance(model.model.visual, amxopt.OptimizedModule)
+    assert torch.equal(_generate(opt, inputs), expected)
+    report = opt.amxopt_report
+    assert list(report.optimized) == ["model.visual"]
+    assert "model.language_model" in report.left and "KV cache" in report.left["model.language_model"]
+    assert report.optimized["model.visual"].report.counts()["attention"] == 3
+    assert "model.visual" in str(report) and "amxopt.varlen_attention" in str(report)
+
+
+def test_qwen3_vl_bf16_logits_within_eager_error(qwen3_vl, provider):
+    inputs32 = pipelines.qwen3_vl_prompt(qwen3_vl, **VL_PROMPTS["two images"])
+    bf16 = pipelines.build_qwen3_vl("tiny", torch.bfloat16)
+    inputs16 = pipelines.qwen3_vl_prompt(bf16, **VL_PROMPTS["two images"])
+    ref = _logits(qwen3_vl, inputs32)
+    eager_err = max_abs_error(_logits(bf16, inputs16), ref)
+    opt = amxopt.optimize(bf16, config=dataclasses.replace(CONFIG, provider=provider))
+    opt_err = max_abs_error(_logits(opt, inputs16), ref)
+    assert opt_err <= 1.5 * eager_err, f"optimized {opt_err:.3e} vs eager bf16 {eager_err:.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3_omni_thinker_audio_and_image(dtype):
+    fp32 = pipelines.build_qwen3_omni_thinker(torch.float32)
+    model = pipelines.build_qwen3_omni_thinker(dtype)
+    prompt = dict(images=[(64, 64)], audio_seconds=[1.3])
+    inputs, inputs32 = pipelines.qwen3_omni_prompt(model, **prompt), pipelines.qwen3_omni_prompt(fp32, **prompt)
+    expected, ref = _generate(model, inputs), _logits(fp32, inputs32)
+    eager_err = max_abs_error(_logits(model, inputs), ref)
+    opt = amxopt.optimize(model, config=CONFIG)
+    assert sorted(opt.amxopt_report.optimized) == ["model.audio_tower", "model.visual"]
+    if dtype == torch.float32:
+        assert torch.equal(_generate(opt, inputs), expected)
+        torch.testing.assert_close(_logits(opt, inputs), ref)
+    else:
+        opt_err = max_abs_error(_logits(opt, inputs), ref)
+        assert opt_err <= 1.5 * eager_err, f"optimized {opt_err:.3e} vs eager bf16 {eager_err:.3e}"
+
+
+@pytest.mark.parametrize(
+    "variant", [dict(), dict(two_experts=True), dict(expand_timesteps=True)], ids=["wan2.1", "wan2.2-a14b", "ti2v"]
+)
+def test_wan_pipeline_frames_fp32(variant, provider):
+    pipe = pipelines.build_wan_pipeline("tiny-wan", torch.float32, **variant)
+    expected = _frames(pipe)
+    assert amxopt.optimize(pipe, config=dataclasses.replace(CONFIG, provider=provider)) is pipe
+    torch.testing.assert_close(_frames(pipe), expected)
+    report = pipe.amxopt_report
+    parts = ["text_encoder", "transformer"] + (["transformer_2"] if variant.get("two_experts") else [])
+    assert sorted(report.optimized) == parts and "vae" in report.left
+    for name in parts:
+        assert len(report.optimized[name].graphs) == 1, f"{name}: cond, uncond and both steps share one graph"
+    assert report.optimized["transformer"].report.counts()["attention"] == 4
+    assert "attention mask" in report.optimized["text_encoder"].report.left[0].detail  # UMT5's position bias
+
+
+def test_wan_pipeline_bf16_frames_within_eager_error():
+    ref = _frames(pipelines.build_wan_pipeline("tiny-wan", torch.float32))
+    pipe = pipelines.build_wan_pipeline("tiny-wan", torch.bfloat16)
+    eager_err = max_abs_error(_frames(pipe), ref)
+    amxopt.optimize(pipe, config=CONFIG)
+    opt_err = max_abs_error(_frames(pipe), ref)
+    assert opt_err <= 1.5 * eager_err, f"optimized {opt_err:.3e} vs eager bf16 {eager_err:.3e}"
+
+
+def test_wan_transformer_takes_a_guidance_batch_of_two():
+    pipe = pipelines.build_wan_pipeline("tiny-wan", torch.float32)
+    model = pipe.transformer
+    amxopt.optimize(pipe, config=CONFIG)
+    gen = torch.Generator().manual_seed(0)
+    x = dict(
+        hidden_states=torch.randn(2, 16, 2, 8, 8, generator=gen),
+        timestep=torch.tensor([500.0, 500.0]),
+        encoder_hidden_states=torch.randn(2, 16, 64, generator=gen),
+    )
+    with torch.no_grad():
+        out = pipe.transformer(**x, return_dict=False, attention_kwargs=None)
+        torch.testing.assert_close(out[0], model(**x).sample)
+    assert pipe.transformer.dtype == torch.float32 and pipe.transformer.config is model.config
+
+
+def test_whole_model_takes_no_example_inputs(qwen3_vl):
+    with pytest.raises(ValueError, match="part by part"):
+        amxopt.optimize(qwen3_vl, {"input_ids": torch.ones(1, 3, dtype=torch.long)}, CONFIG)
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x[: int(x.sum() > 0) + 1])  # a Python branch on data: export cannot capture it
+
+
+class _Pipeline:
+    """The part of a diffusers pipeline amxopt reads: ``components``."""
+
+    def __init__(self, text_encoder):
+        self.text_encoder = text_encoder
+
+    @property
+    def components(self):
+        return {"text_encoder": self.text_encoder, "tokenizer": None}
+
+
+def test_pipeline_part_export_cannot_capture_runs_eager_and_says_why():
+    source = _DataDependent().eval()
+    pipe = amxopt.optimize(_Pipeline(source), config=CONFIG)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.text_encoder(x), source(x))
+    opt = pipe.amxopt_report.optimized["text_encoder"]
+    assert opt.eager_reason and "could not capture _DataDependent" in opt.eager_reason
+    assert "runs as eager PyTorch" in str(pipe.amxopt_report)
