@@ -181,8 +181,10 @@ def qwen3_omni_prompt(
 
 
 # UMT5 text encoders: "tiny" for tests and demos (the released UMT5-XXL is 5.7B parameters).
+# "xxl-2" has UMT5-XXL's width (the real Wan transformers' text_dim 4096) with 2 of its 24 layers.
 _UMT5 = {
     "tiny": dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, relative_attention_num_buckets=32),
+    "xxl-2": dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=2, num_heads=64, relative_attention_num_buckets=32),
 }
 _WORDS = ("a cat walks on the grass in the sun slowly bright colorful blurry low quality static").split()
 
@@ -214,7 +216,7 @@ def build_wan_pipeline(
         transformer: zoo name of the Wan transformer (built as :func:`amxopt.models.build_model`
             builds it: keep-in-fp32 modules stay fp32); its ``text_dim`` must be the encoder's width.
         dtype: dtype of the transformer(s) and text encoder; the VAE stays fp32, as Wan runs it.
-        text_encoder: UMT5 size (``"tiny"``).
+        text_encoder: UMT5 size: ``"tiny"``, or ``"xxl-2"`` for the real transformers (text_dim 4096).
         two_experts: Wan2.2 A14B style: a second transformer (``transformer_2``, another seed)
             denoises the low-noise steps, switching at ``boundary_ratio`` 0.875.
         expand_timesteps: Wan2.2 TI2V style: the transformer gets one timestep per latent token.
@@ -226,7 +228,9 @@ def build_wan_pipeline(
     from transformers import UMT5Config, UMT5EncoderModel
 
     dit = models.build_model(transformer, dtype, seed=seed)
-    cfg = dict(_UMT5[text_encoder], vocab_size=len(_WORDS) + 3, pad_token_id=0, eos_token_id=1)
+    cfg = dict(
+        _UMT5[text_encoder], feed_forward_proj="gated-gelu", vocab_size=len(_WORDS) + 3, pad_token_id=0, eos_token_id=1
+    )
     encoder = _init(UMT5EncoderModel(UMT5Config(**cfg)), dtype, seed + 1)
     if dit.config.text_dim != encoder.config.d_model:
         raise ValueError(

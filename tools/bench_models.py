@@ -5,7 +5,14 @@ One model at a time, real configs with random weights (amxopt.models), the varia
 max abs error of every bf16 variant against eager fp32, and the one-time cost of torch.compile's
 first call and of amxopt.optimize.
 
-    .venv/bin/python tools/bench_models.py [--models qwen3-vl-2b-vision,...] [--repeats 5] [--json out.json]
+End-to-end rows (``E2E``) run the caller's own code on a whole model or pipeline, optimized with
+``amxopt.optimize(model)`` (each part captured at its first call, which is the setup cost):
+Qwen3-VL ``generate`` (real 2B vision tower + a 4-layer language model at the 2B width, 448x448
+image, 8 new tokens; error on the first-token logits) and one Wan2.1-1.3B ``WanPipeline`` step
+(guidance on, so two transformer calls; a 2-layer UMT5 at XXL width; latents out, no VAE decode).
+torch.compile is not run on them (it would compile the pipeline's Python, not one module).
+
+    .venv/bin/python tools/bench_models.py [--models qwen3-vl-2b-vision,...,wan2.1-pipeline-step] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import time
 import torch
 
 import amxopt
-from amxopt import models
+from amxopt import models, pipelines
 from amxopt.ops import native
 from amxopt.runtime import max_abs_error
 
@@ -30,6 +37,76 @@ DEFAULT_MODELS = {
     "qwen3-omni-audio": (30.0, "30 s of audio"),
     "wan2.1-t2v-1.3b": ((5, 32, 32, 512), "one step, latent 16x5x32x32 + 512 text tokens"),
 }
+
+
+_VL_PROMPT = dict(images=[(448, 448)])
+_WAN_STEP = dict(
+    prompt="a cat walks on the grass",
+    negative_prompt="blurry low quality",
+    height=256,
+    width=256,
+    num_frames=17,
+    num_inference_steps=1,
+    guidance_scale=5.0,
+    output_type="latent",
+)
+
+
+def _vl_generate(model):
+    inputs = pipelines.qwen3_vl_prompt(model, **_VL_PROMPT)
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.logits[0].float()
+
+
+def _wan_step(pipe):
+    return pipe(**_WAN_STEP, generator=torch.Generator().manual_seed(0)).frames.float()
+
+
+# name -> (build(dtype), run(model or pipeline) -> output compared against fp32, what it is)
+E2E = {
+    "qwen3-vl-2b-generate": (
+        lambda dtype: pipelines.build_qwen3_vl("small", dtype),
+        _vl_generate,
+        "Qwen3-VL generate: 2B vision + 4-layer LM, one 448x448 image, 8 new tokens",
+    ),
+    "wan2.1-pipeline-step": (
+        lambda dtype: pipelines.build_wan_pipeline("wan2.1-t2v-1.3b", dtype, text_encoder="xxl-2"),
+        _wan_step,
+        "WanPipeline, Wan2.1-1.3B, one step with guidance, 17x256x256 video (latent 5x32x32), 512 text tokens",
+    ),
+}
+
+
+def bench_e2e(name: str, repeats: int) -> dict:
+    build, run, what = E2E[name]
+    print(f"\n## {name}: {what}", flush=True)
+    variants = {
+        "eager fp32": build(torch.float32),
+        "eager bf16": build(torch.bfloat16),
+        "amxopt bf16": amxopt.optimize(build(torch.bfloat16)),
+    }
+    outputs, setup = {}, {}
+    with torch.no_grad():
+        for label, obj in variants.items():  # warm-up; amxopt's first call captures, rewrites and packs
+            outputs[label], secs = timed(lambda: run(obj), {})
+            if label.startswith("amxopt"):
+                setup["amxopt first call (capture + rewrite + pack + run)"] = secs
+        times = {label: [] for label in variants}
+        for _ in range(repeats):
+            for label, obj in variants.items():
+                times[label].append(timed(lambda: run(obj), {})[1])
+    report = variants["amxopt bf16"].amxopt_report
+    print(report)
+    return _summarize(
+        name,
+        what,
+        next(iter(report.optimized.values())).amx_config.provider,
+        times,
+        outputs,
+        setup,
+        {k: len(v.graphs) for k, v in report.optimized.items()},
+        repeats,
+    )
 
 
 def timed(fn, inputs) -> tuple[object, float]:
@@ -68,34 +145,38 @@ def bench_model(name: str, size, repeats: int, with_compile: bool = True) -> dic
         for _ in range(repeats):
             for label, (fn, inputs) in variants.items():
                 times[label].append(timed(fn, inputs)[1])
-    med = {label: statistics.median(ts) for label, ts in times.items()}
-    errors = {label: max_abs_error(outputs[label], outputs["eager fp32"]) for label in variants if "bf16" in label}
-    print(f"provider {opt.amx_config.provider}; report counts {opt.report.counts()}; left {len(opt.report.left)}")
-    print("| variant | median s | vs eager bf16 | max abs err vs fp32 |\n|---|---|---|---|")
-    for label, secs in med.items():
-        err = f"{errors[label]:.3e}" if label in errors else "-"
-        print(f"| {label} | {secs:.3f} | {med['eager bf16'] / secs:.2f}x | {err} |")
-    print("one-time: " + ", ".join(f"{k} {v:.1f} s" for k, v in setup.items()), flush=True)
-    result = dict(
-        model=name,
-        input=str(size),
-        provider=opt.amx_config.provider,
-        median_s=med,
-        ratio_vs_eager_bf16={k: med["eager bf16"] / v for k, v in med.items()},
-        max_abs_error_vs_fp32=errors,
-        setup_s=setup,
-        counts=opt.report.counts(),
-        repeats=repeats,
-    )
+    print(f"report counts {opt.report.counts()}; left {len(opt.report.left)}")
+    result = _summarize(name, str(size), opt.amx_config.provider, times, outputs, setup, opt.report.counts(), repeats)
     del fp32, bf16, opt, compiled, variants, outputs
     torch._dynamo.reset()
     gc.collect()
     return result
 
 
+def _summarize(name, what, provider, times, outputs, setup, counts, repeats) -> dict:
+    med = {label: statistics.median(ts) for label, ts in times.items()}
+    errors = {label: max_abs_error(outputs[label], outputs["eager fp32"]) for label in times if "bf16" in label}
+    print("| variant | median s | vs eager bf16 | max abs err vs fp32 |\n|---|---|---|---|")
+    for label, secs in med.items():
+        err = f"{errors[label]:.3e}" if label in errors else "-"
+        print(f"| {label} | {secs:.3f} | {med['eager bf16'] / secs:.2f}x | {err} |")
+    print("one-time: " + ", ".join(f"{k} {v:.1f} s" for k, v in setup.items()), flush=True)
+    return dict(
+        model=name,
+        input=what,
+        provider=provider,
+        median_s=med,
+        ratio_vs_eager_bf16={k: med["eager bf16"] / v for k, v in med.items()},
+        max_abs_error_vs_fp32=errors,
+        setup_s=setup,
+        counts=counts,
+        repeats=repeats,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    parser.add_argument("--models", default=",".join([*DEFAULT_MODELS, *E2E]))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
     parser.add_argument(
@@ -110,7 +191,9 @@ def main() -> None:
         f"amxopt tier {native.active_tier()}"
     )
     results = [
-        bench_model(n, DEFAULT_MODELS.get(n, (None,))[0], args.repeats, args.with_compile)
+        bench_e2e(n, args.repeats)
+        if n in E2E
+        else bench_model(n, DEFAULT_MODELS.get(n, (None,))[0], args.repeats, args.with_compile)
         for n in args.models.split(",")
     ]
     if args.json:

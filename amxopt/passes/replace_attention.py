@@ -46,7 +46,8 @@ _PROVIDER_ARG = 9
 def _refusal(node: fx.Node) -> str | None:
     q, k, v = (val(a) for a in node.args[:3])
     if arg(node, 3, "attn_mask") is not None:
-        return "has an attention mask (only none/causal are supported)"
+        # A padding mask, or an additive bias such as UMT5's relative positions: no amxopt op takes one yet.
+        return "has an attention mask (amxopt.varlen_attention takes none; causal is a flag)"
     if arg(node, 4, "dropout_p", 0.0) != 0.0:
         return f"dropout_p={arg(node, 4, 'dropout_p')}"
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):

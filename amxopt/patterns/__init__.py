@@ -75,6 +75,11 @@ def patch_embed_replacement(x, weight, bias, *, provider: str):
     return amx.patch_embed(x, packed, bias, kernel, out_channels, provider)
 
 
+def patch_embed_2d_replacement(x, weight, bias, *, provider: str):
+    """Conv2d patch embedding (CLIP, SigLIP) as the Conv3d one over a time axis of one."""
+    return patch_embed_replacement(x.unsqueeze(2), weight.unsqueeze(2), bias, provider=provider).squeeze(2)
+
+
 def conv2d_replacement(x, weight, bias, *, stride, padding, dilation, groups, provider: str):
     return amx.conv2d(x, weight, bias, stride, padding, dilation, groups, provider)
 

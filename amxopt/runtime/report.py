@@ -116,8 +116,10 @@ class Report:
             became = ", ".join(f"{d} x{c}" for d, c in by_kind[kind].items()) or "-"
             lines.append(f"  {kind:<12}{n:>9}{left[kind]:>6}   {became}")
         if self.left:
-            lines += ["", "left alone:"]
-            lines += [f"  {e.kind:<12} {e.node} ({e.source}): {e.detail}" for e in self.left]
+            width = max(len(e.node) for e in self.left)
+            source = max(len(e.source) for e in self.left)
+            lines += ["", "left alone (kind | node | target | reason):"]
+            lines += [f"  {e.kind:<12} | {e.node:<{width}} | {e.source:<{source}} | {e.detail}" for e in self.left]
         if self.choices:
             lines += ["", "kernel choices (timed at optimize, best of interleaved rounds; the faster one runs):"]
             lines += [f"  {winner:<7} {timing}" for winner, timing in self.choices]

@@ -7,6 +7,8 @@ Each model is checked at two or more input sizes (dynamic shapes or transparent 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -135,3 +137,35 @@ def test_optimized_module_forwards_what_callers_read():
     assert opt.config is model.config and opt.amx_config.provider == "reference"
     with pytest.raises(AttributeError):
         opt.no_such_attribute
+
+
+def _vision(cls_name: str, **extra):
+    import transformers
+
+    config = getattr(transformers, f"{cls_name}Config")(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=16
+    )
+    for k, v in extra.items():
+        setattr(config, k, v)
+    torch.manual_seed(0)
+    return getattr(transformers, f"{cls_name}Model")._from_config(config, attn_implementation="sdpa").eval()
+
+
+def test_clip_vision_tower_through_the_generic_passes(provider):
+    # No adapter: plain export; the Conv2d patch embedding becomes one GEMM, attention one node per layer.
+    model = _vision("CLIPVision")
+    counts = dict(linear=12, attention=2, patch_embed=1, layer_norm=6)
+    opt = check_rewrite(model, (torch.randn(2, 3, 64, 64),), counts, provider=provider)
+    assert opt.report.adapter == "plain"
+
+
+def test_siglip_vision_tower_reports_what_it_leaves():
+    model = _vision("SiglipVision")
+    opt = amxopt.optimize(model, (torch.randn(1, 3, 64, 64),), dataclasses.replace(CONFIG, dynamic=False))
+    counts = opt.report.counts()
+    assert counts["patch_embed"] == 1 and counts["attention"] == 2 and counts["linear"] == 15
+    # The pooling head's nn.MultiheadAttention slices its in-projection weight inside the graph.
+    assert {e.detail for e in opt.report.left} == {"weight is computed in the graph, not a constant"}
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        _outputs_close(opt(x), model(x))

@@ -196,6 +196,25 @@ def test_replace_patch_embed_leaves_indivisible_input():
     assert "divisible" in left_reasons(gm, aten.conv3d.default)[0]
 
 
+@pytest.mark.parametrize("padding", [0, "valid"])
+def test_replace_patch_embed_conv2d(padding):
+    # CLIP / SigLIP: Conv2d with kernel == stride; "valid" is SigLIP's spelling of no padding.
+    model = nn.Conv2d(3, 12, 4, stride=4, padding=padding).eval()
+    gm, gi = captured(model, {"input": torch.randn(2, 3, 8, 12)}, dynamic=False)
+    assert run(replace_patch_embed, gm)
+    assert targets(gm).count(amx.patch_embed.default) == 1 and not {aten.conv2d.default, aten.conv2d.padding} & set(
+        targets(gm)
+    )
+    assert not run(replace_patch_embed, gm)
+    assert_same(gm, gi, model)
+
+
+def test_replace_patch_embed_leaves_overlapping_conv2d_to_replace_conv2d():
+    gm, _ = captured(AudioConvs().eval(), {"x": torch.randn(1, 1, 16, 10)}, dynamic=False)
+    assert not run(replace_patch_embed, gm)
+    assert all("stride" in r for r in left_reasons(gm, aten.conv2d.default))
+
+
 # --- replace_conv2d ----------------------------------------------------------------------------
 
 
