@@ -130,9 +130,16 @@ def export(model: nn.Module, adapter: Adapter, graph_inputs: dict[str, Any], dyn
         _drop_dtype_asserts(gm)
         note = "" if dyn or not dynamic else f"dynamic export failed ({errors[0]}); shapes are static"
         return Captured(gm=gm, dynamic=dyn, guards=_take_guards(gm), note=note)
+    hint = ""
+    if any("data-dependent" in e or "DataDependent" in e for e in errors):
+        hint = (
+            ". The model computes shapes or Python control flow from tensor values (e.g. grid_thw.tolist() "
+            "in a vision tower's metadata): an amxopt adapter must compute those eagerly before the graph, "
+            "as amxopt/capture/qwen.py does for the Qwen3 towers"
+        )
     raise CaptureError(
         f"amxopt: torch.export could not capture {adapter.model_name} as one graph "
-        f"(adapter {adapter.name!r}): " + "; ".join(errors)
+        f"(adapter {adapter.name!r}): " + "; ".join(errors) + hint
     )
 
 

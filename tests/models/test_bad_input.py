@@ -94,3 +94,15 @@ def test_unknown_provider_and_pass():
         amxopt.optimize(model, (torch.randn(2, 4),), amxopt.AmxConfig(provider="amx9000"))
     with pytest.raises(ValueError, match="unknown passes"):
         amxopt.optimize(model, (torch.randn(2, 4),), amxopt.AmxConfig(passes=("fold_everything",)))
+
+
+def test_vision_tower_without_adapter_says_why_it_cannot_be_captured():
+    # Qwen2.5-VL's tower builds its window/segment metadata from grid_thw values inside forward.
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    config = Qwen2_5_VLVisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32)
+    model = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, attn_implementation="sdpa").eval()
+    inputs = {"hidden_states": torch.randn(64, 3 * 2 * 14 * 14), "grid_thw": torch.tensor([[1, 8, 8]])}
+    with pytest.raises(amxopt.CaptureError, match="Qwen2_5_VisionTransformerPretrainedModel.*adapter must compute"):
+        amxopt.optimize(model, inputs, CONFIG)
