@@ -96,7 +96,9 @@ def _cmd_check(args) -> int:
     for name in ("fp32", "bf16"):
         model, inputs = _build(args, _DTYPES[name])
         t = time.perf_counter()
-        opt = amxopt.optimize(model, inputs, amxopt.AmxConfig(provider=args.provider, autotune=args.autotune))
+        opt = amxopt.optimize(
+            model, inputs, amxopt.AmxConfig(provider=args.provider, autotune=args.autotune, keep_source=True)
+        )
         took = time.perf_counter() - t
         err = max_abs_error(opt(**inputs), model(**inputs))
         print(f"{name}: optimized in {took:.1f}s, max abs error vs original {err:.3e}, counts {opt.report.counts()}")

@@ -17,6 +17,9 @@ class AmxConfig:
             ``False`` (or when dynamic export fails) every new input signature is re-captured.
         fuse_activation: fold a following gelu/silu into ``amxopt.linear``'s epilogue.
         release_weights: drop the unpacked originals from the graph once they are packed.
+        keep_source: keep the source model's unpacked weights after packing. By default they are
+            released (one copy of each weight in memory) and the original model can no longer be
+            called eagerly; tests and A/B comparisons against the original set this.
         max_recaptures: bound on cached graphs per optimized model (one per input signature).
         autotune: time each distinct op shape against the ATen code it would replace and keep the
             faster (native provider only); the report lists every decision with both timings.
@@ -33,6 +36,7 @@ class AmxConfig:
     dynamic: bool = True
     fuse_activation: bool = True
     release_weights: bool = True
+    keep_source: bool = False
     max_recaptures: int = 8
     autotune: bool = True
     autotune_cache: str | None = None

@@ -13,7 +13,8 @@ from amxopt.capture import prepare, split_inputs
 from amxopt.capture.base import export
 from amxopt.runtime import max_abs_error  # noqa: F401 - re-exported for the tests
 
-CONFIG = amxopt.AmxConfig(provider="reference", autotune=False)  # autotune: tests/passes/test_autotune.py
+# autotune: tests/passes/test_autotune.py; keep_source: the tests compare against the original model
+CONFIG = amxopt.AmxConfig(provider="reference", autotune=False, keep_source=True)
 
 
 def captured(model, inputs, dynamic: bool = True) -> tuple[fx.GraphModule, dict]:

@@ -124,7 +124,7 @@ def bench_model(name: str, size, repeats: int, with_compile: bool = True) -> dic
     setup = {}
     with torch.no_grad():
         t = time.perf_counter()
-        opt = amxopt.optimize(bf16, x16)
+        opt = amxopt.optimize(bf16, x16, amxopt.AmxConfig(keep_source=True))  # eager bf16 runs too
         setup["amxopt.optimize"] = time.perf_counter() - t
         torch._inductor.config.freezing = True
         compiled = torch.compile(bf16)

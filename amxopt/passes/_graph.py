@@ -11,6 +11,7 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from amxopt.ops import packed
 from amxopt.patterns import AMX_KINDS
 
 # node.meta keys written by the passes and read by the report.
@@ -119,6 +120,39 @@ _CONST_OPS = {
     _aten.t.default,
     _aten.contiguous.default,
 }
+
+
+_VIEW_OPS = {
+    _aten.view.default,
+    _aten.reshape.default,
+    _aten._unsafe_view.default,
+    _aten.unsqueeze.default,
+    _aten.squeeze.dim,
+    _aten.flatten.using_ints,
+    _aten.alias.default,
+    _aten.detach.default,
+}
+
+
+def source_attr(node: fx.Node) -> fx.Node | None:
+    """The ``get_attr`` a constant comes from, through shape-only ops; ``None`` if it is computed."""
+    while node.op != "get_attr":
+        if node.op != "call_function" or node.target not in _VIEW_OPS or len(node.all_input_nodes) != 1:
+            return None
+        node = node.all_input_nodes[0]
+    return node
+
+
+def fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
+
+
+def released_source(node: fx.Node) -> bool:
+    """Whether the weight ``node`` reads was packed and its unpacked source released: then only the
+    amxopt op can run it (autotune must not keep ATen, which would read the placeholder)."""
+    src = source_attr(node) if isinstance(node, fx.Node) else None
+    return src is not None and packed.is_released(fetch(src.graph.owning_module, src.target))
 
 
 def cleanup(gm: fx.GraphModule) -> None:

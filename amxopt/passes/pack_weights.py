@@ -16,7 +16,8 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
-from amxopt.passes._graph import cleanup, is_constant, leave
+from amxopt.ops import packed
+from amxopt.passes._graph import cleanup, fetch, is_constant, leave, source_attr, val
 
 _PACK = torch.ops.amxopt.pack_linear_weight.default
 PACKED_PREFIX = "_packed"
@@ -26,17 +27,12 @@ def _evaluate(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
     """Run the constant subgraph ending at ``node`` (get_attr plus reshapes/casts) eagerly."""
     if node not in memo:
         if node.op == "get_attr":
-            memo[node] = _fetch(gm, node.target)
+            memo[node] = fetch(gm, node.target)
         else:
             args = fx.node.map_arg(node.args, lambda n: _evaluate(n, gm, memo))
             kwargs = fx.node.map_arg(node.kwargs, lambda n: _evaluate(n, gm, memo))
             memo[node] = node.target(*args, **kwargs)
     return memo[node]
-
-
-def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _delete(gm: fx.GraphModule, target: str) -> None:
@@ -45,11 +41,34 @@ def _delete(gm: fx.GraphModule, target: str) -> None:
 
 
 def _source_attr(node: fx.Node) -> fx.Node | None:
+    """The first get_attr behind a constant (through casts too): names the packed buffer."""
     while node.op != "get_attr":
         if not node.all_input_nodes:
             return None
         node = node.all_input_nodes[0]
     return node
+
+
+def _pack(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
+    """The packed weight for ``node``: the source's earlier packing when there is one, else packed now."""
+    weight, provider = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("provider", "auto")
+    src = source_attr(weight)
+    source = fetch(gm, src.target) if src is not None else None
+    if source is not None and tuple(val(weight).shape) == packed.flat_shape(source):
+        done = packed.packed_for(source, provider)
+        if done is not None:
+            return done  # packed by an earlier graph of this model, or at load time
+    origin = _source_attr(weight)
+    if origin is not None and packed.is_released(fetch(gm, origin.target)):
+        raise RuntimeError(
+            f"amxopt: {origin.target} was released after packing, but this graph packs it again (as "
+            f"{tuple(val(weight).shape)} for provider {provider!r}): optimize with AmxConfig(keep_source=True)"
+        )
+    with torch.no_grad():
+        result = node.target(_evaluate(weight, gm, memo), *node.args[1:], **node.kwargs)
+    if source is not None and tuple(val(weight).shape) == packed.flat_shape(source):
+        packed.remember(source, provider, result)  # a later graph reuses it
+    return result
 
 
 def pack_weights(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
@@ -65,13 +84,12 @@ def pack_weights(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
         weight = node.args[0]
         if not is_constant(weight):
             continue
-        with torch.no_grad():
-            packed = node.target(_evaluate(weight, gm, memo), *node.args[1:])
+        packed_weight = _pack(node, gm, memo)
         src = _source_attr(weight)
         name = (src.target if src is not None else node.name).replace(".", "_")
         while hasattr(holder, name):
             name += "_"
-        holder.register_buffer(name, packed)
+        holder.register_buffer(name, packed_weight)
         with gm.graph.inserting_before(node):
             new = gm.graph.get_attr(f"{PACKED_PREFIX}.{name}")
         new.meta.update(node.meta)

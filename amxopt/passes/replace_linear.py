@@ -28,6 +28,7 @@ from amxopt.passes._graph import (
     is_constant,
     kept_for_speed,
     leave,
+    released_source,
     replace_node,
     val,
 )
@@ -61,7 +62,7 @@ def _fusable_activation(node: fx.Node) -> tuple[fx.Node | None, str]:
 
 def _timing(node: fx.Node, activation: str, config: AmxConfig) -> _autotune.Timing | None:
     """amxopt.linear (+ fused activation) against aten.linear + the activation, at this node's shapes."""
-    if not _autotune.enabled(config):
+    if not _autotune.enabled(config) or released_source(node.args[1]):
         return None
     xv, wv, bias = val(node.args[0]), val(node.args[1]), arg(node, 2, "bias")
     x = _autotune.materialize(xv).flatten(0, -2) if xv.dim() > 1 else _autotune.materialize(xv)[None]

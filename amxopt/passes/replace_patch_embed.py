@@ -33,6 +33,7 @@ from amxopt.passes._graph import (
     kept_for_speed,
     leave,
     op_name,
+    released_source,
     replace_node,
     val,
 )
@@ -80,7 +81,7 @@ def _refusal(node: fx.Node) -> str | None:
 
 def _timing(node: fx.Node, config: AmxConfig) -> _autotune.Timing | None:
     """amxopt.patch_embed against the ATen convolution it replaces, at this node's shapes."""
-    if not _autotune.enabled(config):
+    if not _autotune.enabled(config) or released_source(node.args[1]):
         return None
     x, w = _autotune.materialize(val(node.args[0])), _autotune.materialize(val(node.args[1]), scale=0.05)
     bias = arg(node, 2, "bias")

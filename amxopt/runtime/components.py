@@ -59,8 +59,9 @@ def is_pipeline(obj: Any) -> bool:
 
 
 def has_towers(model: nn.Module) -> bool:
-    """Whether ``model`` is not itself supported but contains a module a family adapter matches."""
-    return find_adapter(model) is Adapter and any(_tower(m) for m in model.modules())
+    """Whether ``model`` is not itself supported but contains a module a family adapter matches
+    (or one amxopt already optimized: optimizing a model twice reports the same parts)."""
+    return find_adapter(model) is Adapter and not isinstance(model, OptimizedModule) and _contains_part(model)
 
 
 def optimize_components(obj: Any, config: AmxConfig) -> Any:
@@ -81,6 +82,10 @@ def _tower(module: nn.Module) -> bool:
     return not isinstance(module, OptimizedModule) and find_adapter(module) is not Adapter
 
 
+def _contains_part(module: nn.Module) -> bool:
+    return any(isinstance(m, OptimizedModule) or _tower(m) for m in module.modules())
+
+
 def _optimize_towers(module: nn.Module, prefix: str, config: AmxConfig, report: ComponentsReport) -> None:
     for name, child in module.named_children():
         path = f"{prefix}{name}"
@@ -90,7 +95,7 @@ def _optimize_towers(module: nn.Module, prefix: str, config: AmxConfig, report: 
             opt = OptimizedModule(child, find_adapter(child)(child), None, config)
             setattr(module, name, opt)
             report.optimized[path] = opt
-        elif any(_tower(m) for m in child.modules()):
+        elif _contains_part(child):
             _optimize_towers(child, f"{path}.", config, report)
         elif any(True for _ in child.parameters()):
             report.left[path] = _left_reason(name, child)

@@ -19,7 +19,10 @@ from torch import fx, nn
 
 from amxopt.capture import Adapter, Captured, CaptureError, export
 from amxopt.config import AmxConfig
+from amxopt.ops import packed
 from amxopt.passes import PassRecord, run_passes
+from amxopt.passes._graph import fetch
+from amxopt.runtime import weights
 from amxopt.runtime.report import Report
 
 logger = logging.getLogger(__name__)
@@ -38,8 +41,10 @@ def build_graph(
     model: nn.Module, adapter: Adapter, graph_inputs: dict, config: AmxConfig, keep_text: bool = False
 ) -> _Graph:
     """Capture ``model`` on ``graph_inputs`` and run the passes: one entry of the graph cache."""
-    captured = export(model, adapter, graph_inputs, config.dynamic)
+    with weights.exportable(model):
+        captured = export(model, adapter, graph_inputs, config.dynamic)
     records = run_passes(captured.gm, config, keep_text=keep_text)
+    _check_no_released_reads(captured.gm, adapter.model_name)
     notes = [captured.note] if captured.note else []
     report = Report.from_graph(
         captured.gm,
@@ -52,6 +57,17 @@ def build_graph(
     )
     dtypes = {k: v.dtype for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
     return _Graph(captured, dtypes, _signature(graph_inputs), report, records)
+
+
+def _check_no_released_reads(gm: fx.GraphModule, model_name: str) -> None:
+    # A node other than a pack reading a released weight would compute with a placeholder.
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and packed.is_released(fetch(gm, node.target)):
+            users = ", ".join(f"{u.name} ({u.target})" for u in node.users)
+            raise RuntimeError(
+                f"amxopt: {model_name}: {node.target} was released after packing, but this graph reads it unpacked "
+                f"in {users}; optimize with AmxConfig(keep_source=True)"
+            )
 
 
 def _signature(graph_inputs: dict) -> tuple:
@@ -93,6 +109,17 @@ class OptimizedModule(nn.Module):
         if not self._graphs:
             self.add_module("graph_module", graph.captured.gm)
         self._graphs.append(graph)
+        if not self.amx_config.keep_source:
+            # Weights some graph still reads unpacked (a node autotune kept on ATen) stay.
+            keep = {id(t) for g in self._graphs for t in (*g.captured.gm.parameters(), *g.captured.gm.buffers())}
+            freed = weights.release(self.__dict__["_source"], keep)
+            if freed:
+                logger.info("amxopt: released %.1f MB of packed source weights", freed / 2**20)
+
+    @property
+    def device(self) -> torch.device:
+        # amxopt runs on the CPU; the source's first parameter may be a released (meta) placeholder.
+        return torch.device("cpu")
 
     def __getattr__(self, name: str) -> Any:
         # Drop-in: what callers read from the original model (dtype, device, config,

@@ -53,7 +53,9 @@ def test_bf16_error_bound(name, provider):
     _, sizes = CASES[name]
     fp32 = models.build_model(name, torch.float32)
     bf16 = models.build_model(name, torch.bfloat16)
-    config = amxopt.AmxConfig(provider=provider, autotune=False)  # every node replaced, whatever is faster
+    config = amxopt.AmxConfig(
+        provider=provider, autotune=False, keep_source=True
+    )  # every node replaced, whatever is faster
     opt = amxopt.optimize(bf16, models.example_inputs(name, torch.bfloat16, size=sizes[0]), config)
     assert not opt.report.left, str(opt.report)
     with torch.no_grad():

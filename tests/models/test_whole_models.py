@@ -70,6 +70,8 @@ def test_qwen3_vl_generate_same_tokens_fp32(prompt, provider):
     assert "model.language_model" in report.left and "KV cache" in report.left["model.language_model"]
     assert report.optimized["model.visual"].report.counts()["attention"] == 3
     assert "model.visual" in str(report) and "amxopt.varlen_attention" in str(report)
+    again = amxopt.optimize(opt, config=CONFIG)  # optimizing twice keeps the same parts
+    assert again is model and again.amxopt_report.optimized["model.visual"] is report.optimized["model.visual"]
 
 
 def test_qwen3_vl_bf16_logits_within_eager_error(qwen3_vl, provider):

@@ -25,7 +25,7 @@ def _model(dtype=torch.bfloat16):
 
 def _optimize(model, tmp_path, **kw):
     x = torch.randn(2, 9, 32, dtype=next(model.parameters()).dtype)
-    config = amxopt.AmxConfig(provider="native", autotune_cache=str(tmp_path), **kw)
+    config = amxopt.AmxConfig(provider="native", autotune_cache=str(tmp_path), keep_source=True, **kw)
     return amxopt.optimize(model, (x,), config), x
 
 
@@ -73,7 +73,9 @@ def test_autotune_off_times_nothing(tmp_path, monkeypatch):
 def test_reference_provider_times_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(_autotune, "_time", lambda *a: pytest.fail("timed the reference provider"))
     x = torch.randn(2, 9, 32, dtype=torch.bfloat16)
-    opt = amxopt.optimize(_model(), (x,), amxopt.AmxConfig(provider="reference", autotune_cache=str(tmp_path)))
+    opt = amxopt.optimize(
+        _model(), (x,), amxopt.AmxConfig(provider="reference", autotune_cache=str(tmp_path), keep_source=True)
+    )
     assert opt.report.choices == []
 
 

@@ -1,0 +1,34 @@
+"""Tags that tie a source weight to its packed copies (see amxopt/runtime/weights.py).
+
+A source parameter that ``pack_weights`` packed carries ``{provider: packed}`` under
+``PACKED_ATTR``; a placeholder left after the source was released also carries ``RELEASED_ATTR``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+PACKED_ATTR = "amxopt_packed"  # on a source tensor: {provider: packed tensor of W.reshape(N, -1)}
+RELEASED_ATTR = "amxopt_released"  # on a placeholder: the unpacked weight is gone
+
+
+def packed_for(tensor: torch.Tensor, provider: str) -> torch.Tensor | None:
+    """The packing of ``tensor`` (a source weight) for ``provider``, if one was made."""
+    return getattr(tensor, PACKED_ATTR, {}).get(provider)
+
+
+def remember(tensor: torch.Tensor, provider: str, packed: torch.Tensor) -> None:
+    if not hasattr(tensor, PACKED_ATTR):
+        setattr(tensor, PACKED_ATTR, {})
+    getattr(tensor, PACKED_ATTR)[provider] = packed
+
+
+def is_released(tensor: torch.Tensor) -> bool:
+    return bool(getattr(tensor, RELEASED_ATTR, False))
+
+
+def flat_shape(tensor: torch.Tensor) -> tuple[int, int]:
+    """The ``[N, K]`` matrix a weight is packed as (a conv kernel ``[O, C, ...]`` flattens to ``[O, C*...]``)."""
+    return tensor.shape[0], math.prod(tensor.shape[1:])

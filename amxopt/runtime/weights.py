@@ -1,0 +1,74 @@
+"""One copy of each weight: packed once, shared by every graph, the source released.
+
+``pack_weights`` tags each source parameter it packs with the packed tensor (``PACKED_ATTR``,
+keyed by provider). A later capture of the same model (a re-capture for another input signature)
+finds the tag and reuses the packed tensor instead of packing again, so all graphs share one set.
+
+:func:`release` then swaps every packed source parameter for a meta-device placeholder that keeps
+its shape, dtype and tag: the unpacked weights are freed, and calling the original model eagerly
+fails loudly (meta tensors cannot compute) instead of computing with missing weights. torch.export
+cannot trace meta parameters next to CPU inputs, so :func:`exportable` puts a CPU stand-in of the
+same shape (one element, broadcast) in their place while a re-capture traces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from amxopt.ops.packed import PACKED_ATTR, RELEASED_ATTR, is_released
+
+
+def release(model: nn.Module, keep: set[int]) -> int:
+    """Replace every packed parameter of ``model`` by a meta placeholder, except ids in ``keep``.
+
+    Returns the bytes freed. Tied parameters (one tensor under several names) are replaced once
+    and stay tied.
+    """
+    freed, done = 0, {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not hasattr(p, PACKED_ATTR) or is_released(p) or id(p) in keep:
+                continue
+            if id(p) not in done:
+                placeholder = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+                setattr(placeholder, PACKED_ATTR, getattr(p, PACKED_ATTR))
+                setattr(placeholder, RELEASED_ATTR, True)
+                done[id(p)] = placeholder
+                freed += p.numel() * p.element_size()
+            module._parameters[name] = done[id(p)]
+    if freed and "_amxopt_guard" not in model.__dict__:
+        model.__dict__["_amxopt_guard"] = model.register_forward_pre_hook(_refuse_eager_call)
+    return freed
+
+
+def _refuse_eager_call(model: nn.Module, args) -> None:
+    # Meta parameters would make the original return meta tensors: refuse with the reason instead.
+    if not model.__dict__.get("_amxopt_tracing"):
+        raise RuntimeError(
+            f"amxopt: {type(model).__name__}'s packed weights were released by amxopt.optimize (one copy in memory); "
+            "call the optimized module, or optimize with AmxConfig(keep_source=True) to keep the original callable"
+        )
+
+
+@contextlib.contextmanager
+def exportable(model: nn.Module):
+    """While tracing ``model``, released placeholders become CPU stand-ins carrying the same tags."""
+    swapped = []
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and is_released(p) and p.device.type == "meta":
+                stand_in = nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=False)
+                for attr in (PACKED_ATTR, RELEASED_ATTR):
+                    setattr(stand_in, attr, getattr(p, attr))
+                module._parameters[name] = stand_in
+                swapped.append((module, name, p))
+    model.__dict__["_amxopt_tracing"] = True
+    try:
+        yield
+    finally:
+        model.__dict__["_amxopt_tracing"] = False
+        for module, name, p in swapped:
+            module._parameters[name] = p

@@ -1,0 +1,71 @@
+"""One copy of each weight: packed once, shared by every graph of a model, the source released."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import amxopt
+from amxopt import models
+from amxopt.ops import packed
+from tests.helpers import CONFIG
+
+RELEASE = dataclasses.replace(CONFIG, keep_source=False)
+_NAME = "tiny-qwen3-vl-vision"
+
+
+def _packed_buffers(gm) -> dict[str, torch.Tensor]:
+    return dict(gm.get_submodule("_packed").named_buffers())
+
+
+def test_optimize_releases_the_packed_source_weights():
+    model = models.build_model(_NAME)
+    inputs = models.example_inputs(_NAME, size=64)
+    with torch.no_grad():
+        expected = model(**inputs).pooler_output
+    qkv = model.blocks[0].attn.qkv.weight
+    opt = amxopt.optimize(model, inputs, RELEASE)
+    released = model.blocks[0].attn.qkv.weight
+    assert released.device.type == "meta" and released.shape == qkv.shape and packed.is_released(released)
+    assert model.blocks[0].norm1.weight.device.type == "cpu"  # not packed: kept
+    with torch.no_grad():
+        torch.testing.assert_close(opt(**inputs).pooler_output, expected)
+        with pytest.raises(RuntimeError, match="weights were released"):  # not silently without weights
+            model(**inputs)
+    assert opt.device == torch.device("cpu") and opt.dtype == torch.float32
+
+
+def test_a_recapture_reuses_the_packed_weights():
+    model = models.build_model(_NAME)
+    opt = amxopt.optimize(model, models.example_inputs(_NAME, size=64), dataclasses.replace(RELEASE, dynamic=False))
+    other = models.example_inputs(_NAME, size=(96, 64), seed=1)
+    with torch.no_grad():
+        opt(**other)
+    assert len(opt.graphs) == 2
+    first, second = (_packed_buffers(gm) for gm in opt.graphs)
+    assert first.keys() == second.keys() and len(first) == 19  # 18 Linear + the patch embedding
+    assert all(first[k] is second[k] for k in first), "the re-capture packed again instead of sharing"
+
+
+def test_recapture_with_autotune_never_reads_a_released_weight(tmp_path):
+    model = models.build_model(_NAME)
+    config = amxopt.AmxConfig(provider="native", dynamic=False, autotune_cache=str(tmp_path))
+    opt = amxopt.optimize(model, models.example_inputs(_NAME, size=64), config)
+    reference = models.build_model(_NAME)
+    other = models.example_inputs(_NAME, size=(32, 64), seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(**other).pooler_output, reference(**other).pooler_output)
+    # Linear layers autotune kept on ATen in the first graph kept their weights; the released ones can
+    # only run packed (build_graph refuses a graph that reads a released weight).
+    assert len(opt.graphs) == 2
+
+
+def test_keep_source_keeps_the_original_callable():
+    model = models.build_model(_NAME)
+    inputs = models.example_inputs(_NAME, size=64)
+    opt = amxopt.optimize(model, inputs, CONFIG)
+    assert model.blocks[0].attn.qkv.weight.device.type == "cpu"
+    with torch.no_grad():
+        torch.testing.assert_close(opt(**inputs).pooler_output, model(**inputs).pooler_output)
