@@ -17,15 +17,19 @@ from amxopt.ops import AmxOpError
 from amxopt.ops.providers import resolve
 from amxopt.runtime import OptimizedModule, Report, build_graph
 from amxopt.runtime.components import ComponentsReport, has_towers, is_pipeline, optimize_components
+from amxopt.runtime.loading import CheckpointError, from_pretrained, load
 
 __all__ = [
     "AmxConfig",
     "AmxOpError",
     "CaptureError",
+    "CheckpointError",
     "ComponentsReport",
     "OptimizedModule",
     "Report",
     "capture",
+    "from_pretrained",
+    "load",
     "optimize",
 ]
 

@@ -116,6 +116,12 @@ class OptimizedModule(nn.Module):
             if freed:
                 logger.info("amxopt: released %.1f MB of packed source weights", freed / 2**20)
 
+    def save(self, directory: str) -> Any:
+        """Write the packed weights and a manifest to ``directory``; :func:`amxopt.load` reads them back."""
+        from amxopt.runtime.loading import save
+
+        return save(self, directory)
+
     @property
     def device(self) -> torch.device:
         # amxopt runs on the CPU; the source's first parameter may be a released (meta) placeholder.

@@ -1,0 +1,418 @@
+"""Weights from disk: ``from_pretrained`` packs while it reads; ``save`` / ``load`` keep the packed form.
+
+``from_pretrained`` builds the model with its parameters on the meta device (buffers, such as rotary
+tables, are built for real), then streams each tensor from the memory-mapped safetensors files. A
+Linear weight or a patch-embedding kernel (Conv2d/Conv3d with kernel == stride) is packed as it is
+read and only its packed copy stays: the parameter becomes a tagged meta placeholder (see
+``amxopt/runtime/weights.py``), which the graph's ``pack_weights`` picks up instead of packing.
+Every other tensor is loaded as its owner expects (the dtype the class keeps it in).
+
+``save`` writes the packed and the plain tensors to one safetensors file plus ``amxopt.json`` (the
+manifest: versions, provider and tier, the model class and config, every tensor's shape and dtype,
+the file's size); ``load`` memory-maps that file (no copy, no packing, nothing unpickled) and
+refuses an artifact that does not match this machine or is damaged, naming the problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import json
+import logging
+import mmap
+import pathlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from amxopt.config import AmxConfig
+from amxopt.ops import native, packed
+from amxopt.ops.providers import resolve
+
+logger = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 1  # of the packed weights (VNNI [N/32][K/2][32][2] + padding); bump when it changes
+MANIFEST = "amxopt.json"
+WEIGHTS = "weights.safetensors"
+_PACKED_PREFIX = "packed::"
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
+           "I32": torch.int32, "BOOL": torch.bool, "F64": torch.float64, "U8": torch.uint8, "I8": torch.int8}  # fmt: skip
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or saved artifact that cannot be loaded as it is; the message names the tensor or file."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading safetensors without copies
+# --------------------------------------------------------------------------------------------------
+
+
+def _read_header(path: pathlib.Path) -> tuple[dict, int]:
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            size = path.stat().st_size
+            if n <= 0 or 8 + n > size:
+                raise CheckpointError(f"amxopt: {path} is truncated or not a safetensors file (header of {n} bytes)")
+            header = json.loads(f.read(n))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"amxopt: cannot read {path}: {e}") from None
+    header.pop("__metadata__", None)
+    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    if 8 + n + end > size:
+        raise CheckpointError(f"amxopt: {path} is truncated: its header needs {8 + n + end} bytes, the file has {size}")
+    return header, 8 + n
+
+
+def mmap_safetensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a view of one private (copy-on-write) memory map."""
+    header, start = _read_header(path)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if header else None
+    out = {}
+    for name, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise CheckpointError(f"amxopt: {path}: tensor {name} has dtype {info['dtype']}, which amxopt cannot load")
+        dtype = _DTYPES[info["dtype"]]
+        lo, hi = info["data_offsets"]
+        flat = torch.frombuffer(mapped, dtype=torch.uint8, count=hi - lo, offset=start + lo) if hi > lo else None
+        t = flat.view(dtype) if flat is not None else torch.empty(0, dtype=dtype)
+        out[name] = t.reshape(info["shape"])
+    return out
+
+
+def _checkpoint(path: pathlib.Path, stem: str) -> dict[str, torch.Tensor]:
+    """All tensors of a ``save_pretrained`` directory (one file, or shards with an index)."""
+    index = path / f"{stem}.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).exists():
+                names = sorted(k for k, v in weight_map.items() if v == shard)
+                raise CheckpointError(
+                    f"amxopt: shard {shard} of {path} is missing ({len(names)} tensors, e.g. {names[:3]})"
+                )
+            tensors.update(mmap_safetensors(path / shard))
+        return tensors
+    single = path / f"{stem}.safetensors"
+    if not single.exists():
+        raise CheckpointError(f"amxopt: {path} has neither {single.name} nor {index.name}")
+    return mmap_safetensors(single)
+
+
+# --------------------------------------------------------------------------------------------------
+# Building without weights
+# --------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Parameters registered inside go to the meta device; buffers (rotary tables, ...) stay real."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            p = module._parameters[name]
+            module._parameters[name] = type(p)(p.to("meta"), requires_grad=False)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _is_transformers(cls: type) -> bool:
+    from transformers import PreTrainedModel
+
+    return issubclass(cls, PreTrainedModel)
+
+
+def _build_empty(cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
+    from amxopt import models
+
+    with _parameters_on_meta():
+        if _is_transformers(cls):
+            from transformers.initialization import no_init_weights
+
+            with no_init_weights():
+                model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
+        else:
+            from diffusers.models.modeling_utils import no_init_weights
+
+            with no_init_weights(), models._default_dtype(dtype):
+                model = cls.from_config(config)
+    keep = models._keep_fp32_names(cls, dtype)
+    for name, p in model.named_parameters():
+        if p.is_floating_point():
+            want = torch.float32 if keep and models._matches_module(name, keep) else dtype
+            if p.dtype != want:
+                _set(model, name, nn.Parameter(torch.empty(p.shape, dtype=want, device="meta"), requires_grad=False))
+    return model.eval()
+
+
+def _config_of(cls: type, path: pathlib.Path) -> Any:
+    if _is_transformers(cls):
+        return cls.config_class.from_pretrained(path)
+    return cls.load_config(path)
+
+
+def _config_dict(model: nn.Module) -> dict:
+    config = model.config
+    return config.to_dict() if hasattr(config, "to_dict") and _is_transformers(type(model)) else dict(config)
+
+
+def _config_from_dict(cls: type, values: dict) -> Any:
+    return cls.config_class.from_dict(values) if _is_transformers(cls) else values
+
+
+# --------------------------------------------------------------------------------------------------
+# Assigning tensors
+# --------------------------------------------------------------------------------------------------
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    owner, _, attr = name.rpartition(".")
+    return (model.get_submodule(owner) if owner else model), attr
+
+
+def _set(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module, attr = _owner(model, name)
+    if attr in module._parameters:
+        module._parameters[attr] = (
+            tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+        )
+    else:
+        module._buffers[attr] = tensor
+
+
+def _placeholder(like: torch.Tensor, provider: str, packed_weight: torch.Tensor) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(like.shape, dtype=like.dtype, device="meta"), requires_grad=False)
+    packed.remember(p, provider, packed_weight)
+    setattr(p, packed.RELEASED_ATTR, True)
+    return p
+
+
+def packable(module: nn.Module, attr: str) -> bool:
+    """A weight amxopt's passes turn into a packed GEMM operand: a Linear's, or a patch embedding's."""
+    if attr != "weight":
+        return False
+    if isinstance(module, nn.Linear):
+        return True
+    if isinstance(module, (nn.Conv2d, nn.Conv3d)):
+        padding_free = module.padding == "valid" or not any(module.padding)
+        return (
+            list(module.stride) == list(module.kernel_size)
+            and padding_free
+            and all(d == 1 for d in module.dilation)
+            and module.groups == 1
+        )
+    return False
+
+
+def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint must hold: parameters and persistent buffers, tied names once."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def _check_keys(expected: dict, found: dict, where: str) -> None:
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"amxopt: {where} does not match the model: missing {len(missing)} tensor(s) {missing[:5]}, "
+            f"unexpected {len(unexpected)} {unexpected[:5]}"
+        )
+
+
+def _convert(name: str, tensor: torch.Tensor, like: torch.Tensor, where: str) -> torch.Tensor:
+    """``tensor`` in ``like``'s dtype (a view when it already is), after checking its shape and kind."""
+    if tuple(tensor.shape) != tuple(like.shape):
+        raise CheckpointError(
+            f"amxopt: {where}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(like.shape)}"
+        )
+    if tensor.is_floating_point() != like.is_floating_point():
+        raise CheckpointError(f"amxopt: {where}: tensor {name} is {tensor.dtype}, the model expects {like.dtype}")
+    return tensor.to(like.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------------------
+
+
+def from_pretrained(
+    cls: type, path: str | pathlib.Path, torch_dtype: torch.dtype = torch.bfloat16, config: AmxConfig | None = None
+) -> Any:
+    """Build ``cls`` from a local ``save_pretrained`` directory, packing weights as they are read.
+
+    Args:
+        cls: a transformers or diffusers model class (e.g. ``Qwen3VLVisionModel``, ``WanTransformer3DModel``).
+        path: a directory with ``config.json`` and safetensors weights (one file or shards + index).
+        torch_dtype: the dtype to run in; modules the class keeps in fp32 stay fp32.
+        config: amxopt options, as for :func:`amxopt.optimize`.
+
+    Returns:
+        What :func:`amxopt.optimize` returns for the model (captured at its first call): its packed
+        weights are the only copy in memory.
+
+    Raises:
+        CheckpointError: a missing shard, a missing or unexpected tensor, a wrong shape or dtype,
+            each named; nothing half-loaded is returned.
+
+    Example::
+
+        opt = amxopt.from_pretrained(WanTransformer3DModel, "ckpt/transformer", torch.bfloat16)
+    """
+    from tqdm.auto import tqdm
+
+    import amxopt
+
+    path = pathlib.Path(path)
+    config = dataclasses.replace(config or AmxConfig(), provider=resolve((config or AmxConfig()).provider))
+    model = _build_empty(cls, _config_of(cls, path), torch_dtype)
+    tensors = _checkpoint(path, "model" if _is_transformers(cls) else "diffusion_pytorch_model")
+    expected = _expected(model)
+    _check_keys(expected, tensors, str(path))
+    done: dict[int, torch.Tensor] = {}  # tied names share one tensor: loaded (and packed) once
+    for name in tqdm(sorted(tensors), desc=f"amxopt: loading {cls.__name__}", unit="tensor", leave=False):
+        like = expected[name]
+        if id(like) not in done:
+            value = _convert(name, tensors.pop(name), like, str(path))
+            module, attr = _owner(model, name)
+            if packable(module, attr) and like.dtype in (torch.float32, torch.bfloat16):
+                with torch.no_grad():
+                    flat = torch.ops.amxopt.pack_linear_weight(value.reshape(like.shape[0], -1), config.provider)
+                done[id(like)] = _placeholder(like, config.provider, flat)
+            else:
+                # A copy: the model must not keep the checkpoint's memory map (or its file) alive.
+                done[id(like)] = value.clone() if value.dtype == like.dtype else value
+            del value
+        _set(model, name, done[id(like)])
+    return amxopt.optimize(model, config=config)
+
+
+def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
+    """Write ``opt``'s packed and plain weights and the manifest to ``directory``; see :func:`load`."""
+    from safetensors.torch import save_file
+
+    source = opt.__dict__["_source"]
+    provider = opt.amx_config.provider
+    if not opt.graphs and not any(packed.packed_for(t, provider) is not None for t in source.parameters()):
+        raise RuntimeError(
+            f"amxopt: {type(source).__name__} has not been captured yet (optimize() had no example inputs): "
+            "call it once before save(), so that its weights are packed"
+        )
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, entries = {}, {}
+    for name, t in _expected(source).items():
+        done = packed.packed_for(t, provider)
+        if done is not None:
+            tensors[_PACKED_PREFIX + name] = done.contiguous()
+            entries[name] = {"packed": True, "shape": list(t.shape), "dtype": _NAMES[t.dtype]}
+        elif t.device.type == "meta":
+            raise RuntimeError(f"amxopt: save: {name} was released but has no packing for provider {provider!r}")
+        else:
+            tensors[name] = t.detach().contiguous()
+            entries[name] = {"packed": False, "shape": list(t.shape), "dtype": _NAMES[t.dtype]}
+    weights = directory / WEIGHTS
+    save_file(tensors, str(weights))
+    cls = type(source)
+    config_values = _config_dict(source)
+    manifest = {
+        "amxopt_version": _version(),
+        "layout_version": LAYOUT_VERSION,
+        "provider": provider,
+        "tier": native.active_tier() if provider == "native" else "reference",
+        "torch_version": torch.__version__,
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "config": config_values,
+        "config_hash": hashlib.sha256(json.dumps(config_values, sort_keys=True, default=str).encode()).hexdigest(),
+        "dtype": _NAMES[_model_dtype(source)],
+        "file_bytes": weights.stat().st_size,
+        "tensors": entries,
+    }
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    return directory
+
+
+def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
+    """Load what :func:`save` wrote: memory-mapped, no packing. Refuses a mismatched or damaged artifact."""
+    import amxopt
+
+    directory = pathlib.Path(directory)
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"amxopt: {directory} is not an amxopt artifact ({MANIFEST}: {e})") from None
+    config = config or AmxConfig()
+    config = dataclasses.replace(config, provider=resolve(config.provider))
+    _check_manifest(manifest, config, directory)
+    weights = directory / WEIGHTS
+    if not weights.exists() or weights.stat().st_size != manifest["file_bytes"]:
+        got = weights.stat().st_size if weights.exists() else "no file"
+        raise CheckpointError(
+            f"amxopt: {weights} is truncated or replaced: the manifest says {manifest['file_bytes']} bytes, found {got}"
+        )
+    module_name, _, cls_name = manifest["class"].rpartition(".")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    model = _build_empty(cls, _config_from_dict(cls, manifest["config"]), _DTYPES[manifest["dtype"]])
+    tensors = mmap_safetensors(weights)
+    expected = _expected(model)
+    stored = {n[len(_PACKED_PREFIX) :] if n.startswith(_PACKED_PREFIX) else n for n in tensors}
+    _check_keys(expected, stored, str(weights))
+    for name, like in expected.items():
+        entry = manifest["tensors"].get(name)
+        if entry is None or entry["shape"] != list(like.shape):
+            raise CheckpointError(
+                f"amxopt: {weights}: manifest entry for {name} is {entry}, model has {tuple(like.shape)}"
+            )
+        if entry["packed"]:
+            _set(model, name, _placeholder(like, config.provider, tensors[_PACKED_PREFIX + name]))
+        else:
+            _set(model, name, _convert(name, tensors[name], like, str(weights)))
+    return amxopt.optimize(model, config=config)
+
+
+def _check_manifest(manifest: dict, config: AmxConfig, directory: pathlib.Path) -> None:
+    here = native.active_tier() if config.provider == "native" else "reference"
+    problems = []
+    if manifest.get("layout_version") != LAYOUT_VERSION:
+        problems.append(f"packed layout version {manifest.get('layout_version')} (this amxopt reads {LAYOUT_VERSION})")
+    if manifest.get("provider") != config.provider:
+        problems.append(f"provider {manifest.get('provider')!r} (this run uses {config.provider!r})")
+    elif manifest.get("tier") != here:
+        problems.append(f"tier {manifest.get('tier')!r} (this CPU runs {here!r})")
+    if problems:
+        raise CheckpointError(f"amxopt: {directory} was saved for " + ", ".join(problems) + "; re-create it here")
+    if manifest.get("torch_version") != torch.__version__:
+        logger.warning(
+            "amxopt: %s was saved with torch %s, this is %s",
+            directory,
+            manifest.get("torch_version"),
+            torch.__version__,
+        )
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("amxopt")
+    except PackageNotFoundError:
+        return "unknown"
