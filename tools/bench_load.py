@@ -1,0 +1,174 @@
+"""Load-time benchmark: memory and time from a checkpoint on disk to a model ready to run.
+
+For each model (real configs, random weights, saved once in bf16 with ``save_pretrained``), every
+route runs in a fresh process, so that each peak RSS (``ru_maxrss``) is its own:
+
+* ``hf``: transformers/diffusers ``from_pretrained`` (what eager runs on);
+* ``hf+compile``: the same, then ``torch.compile`` with freezing and its first call (``--compile``);
+* ``hf+optimize``: ``from_pretrained``, then ``amxopt.optimize(model, example_inputs)`` (capture,
+  rewrite, packing, source released): setup time and RSS after;
+* ``amxopt.from_pretrained``: packing while streaming the checkpoint;
+* ``amxopt.load``: the artifact ``opt.save`` wrote (memory-mapped, no packing).
+
+Each process also reports the RSS of the bare imports, so the weights' share can be read apart.
+Autotune is off (its timing runs would blur the setup time; decisions are cached on disk anyway).
+
+    .venv/bin/python tools/bench_load.py [--models qwen3-vl-2b-vision,wan2.1-t2v-1.3b] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+ROUTES = ("hf", "hf+optimize", "amxopt.from_pretrained", "amxopt.load")
+_MB = 2**20
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _child(route: str, name: str, path: pathlib.Path) -> dict:
+    import torch
+
+    import amxopt
+    from amxopt import models
+
+    base = _rss_mb()
+    cls = _class_of(name)
+    config = amxopt.AmxConfig(autotune=False)
+    inputs = models.example_inputs(name, torch.bfloat16)
+    t = time.perf_counter()
+    out: dict = {}
+    if route == "hf" or route == "hf+optimize" or route == "hf+compile":
+        model = cls.from_pretrained(path / "hf", torch_dtype=torch.bfloat16).eval()
+        out["load_s"] = time.perf_counter() - t
+        if route == "hf+optimize":
+            t = time.perf_counter()
+            opt = amxopt.optimize(model, inputs, config)
+            out["optimize_s"] = time.perf_counter() - t
+            out["packed_mb"] = _packed_mb(opt.graph_module)
+            del model
+        elif route == "hf+compile":
+            import torch._inductor.config as inductor
+
+            inductor.freezing = True
+            compiled = torch.compile(model)
+            t = time.perf_counter()
+            with torch.no_grad():
+                compiled(**inputs)
+            out["first_call_s"] = time.perf_counter() - t
+    elif route == "amxopt.from_pretrained":
+        opt = amxopt.from_pretrained(cls, path / "hf", torch.bfloat16, config)
+        out["load_s"] = time.perf_counter() - t
+        out["packed_mb"] = _source_packed_mb(opt)
+        out.update(rss_mb=_rss_mb(), peak_rss_mb=_peak_mb())
+        if not (path / "artifact").exists():  # for the amxopt.load route, after this route's numbers
+            t = time.perf_counter()
+            opt.save(path / "artifact")
+            out["save_s"] = time.perf_counter() - t
+    elif route == "amxopt.load":
+        opt = amxopt.load(path / "artifact", config)
+        out["load_s"] = time.perf_counter() - t
+        out["packed_mb"] = _source_packed_mb(opt)
+    out.setdefault("rss_mb", _rss_mb())
+    out.setdefault("peak_rss_mb", _peak_mb())
+    out.update(route=route, model=name, imports_rss_mb=base)
+    return out
+
+
+def _class_of(name: str):
+    from amxopt import models
+
+    return models._model_class(models.ZOO[name].family)
+
+
+def _packed_mb(gm) -> float:
+    return sum(b.numel() * b.element_size() for b in gm.get_submodule("_packed").buffers()) / _MB
+
+
+def _source_packed_mb(opt) -> float:
+    from amxopt.ops import packed
+
+    seen, total = set(), 0
+    for p in opt.__dict__["_source"].parameters():
+        for t in getattr(p, packed.PACKED_ATTR, {}).values():
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total / _MB
+
+
+def _run(route: str, name: str, path: pathlib.Path) -> dict:
+    cmd = [sys.executable, __file__, "--child", route, "--models", name, "--dir", str(path)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{route} on {name} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="qwen3-vl-2b-vision,wan2.1-t2v-1.3b")
+    parser.add_argument("--compile", action="store_true", help="also time from_pretrained + torch.compile")
+    parser.add_argument("--dir", default=None, help="working directory for checkpoints (default: a temp dir)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_child(args.child, args.models, pathlib.Path(args.dir))))
+        return
+
+    import torch
+
+    from amxopt import models
+    from amxopt.ops import native
+
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {native.cpu_model()}, tier {native.active_tier()}"
+    )
+    results = []
+    routes = list(ROUTES) + (["hf+compile"] if args.compile else [])
+    for name in args.models.split(","):
+        root = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="amxopt-bench-load-")) / name
+        if not (root / "hf").exists():
+            models.build_model(name, torch.bfloat16).save_pretrained(root / "hf")
+        rows = [_run(route, name, root) for route in routes]
+        packed_mb = next(r["packed_mb"] for r in rows if "packed_mb" in r)
+        print(f"\n## {name}: packed weights {packed_mb:.0f} MB")
+        print("| route | load s | setup s | peak RSS MB | RSS after MB | imports RSS MB | peak / (packed + 300) |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            setup = r.get("optimize_s", r.get("first_call_s", 0.0))
+            print(
+                f"| {r['route']} | {r.get('load_s', 0):.2f} | {setup:.2f} | {r['peak_rss_mb']:.0f} | {r['rss_mb']:.0f} | "
+                f"{r['imports_rss_mb']:.0f} | {r['peak_rss_mb'] / (packed_mb + 300):.2f} |"
+            )
+        by = {r["route"]: r for r in rows}
+        print(
+            f"amxopt.load vs amxopt.from_pretrained: {by['amxopt.from_pretrained']['load_s'] / by['amxopt.load']['load_s']:.1f}x "
+            f"faster; optimize() setup {by['hf+optimize']['optimize_s']:.1f} s",
+            flush=True,
+        )
+        results += rows
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
