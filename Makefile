@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml $(wildcard amxopt/ops/csrc/*)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,bench]'
 	# Builds amxopt's C++ kernels (amxopt/ops/csrc -> amxopt/ops/_build) and shows which provider runs.
 	$(BIN)/amxopt info
 	touch $(STAMP)

@@ -69,41 +69,67 @@ def _read_header(path: pathlib.Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+class MappedFile:
+    """Every tensor of a safetensors file as a view of one private (copy-on-write) memory map.
+
+    ``drop(name)`` tells the kernel a tensor's pages are no longer needed (``MADV_DONTNEED``), so a
+    loader that reads each tensor once keeps at most one tensor's pages resident, not the file's.
+    """
+
+    def __init__(self, path: pathlib.Path) -> None:
+        header, start = _read_header(path)
+        self._map = None
+        self._spans: dict[str, tuple[int, int]] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        if header:
+            with open(path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        for name, info in header.items():
+            if info["dtype"] not in _DTYPES:
+                raise CheckpointError(
+                    f"amxopt: {path}: tensor {name} has dtype {info['dtype']}, which amxopt cannot load"
+                )
+            dtype = _DTYPES[info["dtype"]]
+            lo, hi = (start + o for o in info["data_offsets"])
+            flat = torch.frombuffer(self._map, dtype=torch.uint8, count=hi - lo, offset=lo) if hi > lo else None
+            self.tensors[name] = (flat.view(dtype) if flat is not None else torch.empty(0, dtype=dtype)).reshape(
+                info["shape"]
+            )
+            self._spans[name] = (lo, hi)
+
+    def drop(self, name: str) -> None:
+        lo, hi = self._spans[name]
+        page = mmap.PAGESIZE
+        lo, hi = -(-lo // page) * page, hi // page * page  # whole pages only: neighbours may share the edges
+        if self._map is not None and hi > lo:
+            self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
 def mmap_safetensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file as a view of one private (copy-on-write) memory map."""
-    header, start = _read_header(path)
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if header else None
-    out = {}
-    for name, info in header.items():
-        if info["dtype"] not in _DTYPES:
-            raise CheckpointError(f"amxopt: {path}: tensor {name} has dtype {info['dtype']}, which amxopt cannot load")
-        dtype = _DTYPES[info["dtype"]]
-        lo, hi = info["data_offsets"]
-        flat = torch.frombuffer(mapped, dtype=torch.uint8, count=hi - lo, offset=start + lo) if hi > lo else None
-        t = flat.view(dtype) if flat is not None else torch.empty(0, dtype=dtype)
-        out[name] = t.reshape(info["shape"])
-    return out
+    return MappedFile(path).tensors
 
 
-def _checkpoint(path: pathlib.Path, stem: str) -> dict[str, torch.Tensor]:
-    """All tensors of a ``save_pretrained`` directory (one file, or shards with an index)."""
+def _checkpoint(path: pathlib.Path, stem: str) -> dict[str, MappedFile]:
+    """Tensor name -> the mapped file holding it, for a ``save_pretrained`` directory (one file, or
+    shards with an index)."""
     index = path / f"{stem}.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
-        tensors: dict[str, torch.Tensor] = {}
+        files: dict[str, MappedFile] = {}
         for shard in sorted(set(weight_map.values())):
             if not (path / shard).exists():
                 names = sorted(k for k, v in weight_map.items() if v == shard)
                 raise CheckpointError(
                     f"amxopt: shard {shard} of {path} is missing ({len(names)} tensors, e.g. {names[:3]})"
                 )
-            tensors.update(mmap_safetensors(path / shard))
-        return tensors
+            mapped = MappedFile(path / shard)
+            files.update(dict.fromkeys(mapped.tensors, mapped))
+        return files
     single = path / f"{stem}.safetensors"
     if not single.exists():
         raise CheckpointError(f"amxopt: {path} has neither {single.name} nor {index.name}")
-    return mmap_safetensors(single)
+    mapped = MappedFile(single)
+    return dict.fromkeys(mapped.tensors, mapped)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,14 +303,14 @@ def from_pretrained(
     path = pathlib.Path(path)
     config = dataclasses.replace(config or AmxConfig(), provider=resolve((config or AmxConfig()).provider))
     model = _build_empty(cls, _config_of(cls, path), torch_dtype)
-    tensors = _checkpoint(path, "model" if _is_transformers(cls) else "diffusion_pytorch_model")
+    files = _checkpoint(path, "model" if _is_transformers(cls) else "diffusion_pytorch_model")
     expected = _expected(model)
-    _check_keys(expected, tensors, str(path))
+    _check_keys(expected, files, str(path))
     done: dict[int, torch.Tensor] = {}  # tied names share one tensor: loaded (and packed) once
-    for name in tqdm(sorted(tensors), desc=f"amxopt: loading {cls.__name__}", unit="tensor", leave=False):
+    for name in tqdm(sorted(files), desc=f"amxopt: loading {cls.__name__}", unit="tensor", leave=False):
         like = expected[name]
         if id(like) not in done:
-            value = _convert(name, tensors.pop(name), like, str(path))
+            value = _convert(name, files[name].tensors.pop(name), like, str(path))
             module, attr = _owner(model, name)
             if packable(module, attr) and like.dtype in (torch.float32, torch.bfloat16):
                 with torch.no_grad():
@@ -294,7 +320,9 @@ def from_pretrained(
                 # A copy: the model must not keep the checkpoint's memory map (or its file) alive.
                 done[id(like)] = value.clone() if value.dtype == like.dtype else value
             del value
+            files[name].drop(name)
         _set(model, name, done[id(like)])
+    del files
     return amxopt.optimize(model, config=config)
 
 

@@ -14,6 +14,7 @@ same shape (one element, broadcast) in their place while a re-capture traces.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import torch
 from torch import nn
@@ -39,9 +40,26 @@ def release(model: nn.Module, keep: set[int]) -> int:
                 done[id(p)] = placeholder
                 freed += p.numel() * p.element_size()
             module._parameters[name] = done[id(p)]
+    if freed:
+        # Checkpoint loaders (transformers, diffusers) hand out views of one memory-mapped file per
+        # shard: while any view lives, every page packing read stays resident. Give the tensors that
+        # remain (norms, biases, embeddings) storage of their own, in place so graphs sharing them follow.
+        with torch.no_grad():
+            for t in (*model.parameters(), *model.buffers()):
+                if t.device.type != "meta":
+                    t.data = t.data.clone()
+        _return_freed_heap()
     if freed and "_amxopt_guard" not in model.__dict__:
         model.__dict__["_amxopt_guard"] = model.register_forward_pre_hook(_refuse_eager_call)
     return freed
+
+
+def _return_freed_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them for reuse, and RSS counts them)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _refuse_eager_call(model: nn.Module, args) -> None:
