@@ -31,6 +31,7 @@ from torch import nn
 from amxopt.config import AmxConfig
 from amxopt.ops import native, packed
 from amxopt.ops.providers import resolve
+from amxopt.runtime.weights import guard
 
 logger = logging.getLogger(__name__)
 
@@ -323,6 +324,7 @@ def from_pretrained(
             files[name].drop(name)
         _set(model, name, done[id(like)])
     del files
+    guard(model)
     return amxopt.optimize(model, config=config)
 
 
@@ -406,6 +408,7 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
             _set(model, name, _placeholder(like, config.provider, tensors[_PACKED_PREFIX + name]))
         else:
             _set(model, name, _convert(name, tensors[name], like, str(weights)))
+    guard(model)
     return amxopt.optimize(model, config=config)
 
 

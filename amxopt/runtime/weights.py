@@ -49,9 +49,15 @@ def release(model: nn.Module, keep: set[int]) -> int:
                 if t.device.type != "meta":
                     t.data = t.data.clone()
         _return_freed_heap()
-    if freed and "_amxopt_guard" not in model.__dict__:
-        model.__dict__["_amxopt_guard"] = model.register_forward_pre_hook(_refuse_eager_call)
+    if freed:
+        guard(model)
     return freed
+
+
+def guard(model: nn.Module) -> None:
+    """Make eager calls of ``model``, whose packed weights are meta placeholders, fail with the reason."""
+    if "_amxopt_guard" not in model.__dict__:
+        model.__dict__["_amxopt_guard"] = model.register_forward_pre_hook(_refuse_eager_call)
 
 
 def _return_freed_heap() -> None:

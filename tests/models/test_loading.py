@@ -150,3 +150,12 @@ def test_save_before_the_first_call_says_why(tmp_path):
     opt = amxopt.optimize(models.build_model("tiny-qwen3-vl-vision"), config=RELEASE)
     with pytest.raises(RuntimeError, match="call it once before save"):
         opt.save(tmp_path / "x")
+
+
+def test_the_loaded_source_refuses_eager_calls(checkpoint):
+    opt = amxopt.from_pretrained(Qwen3VLVisionModel, checkpoint, torch.bfloat16, RELEASE)
+    inputs = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="weights were released"):
+        opt.__dict__["_source"](**inputs)
+    with torch.no_grad():
+        opt(**inputs)  # the optimized module runs on the packed weights
