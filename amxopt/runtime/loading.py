@@ -176,6 +176,8 @@ def _build_empty(cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
 
             with no_init_weights(), models._default_dtype(dtype):
                 model = cls.from_config(config)
+    if hasattr(model, "tie_weights"):  # transformers ties (e.g. UMT5's shared embedding) when it loads
+        model.tie_weights()
     keep = models._keep_fp32_names(cls, dtype)
     for name, p in model.named_parameters():
         if p.is_floating_point():
@@ -245,17 +247,28 @@ def packable(module: nn.Module, attr: str) -> bool:
 
 
 def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What a checkpoint must hold: parameters and persistent buffers, tied names once."""
+    """What a checkpoint must hold: parameters and persistent buffers by name (tied names share a tensor)."""
     return dict(model.state_dict(keep_vars=True))
 
 
-def _check_keys(expected: dict, found: dict, where: str) -> None:
-    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+def _check_keys(expected: dict, found, where: str) -> dict[str, str]:
+    """For each expected name, the stored name to read it from (a tied group needs only one stored name)."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, t in expected.items():
+        by_tensor.setdefault(id(t), []).append(name)
+    source, missing = {}, []
+    for names in by_tensor.values():
+        stored = next((n for n in names if n in found), None)
+        if stored is None:
+            missing += names
+        source.update(dict.fromkeys(names, stored))
+    unexpected = sorted(set(found) - set(expected))
     if missing or unexpected:
         raise CheckpointError(
-            f"amxopt: {where} does not match the model: missing {len(missing)} tensor(s) {missing[:5]}, "
+            f"amxopt: {where} does not match the model: missing {len(missing)} tensor(s) {sorted(missing)[:5]}, "
             f"unexpected {len(unexpected)} {unexpected[:5]}"
         )
+    return source
 
 
 def _convert(name: str, tensor: torch.Tensor, like: torch.Tensor, where: str) -> torch.Tensor:
@@ -280,8 +293,11 @@ def from_pretrained(
     """Build ``cls`` from a local ``save_pretrained`` directory, packing weights as they are read.
 
     Args:
-        cls: a transformers or diffusers model class (e.g. ``Qwen3VLVisionModel``, ``WanTransformer3DModel``).
-        path: a directory with ``config.json`` and safetensors weights (one file or shards + index).
+        cls: a transformers or diffusers model class (e.g. ``Qwen3VLVisionModel``, ``WanTransformer3DModel``),
+            or a diffusers pipeline class (``WanPipeline``): then ``transformer``, ``transformer_2`` and
+            the text/image encoders are loaded packed and every other part by its own class.
+        path: a directory with ``config.json`` and safetensors weights (one file or shards + index), or a
+            pipeline directory with ``model_index.json``.
         torch_dtype: the dtype to run in; modules the class keeps in fp32 stay fp32.
         config: amxopt options, as for :func:`amxopt.optimize`.
 
@@ -297,35 +313,65 @@ def from_pretrained(
 
         opt = amxopt.from_pretrained(WanTransformer3DModel, "ckpt/transformer", torch.bfloat16)
     """
-    from tqdm.auto import tqdm
-
     import amxopt
 
     path = pathlib.Path(path)
     config = dataclasses.replace(config or AmxConfig(), provider=resolve((config or AmxConfig()).provider))
+    if (path / "model_index.json").exists():
+        return amxopt.optimize(_load_pipeline(cls, path, torch_dtype, config), config=config)
+    return amxopt.optimize(_load_model(cls, path, torch_dtype, config.provider), config=config)
+
+
+def _load_pipeline(cls: type, path: pathlib.Path, dtype: torch.dtype, config: AmxConfig) -> Any:
+    """A diffusers pipeline directory: the parts amxopt optimizes are loaded packed, the rest by their own class."""
+    from amxopt.runtime.components import PIPELINE_COMPONENTS
+
+    index = json.loads((path / "model_index.json").read_text())
+    parts, options = {}, {}
+    for name, value in index.items():
+        if name.startswith("_"):
+            continue
+        if not (isinstance(value, list) and len(value) == 2):
+            options[name] = value
+        elif value[0] is None:
+            parts[name] = None
+        else:
+            part_cls = getattr(importlib.import_module(value[0]), value[1])
+            if name in PIPELINE_COMPONENTS and issubclass(part_cls, nn.Module):
+                parts[name] = _load_model(part_cls, path / name, dtype, config.provider)
+            else:
+                parts[name] = part_cls.from_pretrained(path / name)
+    return cls(**parts, **options)
+
+
+def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provider: str) -> nn.Module:
+    """``cls`` with its packable weights packed for ``provider`` (meta placeholders), the rest loaded."""
+    from tqdm.auto import tqdm
+
     model = _build_empty(cls, _config_of(cls, path), torch_dtype)
     files = _checkpoint(path, "model" if _is_transformers(cls) else "diffusion_pytorch_model")
     expected = _expected(model)
-    _check_keys(expected, files, str(path))
+    stored = _check_keys(expected, files, str(path))
     done: dict[int, torch.Tensor] = {}  # tied names share one tensor: loaded (and packed) once
-    for name in tqdm(sorted(files), desc=f"amxopt: loading {cls.__name__}", unit="tensor", leave=False):
+    for name in tqdm(sorted(expected), desc=f"amxopt: loading {cls.__name__}", unit="tensor", leave=False):
         like = expected[name]
         if id(like) not in done:
-            value = _convert(name, files[name].tensors.pop(name), like, str(path))
+            key = stored[name]
+            value = _convert(key, files[key].tensors.pop(key), like, str(path))
             module, attr = _owner(model, name)
             if packable(module, attr) and like.dtype in (torch.float32, torch.bfloat16):
                 with torch.no_grad():
-                    flat = torch.ops.amxopt.pack_linear_weight(value.reshape(like.shape[0], -1), config.provider)
-                done[id(like)] = _placeholder(like, config.provider, flat)
+                    flat = torch.ops.amxopt.pack_linear_weight(value.reshape(like.shape[0], -1), provider)
+                done[id(like)] = _placeholder(like, provider, flat)
             else:
                 # A copy: the model must not keep the checkpoint's memory map (or its file) alive.
                 done[id(like)] = value.clone() if value.dtype == like.dtype else value
             del value
-            files[name].drop(name)
+            files[key].drop(key)
         _set(model, name, done[id(like)])
     del files
     guard(model)
-    return amxopt.optimize(model, config=config)
+    return model
 
 
 def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
@@ -396,8 +442,8 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
     model = _build_empty(cls, _config_from_dict(cls, manifest["config"]), _DTYPES[manifest["dtype"]])
     tensors = mmap_safetensors(weights)
     expected = _expected(model)
-    stored = {n[len(_PACKED_PREFIX) :] if n.startswith(_PACKED_PREFIX) else n for n in tensors}
-    _check_keys(expected, stored, str(weights))
+    names = {n[len(_PACKED_PREFIX) :] if n.startswith(_PACKED_PREFIX) else n for n in tensors}
+    _check_keys(expected, names, str(weights))
     for name, like in expected.items():
         entry = manifest["tensors"].get(name)
         if entry is None or entry["shape"] != list(like.shape):

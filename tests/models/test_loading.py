@@ -159,3 +159,19 @@ def test_the_loaded_source_refuses_eager_calls(checkpoint):
         opt.__dict__["_source"](**inputs)
     with torch.no_grad():
         opt(**inputs)  # the optimized module runs on the packed weights
+
+
+def test_pipeline_from_pretrained_gives_the_same_frames(tmp_path):
+    from diffusers import WanPipeline
+
+    from amxopt import pipelines
+
+    call = dict(prompt="a cat walks", negative_prompt="blurry", height=64, width=64, num_frames=5)
+    call.update(num_inference_steps=2, guidance_scale=5.0, max_sequence_length=16, output_type="pt")
+    pipe = pipelines.build_wan_pipeline("tiny-wan", torch.float32)
+    pipe.save_pretrained(tmp_path)  # UMT5 stores its tied embedding once
+    expected = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    loaded = amxopt.from_pretrained(WanPipeline, tmp_path, torch.float32, RELEASE)
+    assert sorted(loaded.amxopt_report.optimized) == ["text_encoder", "transformer"]
+    assert packed.is_released(loaded.transformer.__dict__["_source"].blocks[0].ffn.net[2].weight)
+    torch.testing.assert_close(loaded(**call, generator=torch.Generator().manual_seed(0)).frames, expected)
