@@ -249,3 +249,21 @@ def build_wan_pipeline(
         boundary_ratio=0.875 if two_experts else None,
         expand_timesteps=expand_timesteps,
     )
+
+
+def wan_call(
+    height: int = 64, width: int = 64, num_frames: int = 5, steps: int = 2, output_type: str = "pt", **extra: Any
+) -> dict[str, Any]:
+    """``WanPipeline`` call kwargs: a prompt and a negative prompt from the built-in vocabulary,
+    guidance 5.0 (so every step runs the transformer on the cond and the uncond prompt)."""
+    return dict(
+        prompt="a cat walks on the grass",
+        negative_prompt="blurry low quality",
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        num_inference_steps=steps,
+        guidance_scale=5.0,
+        output_type=output_type,
+        **extra,
+    )

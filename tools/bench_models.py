@@ -40,16 +40,7 @@ DEFAULT_MODELS = {
 
 
 _VL_PROMPT = dict(images=[(448, 448)])
-_WAN_STEP = dict(
-    prompt="a cat walks on the grass",
-    negative_prompt="blurry low quality",
-    height=256,
-    width=256,
-    num_frames=17,
-    num_inference_steps=1,
-    guidance_scale=5.0,
-    output_type="latent",
-)
+_WAN_STEP = pipelines.wan_call(256, 256, 17, steps=1, output_type="latent")
 
 
 def _vl_generate(model):

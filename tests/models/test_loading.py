@@ -166,8 +166,7 @@ def test_pipeline_from_pretrained_gives_the_same_frames(tmp_path):
 
     from amxopt import pipelines
 
-    call = dict(prompt="a cat walks", negative_prompt="blurry", height=64, width=64, num_frames=5)
-    call.update(num_inference_steps=2, guidance_scale=5.0, max_sequence_length=16, output_type="pt")
+    call = pipelines.wan_call(max_sequence_length=16)
     pipe = pipelines.build_wan_pipeline("tiny-wan", torch.float32)
     pipe.save_pretrained(tmp_path)  # UMT5 stores its tied embedding once
     expected = pipe(**call, generator=torch.Generator().manual_seed(0)).frames

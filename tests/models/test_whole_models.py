@@ -25,17 +25,7 @@ VL_PROMPTS = {
     "two images": dict(images=[(64, 96), (32, 64)]),
     "video": dict(videos=[(4, 4, 6)], images=[(32, 32)]),
 }
-_WAN_CALL = dict(
-    prompt="a cat walks on the grass",
-    negative_prompt="blurry low quality",
-    height=64,
-    width=64,
-    num_frames=5,
-    num_inference_steps=2,
-    guidance_scale=5.0,
-    max_sequence_length=16,
-    output_type="pt",
-)
+_WAN_CALL = pipelines.wan_call(max_sequence_length=16)
 
 
 def _generate(model, inputs):
