@@ -387,8 +387,12 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         )
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors, entries = {}, {}
+    tensors, entries, first = {}, {}, {}
     for name, t in _expected(source).items():
+        if id(t) in first:  # a tied name: stored once, under the first name
+            entries[name] = {"tied_to": first[id(t)], "shape": list(t.shape), "dtype": _NAMES[t.dtype]}
+            continue
+        first[id(t)] = name
         done = packed.packed_for(t, provider)
         if done is not None:
             tensors[_PACKED_PREFIX + name] = done.contiguous()
@@ -443,17 +447,21 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
     tensors = mmap_safetensors(weights)
     expected = _expected(model)
     names = {n[len(_PACKED_PREFIX) :] if n.startswith(_PACKED_PREFIX) else n for n in tensors}
-    _check_keys(expected, names, str(weights))
+    stored = _check_keys(expected, names, str(weights))
+    done: dict[int, torch.Tensor] = {}
     for name, like in expected.items():
-        entry = manifest["tensors"].get(name)
+        key = stored[name]
+        entry = manifest["tensors"].get(key)
         if entry is None or entry["shape"] != list(like.shape):
             raise CheckpointError(
-                f"amxopt: {weights}: manifest entry for {name} is {entry}, model has {tuple(like.shape)}"
+                f"amxopt: {weights}: manifest entry for {key} is {entry}, model has {tuple(like.shape)}"
             )
-        if entry["packed"]:
-            _set(model, name, _placeholder(like, config.provider, tensors[_PACKED_PREFIX + name]))
-        else:
-            _set(model, name, _convert(name, tensors[name], like, str(weights)))
+        if id(like) not in done:
+            if entry["packed"]:
+                done[id(like)] = _placeholder(like, config.provider, tensors[_PACKED_PREFIX + key])
+            else:
+                done[id(like)] = _convert(key, tensors[key], like, str(weights))
+        _set(model, name, done[id(like)])
     guard(model)
     return amxopt.optimize(model, config=config)
 

@@ -174,3 +174,18 @@ def test_pipeline_from_pretrained_gives_the_same_frames(tmp_path):
     assert sorted(loaded.amxopt_report.optimized) == ["text_encoder", "transformer"]
     assert packed.is_released(loaded.transformer.__dict__["_source"].blocks[0].ffn.net[2].weight)
     torch.testing.assert_close(loaded(**call, generator=torch.Generator().manual_seed(0)).frames, expected)
+
+
+def test_save_and_load_a_model_with_tied_weights(tmp_path):
+    from amxopt import pipelines
+
+    encoder = pipelines.build_wan_pipeline("tiny-wan", torch.float32).text_encoder  # UMT5: shared == embed_tokens
+    ids = torch.tensor([[3, 4, 5, 1, 0, 0]])
+    mask = (ids > 0).long()
+    with torch.no_grad():
+        expected = encoder(ids, mask).last_hidden_state
+    amxopt.optimize(encoder, (ids, mask), RELEASE).save(tmp_path)
+    manifest = json.loads((tmp_path / loading.MANIFEST).read_text())
+    assert manifest["tensors"]["encoder.embed_tokens.weight"]["tied_to"] == "shared.weight"
+    with torch.no_grad():
+        torch.testing.assert_close(amxopt.load(tmp_path, RELEASE)(ids, mask).last_hidden_state, expected)
