@@ -107,7 +107,7 @@ def _source_packed_mb(opt) -> float:
 
     seen, total = set(), 0
     for p in opt.__dict__["_source"].parameters():
-        for t in getattr(p, packed.PACKED_ATTR, {}).values():
+        for t in packed.packings(p).values():
             if id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()

@@ -10,19 +10,34 @@ import math
 
 import torch
 
-PACKED_ATTR = "amxopt_packed"  # on a source tensor: {provider: packed tensor of W.reshape(N, -1)}
+PACKED_ATTR = "amxopt_packed"  # on a source tensor: {provider: (its _version, packed W.reshape(N, -1))}
 RELEASED_ATTR = "amxopt_released"  # on a placeholder: the unpacked weight is gone
 
 
 def packed_for(tensor: torch.Tensor, provider: str) -> torch.Tensor | None:
-    """The packing of ``tensor`` (a source weight) for ``provider``, if one was made."""
-    return getattr(tensor, PACKED_ATTR, {}).get(provider)
+    """The packing of ``tensor`` (a source weight) for ``provider``, if one was made from its
+    current values (an in-place update since, e.g. ``load_state_dict``, makes it stale)."""
+    version, packed = getattr(tensor, PACKED_ATTR, {}).get(provider, (None, None))
+    return packed if version == tensor._version else None
 
 
 def remember(tensor: torch.Tensor, provider: str, packed: torch.Tensor) -> None:
     if not hasattr(tensor, PACKED_ATTR):
         setattr(tensor, PACKED_ATTR, {})
-    getattr(tensor, PACKED_ATTR)[provider] = packed
+    getattr(tensor, PACKED_ATTR)[provider] = (tensor._version, packed)
+
+
+def packings(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every fresh packing of ``tensor``, by provider."""
+    return {p: t for p, (v, t) in getattr(tensor, PACKED_ATTR, {}).items() if v == tensor._version}
+
+
+def transfer(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Give ``target`` (a placeholder standing for ``source``) ``source``'s fresh packings and release tag."""
+    for provider, t in packings(source).items():
+        remember(target, provider, t)
+    if is_released(source):
+        setattr(target, RELEASED_ATTR, True)
 
 
 def is_released(tensor: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ import ctypes
 import torch
 from torch import nn
 
-from amxopt.ops.packed import PACKED_ATTR, RELEASED_ATTR, is_released
+from amxopt.ops.packed import RELEASED_ATTR, is_released, packings, transfer
 
 
 def release(model: nn.Module, keep: set[int]) -> int:
@@ -31,11 +31,11 @@ def release(model: nn.Module, keep: set[int]) -> int:
     freed, done = 0, {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is None or not hasattr(p, PACKED_ATTR) or is_released(p) or id(p) in keep:
+            if p is None or not packings(p) or is_released(p) or id(p) in keep:
                 continue
             if id(p) not in done:
                 placeholder = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
-                setattr(placeholder, PACKED_ATTR, getattr(p, PACKED_ATTR))
+                transfer(p, placeholder)
                 setattr(placeholder, RELEASED_ATTR, True)
                 done[id(p)] = placeholder
                 freed += p.numel() * p.element_size()
@@ -85,8 +85,7 @@ def exportable(model: nn.Module):
         for name, p in list(module._parameters.items()):
             if p is not None and is_released(p) and p.device.type == "meta":
                 stand_in = nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=False)
-                for attr in (PACKED_ATTR, RELEASED_ATTR):
-                    setattr(stand_in, attr, getattr(p, attr))
+                transfer(p, stand_in)
                 module._parameters[name] = stand_in
                 swapped.append((module, name, p))
     model.__dict__["_amxopt_tracing"] = True

@@ -69,3 +69,13 @@ def test_keep_source_keeps_the_original_callable():
     assert model.blocks[0].attn.qkv.weight.device.type == "cpu"
     with torch.no_grad():
         torch.testing.assert_close(opt(**inputs).pooler_output, model(**inputs).pooler_output)
+
+
+def test_a_packing_is_not_reused_after_the_source_changes_in_place():
+    model = models.build_model(_NAME)
+    inputs = models.example_inputs(_NAME, size=64)
+    amxopt.optimize(model, inputs, CONFIG)  # keep_source: the weights are tagged with their packing
+    model.load_state_dict(models.build_model(_NAME, seed=1).state_dict())  # in place: new values
+    opt = amxopt.optimize(model, inputs, CONFIG)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(**inputs).pooler_output, model(**inputs).pooler_output)
