@@ -27,6 +27,9 @@ from amxopt import models
 # Special token ids of the tiny vocabularies (the released ones are 151k+, far past a tiny vocab).
 _VOCAB = 512
 _IMAGE, _VIDEO, _AUDIO, _VISION_START, _VISION_END, _AUDIO_START, _AUDIO_END = range(_VOCAB - 7, _VOCAB)
+_VISION_IDS = dict(
+    image_token_id=_IMAGE, video_token_id=_VIDEO, vision_start_token_id=_VISION_START, vision_end_token_id=_VISION_END
+)
 _PROMPT = (11, 12, 13)  # "describe this" stand-in text tokens around the media
 
 # Text decoders: "tiny" for tests; "small" is a 4-layer decoder at the released 2B width, so a demo
@@ -60,15 +63,7 @@ def build_qwen3_vl(size: str = "tiny", dtype: torch.dtype = torch.float32, seed:
     vision = models.ZOO[_VISION[size]].config()
     text = _text_config(size)
     vision.out_hidden_size = text["hidden_size"]
-    config = Qwen3VLConfig(
-        vision_config=vision.to_dict(),
-        text_config=text,
-        image_token_id=_IMAGE,
-        video_token_id=_VIDEO,
-        vision_start_token_id=_VISION_START,
-        vision_end_token_id=_VISION_END,
-        tie_word_embeddings=True,
-    )
+    config = Qwen3VLConfig(vision_config=vision.to_dict(), text_config=text, tie_word_embeddings=True, **_VISION_IDS)
     model = Qwen3VLForConditionalGeneration._from_config(config, attn_implementation="sdpa")
     model.model.visual.zoo_name = _VISION[size]
     return _init(model, dtype, seed)
@@ -136,13 +131,10 @@ def build_qwen3_omni_thinker(dtype: torch.dtype = torch.float32, seed: int = 0) 
         vision_config=vision.to_dict(),
         audio_config=audio.to_dict(),
         text_config=text,
-        image_token_id=_IMAGE,
-        video_token_id=_VIDEO,
         audio_token_id=_AUDIO,
-        vision_start_token_id=_VISION_START,
-        vision_end_token_id=_VISION_END,
         audio_start_token_id=_AUDIO_START,
         audio_end_token_id=_AUDIO_END,
+        **_VISION_IDS,
     )
     model = Qwen3OmniMoeThinkerForConditionalGeneration._from_config(config, attn_implementation="sdpa")
     return _init(model, dtype, seed)
