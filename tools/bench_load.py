@@ -55,7 +55,7 @@ def _child(route: str, name: str, path: pathlib.Path) -> dict:
     inputs = models.example_inputs(name, torch.bfloat16)
     t = time.perf_counter()
     out: dict = {}
-    if route == "hf" or route == "hf+optimize" or route == "hf+compile":
+    if route in ("hf", "hf+optimize", "hf+compile"):
         model = cls.from_pretrained(path / "hf", torch_dtype=torch.bfloat16).eval()
         out["load_s"] = time.perf_counter() - t
         if route == "hf+optimize":

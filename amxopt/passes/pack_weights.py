@@ -54,7 +54,10 @@ def _pack(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
     weight, provider = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("provider", "auto")
     src = source_attr(weight)
     source = fetch(gm, src.target) if src is not None else None
-    if source is not None and tuple(val(weight).shape) == packed.flat_shape(source):
+    # Only a weight packed whole (as its [N, K] flattening) shares the packing with other graphs.
+    if source is not None and tuple(val(weight).shape) != packed.flat_shape(source):
+        source = None
+    if source is not None:
         done = packed.packed_for(source, provider)
         if done is not None:
             return done  # packed by an earlier graph of this model, or at load time
@@ -66,7 +69,7 @@ def _pack(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
         )
     with torch.no_grad():
         result = node.target(_evaluate(weight, gm, memo), *node.args[1:], **node.kwargs)
-    if source is not None and tuple(val(weight).shape) == packed.flat_shape(source):
+    if source is not None:
         packed.remember(source, provider, result)  # a later graph reuses it
     return result
 

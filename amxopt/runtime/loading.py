@@ -31,7 +31,7 @@ from torch import nn
 from amxopt.config import AmxConfig
 from amxopt.ops import native, packed
 from amxopt.ops.providers import resolve
-from amxopt.runtime.weights import guard
+from amxopt.runtime.weights import guard, placeholder
 
 logger = logging.getLogger(__name__)
 
@@ -222,13 +222,6 @@ def _set(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[attr] = tensor
 
 
-def _placeholder(like: torch.Tensor, provider: str, packed_weight: torch.Tensor) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(like.shape, dtype=like.dtype, device="meta"), requires_grad=False)
-    packed.remember(p, provider, packed_weight)
-    setattr(p, packed.RELEASED_ATTR, True)
-    return p
-
-
 def packable(module: nn.Module, attr: str) -> bool:
     """A weight amxopt's passes turn into a packed GEMM operand: a Linear's, or a patch embedding's."""
     if attr != "weight":
@@ -316,13 +309,14 @@ def from_pretrained(
     import amxopt
 
     path = pathlib.Path(path)
-    config = dataclasses.replace(config or AmxConfig(), provider=resolve((config or AmxConfig()).provider))
+    config = config or AmxConfig()
+    config = dataclasses.replace(config, provider=resolve(config.provider))
     if (path / "model_index.json").exists():
-        return amxopt.optimize(_load_pipeline(cls, path, torch_dtype, config), config=config)
+        return amxopt.optimize(_load_pipeline(cls, path, torch_dtype, config.provider), config=config)
     return amxopt.optimize(_load_model(cls, path, torch_dtype, config.provider), config=config)
 
 
-def _load_pipeline(cls: type, path: pathlib.Path, dtype: torch.dtype, config: AmxConfig) -> Any:
+def _load_pipeline(cls: type, path: pathlib.Path, dtype: torch.dtype, provider: str) -> Any:
     """A diffusers pipeline directory: the parts amxopt optimizes are loaded packed, the rest by their own class."""
     from amxopt.runtime.components import PIPELINE_COMPONENTS
 
@@ -338,7 +332,7 @@ def _load_pipeline(cls: type, path: pathlib.Path, dtype: torch.dtype, config: Am
         else:
             part_cls = getattr(importlib.import_module(value[0]), value[1])
             if name in PIPELINE_COMPONENTS and issubclass(part_cls, nn.Module):
-                parts[name] = _load_model(part_cls, path / name, dtype, config.provider)
+                parts[name] = _load_model(part_cls, path / name, dtype, provider)
             else:
                 parts[name] = part_cls.from_pretrained(path / name)
     return cls(**parts, **options)
@@ -362,7 +356,7 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
             if packable(module, attr) and like.dtype in (torch.float32, torch.bfloat16):
                 with torch.no_grad():
                     flat = torch.ops.amxopt.pack_linear_weight(value.reshape(like.shape[0], -1), provider)
-                done[id(like)] = _placeholder(like, provider, flat)
+                done[id(like)] = placeholder(like, {provider: flat})
             else:
                 # A copy: the model must not keep the checkpoint's memory map (or its file) alive.
                 done[id(like)] = value.clone() if value.dtype == like.dtype else value
@@ -458,7 +452,7 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
             )
         if id(like) not in done:
             if entry["packed"]:
-                done[id(like)] = _placeholder(like, config.provider, tensors[_PACKED_PREFIX + key])
+                done[id(like)] = placeholder(like, {config.provider: tensors[_PACKED_PREFIX + key]})
             else:
                 done[id(like)] = _convert(key, tensors[key], like, str(weights))
         _set(model, name, done[id(like)])

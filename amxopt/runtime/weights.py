@@ -19,7 +19,7 @@ import ctypes
 import torch
 from torch import nn
 
-from amxopt.ops.packed import RELEASED_ATTR, is_released, packings, transfer
+from amxopt.ops.packed import RELEASED_ATTR, is_released, packings, remember, transfer
 
 
 def release(model: nn.Module, keep: set[int]) -> int:
@@ -34,10 +34,7 @@ def release(model: nn.Module, keep: set[int]) -> int:
             if p is None or not packings(p) or is_released(p) or id(p) in keep:
                 continue
             if id(p) not in done:
-                placeholder = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
-                transfer(p, placeholder)
-                setattr(placeholder, RELEASED_ATTR, True)
-                done[id(p)] = placeholder
+                done[id(p)] = placeholder(p, packings(p))
                 freed += p.numel() * p.element_size()
             module._parameters[name] = done[id(p)]
     if freed:
@@ -52,6 +49,15 @@ def release(model: nn.Module, keep: set[int]) -> int:
     if freed:
         guard(model)
     return freed
+
+
+def placeholder(like: torch.Tensor, packed: dict[str, torch.Tensor]) -> nn.Parameter:
+    """A released weight: meta, ``like``'s shape and dtype, carrying its packings by provider."""
+    p = nn.Parameter(torch.empty(like.shape, dtype=like.dtype, device="meta"), requires_grad=False)
+    for provider, t in packed.items():
+        remember(p, provider, t)
+    setattr(p, RELEASED_ATTR, True)
+    return p
 
 
 def guard(model: nn.Module) -> None:
