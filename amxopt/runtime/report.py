@@ -74,7 +74,9 @@ class Report:
         for node in gm.graph.nodes:
             if TIMED in node.meta:
                 timing = node.meta[TIMED]
-                choices[timing.op] = ("amxopt" if node.target in AMX_KINDS else "ATen", str(timing))
+                # The first node of a shape: later ones read the decision it just cached, and would
+                # label a timing made in this very optimize() "[cached]".
+                choices.setdefault(timing.op, ("amxopt" if node.target in AMX_KINDS else "ATen", str(timing)))
             if node.op == "get_attr" and LEFT in node.meta:
                 notes.append(f"{node.target}: {node.meta[LEFT]}")
             if node.op != "call_function":
