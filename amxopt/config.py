@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +25,13 @@ class AmxConfig:
         max_recaptures: bound on cached graphs per optimized model (one per input signature).
         autotune: time each distinct op shape against the ATen code it would replace and keep the
             faster (native provider only); the report lists every decision with both timings.
-        autotune_cache: directory of the on-disk decision cache (keyed by CPU, torch, kernels, tier
-            and shape); ``None`` is ``$XDG_CACHE_HOME/amxopt`` or ``~/.cache/amxopt``.
+        autotune_cache: directory of amxopt's on-disk caches (kernel decisions, keyed by CPU, torch,
+            kernels, tier and shape; rewritten graphs); ``None`` is ``$XDG_CACHE_HOME/amxopt`` or
+            ``~/.cache/amxopt``.
+        graph_cache: keep each rewritten graph in that directory, keyed by amxopt's code, the
+            library versions, the CPU, the model's structure (not its weight values), the call's
+            structure and these options: a later optimize() of the same model restores the graph
+            instead of capturing and rewriting it again.
 
     Example::
 
@@ -40,3 +47,11 @@ class AmxConfig:
     max_recaptures: int = 8
     autotune: bool = True
     autotune_cache: str | None = None
+    graph_cache: bool = True
+
+    def cache_dir(self) -> pathlib.Path:
+        """Root of the on-disk caches (``autotune_cache``, else the XDG cache directory)."""
+        root = self.autotune_cache or os.path.join(
+            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "amxopt"
+        )
+        return pathlib.Path(root)

@@ -16,6 +16,19 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 KERNELS = ("reference", *(f"native-{tier}" for tier in native.TIERS))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache_dir(tmp_path_factory):
+    """amxopt's on-disk caches (kernel choices, graphs) in a directory of this test session: tests
+    neither read a user's cache nor leave entries in it."""
+    previous = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield
+    if previous is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = previous
+
+
 @pytest.fixture(params=KERNELS)
 def provider(request):
     """The provider name to pass to the ops, with the native tier capped as the param says."""

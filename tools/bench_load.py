@@ -6,9 +6,12 @@ route runs in a fresh process, so that each peak RSS (``ru_maxrss``) is its own:
 * ``hf``: transformers/diffusers ``from_pretrained`` (what eager runs on);
 * ``hf+compile``: the same, then ``torch.compile`` with freezing and its first call (``--compile``);
 * ``hf+optimize``: ``from_pretrained``, then ``amxopt.optimize(model, example_inputs)`` (capture,
-  rewrite, packing, source released): setup time and RSS after;
+  rewrite, packing, source released) with an empty graph cache: setup time and RSS after;
+* ``hf+optimize warm``: the same, with the graph the previous route left in the graph cache
+  (restored, not captured: what every optimize() after the first costs);
 * ``amxopt.from_pretrained``: packing while streaming the checkpoint;
-* ``amxopt.load``: the artifact ``opt.save`` wrote (memory-mapped, no packing).
+* ``amxopt.load``: the artifact ``opt.save`` wrote (memory-mapped, no packing, graph restored), and
+  its first call.
 
 Each process also reports the RSS of the bare imports, so the weights' share can be read apart.
 Autotune is off (its timing runs would blur the setup time; decisions are cached on disk anyway).
@@ -22,12 +25,13 @@ import argparse
 import json
 import pathlib
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-ROUTES = ("hf", "hf+optimize", "amxopt.from_pretrained", "amxopt.load")
+ROUTES = ("hf", "hf+optimize", "hf+optimize warm", "amxopt.from_pretrained", "amxopt.load")
 _MB = 2**20
 
 
@@ -51,14 +55,16 @@ def _child(route: str, name: str, path: pathlib.Path) -> dict:
 
     base = _rss_mb()
     cls = _class_of(name)
-    config = amxopt.AmxConfig(autotune=False)
+    config = amxopt.AmxConfig(autotune=False, autotune_cache=str(path / "cache"))
+    if route == "hf+optimize":
+        shutil.rmtree(path / "cache", ignore_errors=True)
     inputs = models.example_inputs(name, torch.bfloat16)
     t = time.perf_counter()
     out: dict = {}
-    if route in ("hf", "hf+optimize", "hf+compile"):
+    if route in ("hf", "hf+optimize", "hf+optimize warm", "hf+compile"):
         model = cls.from_pretrained(path / "hf", torch_dtype=torch.bfloat16).eval()
         out["load_s"] = time.perf_counter() - t
-        if route == "hf+optimize":
+        if route.startswith("hf+optimize"):
             t = time.perf_counter()
             opt = amxopt.optimize(model, inputs, config)
             out["optimize_s"] = time.perf_counter() - t
@@ -86,6 +92,12 @@ def _child(route: str, name: str, path: pathlib.Path) -> dict:
         opt = amxopt.load(path / "artifact", config)
         out["load_s"] = time.perf_counter() - t
         out["packed_mb"] = _source_packed_mb(opt)
+        out.update(rss_mb=_rss_mb(), peak_rss_mb=_peak_mb())
+        t = time.perf_counter()
+        with torch.no_grad():
+            opt(**inputs)
+        out["first_call_s"] = time.perf_counter() - t
+        out["captured"] = not any("restored from" in n for n in opt.report.notes)
     out.setdefault("rss_mb", _rss_mb())
     out.setdefault("peak_rss_mb", _peak_mb())
     out.update(route=route, model=name, imports_rss_mb=base)
@@ -151,18 +163,23 @@ def main() -> None:
         rows = [_run(route, name, root) for route in routes]
         packed_mb = next(r["packed_mb"] for r in rows if "packed_mb" in r)
         print(f"\n## {name}: packed weights {packed_mb:.0f} MB")
-        print("| route | load s | setup s | peak RSS MB | RSS after MB | imports RSS MB | peak / (packed + 300) |")
-        print("|---|---|---|---|---|---|---|")
+        print(
+            "| route | load s | setup s | first call s | peak RSS MB | RSS after MB | imports RSS MB | peak / (packed + 300) |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            setup = r.get("optimize_s", r.get("first_call_s", 0.0))
+            first = f"{r['first_call_s']:.2f}" if "first_call_s" in r else "-"
             print(
-                f"| {r['route']} | {r.get('load_s', 0):.2f} | {setup:.2f} | {r['peak_rss_mb']:.0f} | {r['rss_mb']:.0f} | "
-                f"{r['imports_rss_mb']:.0f} | {r['peak_rss_mb'] / (packed_mb + 300):.2f} |"
+                f"| {r['route']} | {r.get('load_s', 0):.2f} | {r.get('optimize_s', 0):.2f} | {first} | "
+                f"{r['peak_rss_mb']:.0f} | {r['rss_mb']:.0f} | {r['imports_rss_mb']:.0f} | "
+                f"{r['peak_rss_mb'] / (packed_mb + 300):.2f} |"
             )
         by = {r["route"]: r for r in rows}
         print(
             f"amxopt.load vs amxopt.from_pretrained: {by['amxopt.from_pretrained']['load_s'] / by['amxopt.load']['load_s']:.1f}x "
-            f"faster; optimize() setup {by['hf+optimize']['optimize_s']:.1f} s",
+            f"faster (load's first call {'captured' if by['amxopt.load']['captured'] else 'ran the saved graph'}); "
+            f"optimize() setup {by['hf+optimize']['optimize_s']:.1f} s cold, "
+            f"{by['hf+optimize warm']['optimize_s']:.1f} s with the graph cache",
             flush=True,
         )
         results += rows

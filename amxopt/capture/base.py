@@ -99,13 +99,16 @@ class Captured:
     """One exported graph and how to feed it.
 
     ``guards`` is export's input check, taken out of the graph so that passes never see it: it
-    raises when a call's shapes fall outside what the graph was captured for.
+    raises when a call's shapes fall outside what the graph was captured for. ``guard_code`` is the
+    same check as expressions over the flat inputs (``args[0].size()[0] >= 8``), which a stored graph
+    keeps (amxopt/runtime/graph_store.py); ``None`` when export's guards could not be read.
     """
 
     gm: fx.GraphModule
     dynamic: bool
-    guards: nn.Module | None
+    guards: Any
     note: str = ""
+    guard_code: list[str] | None = None
 
     def check(self, graph_inputs: dict[str, Any]) -> None:
         if self.guards is not None:
@@ -129,7 +132,7 @@ def export(model: nn.Module, adapter: Adapter, graph_inputs: dict[str, Any], dyn
         gm = ep.module()
         _drop_dtype_asserts(gm)
         note = "" if dyn or not dynamic else f"dynamic export failed ({errors[0]}); shapes are static"
-        return Captured(gm=gm, dynamic=dyn, guards=_take_guards(gm), note=note)
+        return Captured(gm=gm, dynamic=dyn, guards=_take_guards(gm), note=note, guard_code=_guard_code(ep, gm))
     hint = ""
     if any("data-dependent" in e or "DataDependent" in e for e in errors):
         hint = (
@@ -150,6 +153,32 @@ def _drop_dtype_asserts(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and node.target == torch.ops.aten._assert_tensor_metadata.default:
             gm.graph.erase_node(node)
     gm.recompile()
+
+
+def _guard_code(ep: torch.export.ExportedProgram, gm: fx.GraphModule) -> list[str] | None:
+    """The expressions ``ep.module()`` compiles into its ``_guards_fn``, over ``args[i]`` (flat inputs).
+
+    torch keeps them only as generated code; this repeats the few steps of
+    ``torch.export._unlift._unlift_exported_program_lifted_states`` that produce them (pinned torch).
+    """
+    from torch.export import _unlift
+
+    try:
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        signature = inspect.signature(gm.forward)
+        paths = _unlift._get_input_paths(ep.example_inputs, signature)
+        code = _unlift._get_input_guards_for_graph(placeholders, ep.range_constraints, paths)
+        from_ep = _unlift._force_ep_signature_match(ep._guards_code, paths)
+        code += _unlift._force_gm_signature_match(from_ep, signature)
+    except Exception as e:  # noqa: BLE001 - private API of the pinned torch: without it, graphs are not stored
+        logger.info("amxopt: export's guards of %s could not be read (%s); its graph will not be stored", gm, e)
+        return None
+    flat = []
+    for c in code:
+        for i, path in enumerate(paths):
+            c = c.replace("L" + pytree.keystr(path), f"args[{i}]")
+        flat.append(c)
+    return flat
 
 
 def _take_guards(gm: fx.GraphModule) -> nn.Module | None:

@@ -93,10 +93,7 @@ def _context() -> str:
 
 
 def _cache_file(config: AmxConfig) -> pathlib.Path:
-    root = config.autotune_cache or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "amxopt"
-    )
-    return pathlib.Path(root) / "kernel_choices.json"
+    return config.cache_dir() / "kernel_choices.json"
 
 
 @functools.cache

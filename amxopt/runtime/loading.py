@@ -9,8 +9,9 @@ Every other tensor is loaded as its owner expects (the dtype the class keeps it 
 
 ``save`` writes the packed and the plain tensors to one safetensors file plus ``amxopt.json`` (the
 manifest: versions, provider and tier, the model class and config, every tensor's shape and dtype,
-the file's size); ``load`` memory-maps that file (no copy, no packing, nothing unpickled) and
-refuses an artifact that does not match this machine or is damaged, naming the problem.
+the file's size, and each rewritten graph as data, see ``amxopt/runtime/graph_store.py``); ``load``
+memory-maps that file (no copy, no packing, nothing unpickled), restores the graphs (no capture, no
+passes) and refuses an artifact that does not match this machine or is damaged, naming the problem.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 from amxopt.config import AmxConfig
 from amxopt.ops import native, packed
 from amxopt.ops.providers import resolve
+from amxopt.runtime import graph_store
 from amxopt.runtime.weights import guard, placeholder
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ LAYOUT_VERSION = 1  # of the packed weights (VNNI [N/32][K/2][32][2] + padding);
 MANIFEST = "amxopt.json"
 WEIGHTS = "weights.safetensors"
 _PACKED_PREFIX = "packed::"
+_GRAPH_PREFIX = "graph"  # graph{i}::{target}: a tensor only a saved graph reads (a lifted constant)
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
            "I32": torch.int32, "BOOL": torch.bool, "F64": torch.float64, "U8": torch.uint8, "I8": torch.int8}  # fmt: skip
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -396,6 +399,23 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         else:
             tensors[name] = t.detach().contiguous()
             entries[name] = {"packed": False, "shape": list(t.shape), "dtype": _NAMES[t.dtype]}
+    graphs, skipped = [], None
+    module = opt.adapter.export_module(source)
+    try:
+        for i, graph in enumerate(opt._graphs):
+            entry, extra = graph_store.dump(graph, module, for_cache=False)
+            entry["attrs"] = {
+                t: {**a, "stored": f"{_GRAPH_PREFIX}{i}::{a['stored']}"} if "stored" in a else a
+                for t, a in entry["attrs"].items()
+            }
+            tensors.update({f"{_GRAPH_PREFIX}{i}::{k}": v for k, v in extra.items()})
+            graphs.append(entry)
+    except graph_store.GraphStoreError as e:
+        graphs, skipped = [], str(e)
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(_GRAPH_PREFIX)}
+        logger.warning(
+            "amxopt: save: the rewritten graph of %s is not saved (%s); load() captures again", type(source).__name__, e
+        )
     weights = directory / WEIGHTS
     save_file(tensors, str(weights))
     cls = type(source)
@@ -412,6 +432,9 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         "dtype": _NAMES[_model_dtype(source)],
         "file_bytes": weights.stat().st_size,
         "tensors": entries,
+        "adapter": opt.adapter.name,
+        "graphs": graphs,
+        "graphs_not_saved": skipped,
     }
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
     return directory
@@ -440,7 +463,7 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
     model = _build_empty(cls, _config_from_dict(cls, manifest["config"]), _DTYPES[manifest["dtype"]])
     tensors = mmap_safetensors(weights)
     expected = _expected(model)
-    names = {n[len(_PACKED_PREFIX) :] if n.startswith(_PACKED_PREFIX) else n for n in tensors}
+    names = {n.removeprefix(_PACKED_PREFIX) for n in tensors if not n.startswith(_GRAPH_PREFIX)}
     stored = _check_keys(expected, names, str(weights))
     done: dict[int, torch.Tensor] = {}
     for name, like in expected.items():
@@ -457,7 +480,21 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
                 done[id(like)] = _convert(key, tensors[key], like, str(weights))
         _set(model, name, done[id(like)])
     guard(model)
-    return amxopt.optimize(model, config=config)
+    opt = amxopt.optimize(model, config=config)
+    if manifest.get("graphs") and manifest.get("adapter") != opt.adapter.name:
+        raise CheckpointError(
+            f"amxopt: {directory}: its graphs were captured through adapter {manifest.get('adapter')!r}, "
+            f"this amxopt picks {opt.adapter.name!r} for {cls_name}; re-create the artifact"
+        )
+    for i, entry in enumerate(manifest.get("graphs", [])):
+        try:
+            graph = graph_store.restore(
+                entry, opt.adapter.export_module(model), config.provider, tensors, f"the artifact {directory}"
+            )
+        except graph_store.GraphStoreError as e:
+            raise CheckpointError(f"amxopt: {directory}: saved graph {i} cannot be restored: {e}") from None
+        opt._add(graph)
+    return opt
 
 
 def _check_manifest(manifest: dict, config: AmxConfig, directory: pathlib.Path) -> None:

@@ -17,30 +17,45 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from amxopt.capture import Adapter, Captured, CaptureError, export
+from amxopt.capture import Adapter, CaptureError, export
 from amxopt.config import AmxConfig
 from amxopt.ops import packed
-from amxopt.passes import PassRecord, run_passes
+from amxopt.passes import run_passes
 from amxopt.passes._graph import fetch
-from amxopt.runtime import weights
+from amxopt.runtime import graph_store, weights
+from amxopt.runtime.graph_store import GraphEntry
 from amxopt.runtime.report import Report
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class _Graph:
-    captured: Captured
-    dtypes: dict[str, torch.dtype]  # float graph inputs and the dtype they were captured with
-    signature: tuple  # input structure and non-tensor values, which export bakes into the graph
-    report: Report
-    records: list[PassRecord]
-
-
 def build_graph(
     model: nn.Module, adapter: Adapter, graph_inputs: dict, config: AmxConfig, keep_text: bool = False
-) -> _Graph:
-    """Capture ``model`` on ``graph_inputs`` and run the passes: one entry of the graph cache."""
+) -> GraphEntry:
+    """Capture ``model`` on ``graph_inputs`` and run the passes: one entry of the graph cache.
+
+    With ``config.graph_cache``, a graph stored on disk for this model structure, call structure
+    and options is restored instead (when its guards accept ``graph_inputs``), and a new graph is
+    stored. ``keep_text`` (the CLI's dumps) always captures.
+    """
+    module = adapter.export_module(model)
+    key = None
+    if config.graph_cache and not keep_text:
+        key = graph_store.cache_key(module, adapter.name, graph_inputs, config)
+    if key is not None:
+        restored = graph_store.read_cache(key, module, config)
+        if restored is not None and _accepts(restored, graph_inputs):
+            logger.info("amxopt: %s restored from the graph cache (%s)", adapter.model_name, key)
+            return restored
+    graph = _capture_and_rewrite(model, adapter, graph_inputs, config, keep_text)
+    if key is not None:
+        graph_store.write_cache(key, graph, module, config)
+    return graph
+
+
+def _capture_and_rewrite(
+    model: nn.Module, adapter: Adapter, graph_inputs: dict, config: AmxConfig, keep_text: bool
+) -> GraphEntry:
     with weights.exportable(model):
         captured = export(model, adapter, graph_inputs, config.dynamic)
     records = run_passes(captured.gm, config, keep_text=keep_text)
@@ -56,7 +71,7 @@ def build_graph(
         notes=notes,
     )
     dtypes = {k: v.dtype for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
-    return _Graph(captured, dtypes, _signature(graph_inputs), report, records)
+    return GraphEntry(captured, dtypes, _signature(graph_inputs), report, records)
 
 
 def _check_no_released_reads(gm: fx.GraphModule, model_name: str) -> None:
@@ -87,14 +102,14 @@ class OptimizedModule(nn.Module):
         self,
         model: nn.Module,
         adapter: Adapter,
-        first: _Graph | None,
+        first: GraphEntry | None,
         config: AmxConfig,
         eager_fallback: bool = False,
     ) -> None:
         super().__init__()
         self.adapter = adapter
         self.amx_config = config
-        self._graphs: list[_Graph] = []
+        self._graphs: list[GraphEntry] = []
         # A pipeline component that torch.export cannot capture runs as it was (reported, logged)
         # instead of failing the user's pipeline call; ``eager_reason`` says why.
         self.eager_fallback = eager_fallback
@@ -105,7 +120,7 @@ class OptimizedModule(nn.Module):
         if first is not None:
             self._add(first)
 
-    def _add(self, graph: _Graph) -> None:
+    def _add(self, graph: GraphEntry) -> None:
         if not self._graphs:
             self.add_module("graph_module", graph.captured.gm)
         self._graphs.append(graph)
@@ -183,7 +198,7 @@ class OptimizedModule(nn.Module):
                     f"cast the input or optimize a {got.dtype} model"
                 )
 
-    def _recapture(self, graph_inputs: dict) -> _Graph:
+    def _recapture(self, graph_inputs: dict) -> GraphEntry:
         model = self.__dict__["_source"]
         shapes = {k: tuple(v.shape) for k, v in graph_inputs.items() if isinstance(v, torch.Tensor)}
         if len(self._graphs) >= self.amx_config.max_recaptures:
@@ -199,7 +214,7 @@ class OptimizedModule(nn.Module):
         return graph
 
 
-def _accepts(graph: _Graph, graph_inputs: dict) -> bool:
+def _accepts(graph: GraphEntry, graph_inputs: dict) -> bool:
     if _signature(graph_inputs) != graph.signature:
         return False
     try:

@@ -1,0 +1,530 @@
+"""A rewritten graph as data: stored in an artifact (``opt.save``) and in the on-disk graph cache.
+
+A graph after the passes is a flat list of ``torch.ops`` calls, reads of weights (``get_attr``) and
+a few integer ops on sizes. It is written as JSON: each node's op, target and arguments, where a
+target is named (``aten::linear.default``, ``operator.mul``) and resolved on reading against a fixed
+vocabulary (``torch.ops`` and an allow-list), so reading a stored graph runs no stored code and
+unpickles nothing. Export's input guards are kept as expressions over the flat inputs and checked
+by a small evaluator of the same vocabulary.
+
+Weights are not in the entry: a ``get_attr`` names the source module's tensor by its qualified
+name, and a packed buffer names the source weight it packs (re-packed, or taken from the packing
+the source carries, when the graph is read). A tensor that is neither (a constant export lifted, a
+packing of a transformed weight) goes to ``tensors``; the graph cache refuses graphs that need a
+transformed weight's packing, since it would go stale when the weights change.
+
+Why not ``torch.export.save``: it would re-trace the rewritten graph to build an ExportedProgram,
+write every weight into its own archive (a second copy beside the packed safetensors), and rebuild
+fake tensors for every node on load, which is the cost the cache exists to avoid.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import operator
+import os
+import pathlib
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+
+from amxopt.capture import Captured
+from amxopt.config import AmxConfig
+from amxopt.ops import native, packed
+from amxopt.passes import PassRecord
+from amxopt.passes._graph import fetch
+from amxopt.passes.pack_weights import PACKED_PREFIX
+from amxopt.runtime.report import Entry, Report
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1  # of a stored graph; bump when the encoding changes
+
+_FUNCTIONS = {
+    f"operator.{f.__name__}": f
+    for f in (operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
+              operator.mod, operator.pow, operator.neg, operator.eq, operator.ne, operator.lt, operator.le,
+              operator.gt, operator.ge, operator.and_, operator.or_, operator.not_)
+} | {
+    f"math.{f.__name__}": f for f in (math.floor, math.ceil, math.sqrt, math.trunc)
+} | {
+    f"torch.{f.__name__}": f for f in (torch.sym_max, torch.sym_min, torch.sym_float, torch.sym_int, torch.sym_not,
+                                       torch.sym_ite, torch.sym_sum)
+}  # fmt: skip
+_FUNCTION_NAMES = {f: name for name, f in _FUNCTIONS.items()}
+
+
+class GraphStoreError(ValueError):
+    """A graph that cannot be stored, or a stored graph that cannot be read back."""
+
+
+@dataclasses.dataclass
+class GraphEntry:
+    """One graph of an OptimizedModule: captured (or restored) and rewritten, with what selects it."""
+
+    captured: Captured
+    dtypes: dict[str, torch.dtype]  # float graph inputs and the dtype they were captured with
+    signature: tuple  # input structure and non-tensor values, which export bakes into the graph
+    report: Report
+    records: list[PassRecord]
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------
+
+
+def dump(graph: GraphEntry, module: nn.Module, for_cache: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The JSON entry of ``graph`` and the tensors it needs besides ``module``'s.
+
+    ``module`` is the module that was exported (the adapter's ``export_module``): its tensors, and
+    the packings they carry, are referred to by name. ``for_cache`` refuses a packing of a
+    transformed weight (see the module doc).
+
+    Raises:
+        GraphStoreError: a node, value or guard outside what a stored graph can express.
+    """
+    gm = graph.captured.gm
+    if graph.captured.guard_code is None:
+        raise GraphStoreError("export's input guards could not be read")
+    for code in graph.captured.guard_code:
+        _parse_guard(code)
+    names, packings = _tensor_names(module)
+    attrs: dict[str, dict] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    nodes = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            t = fetch(gm, node.target)
+            entry = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
+            if id(t) in names:
+                entry["source"] = names[id(t)]
+            elif id(t) in packings:
+                entry["packs"], entry["provider"] = packings[id(t)]
+            elif for_cache and node.target.startswith(PACKED_PREFIX + "."):
+                raise GraphStoreError(f"{node.target} packs a transformed weight: it would go stale with other weights")
+            else:
+                entry["stored"] = node.target
+                tensors[node.target] = t.detach().contiguous()
+            attrs[node.target] = entry
+        elif node.op not in ("placeholder", "call_function", "output"):
+            raise GraphStoreError(f"node {node.name}: {node.op} nodes are not stored")
+        target = _target_name(node) if node.op == "call_function" else node.target
+        nodes.append([node.op, node.name, target, _encode(node.args, node), _encode(node.kwargs, node)])
+    codegen = gm.graph._codegen
+    if not isinstance(codegen, _PyTreeCodeGen):
+        raise GraphStoreError(f"the graph's calling convention ({type(codegen).__name__}) is not stored")
+    info = codegen.pytree_info
+    spec, constants = graph.signature
+    try:
+        entry = {
+            "format": FORMAT,
+            "orig_args": list(info.orig_args),
+            "in_spec": pytree.treespec_dumps(info.in_spec),
+            "out_spec": pytree.treespec_dumps(info.out_spec),
+            "nodes": nodes,
+            "attrs": attrs,
+            "guards": list(graph.captured.guard_code),
+            "dynamic": graph.captured.dynamic,
+            "note": graph.captured.note,
+            "dtypes": {k: _dtype_name(v) for k, v in graph.dtypes.items()},
+            "signature": [pytree.treespec_dumps(spec), list(constants)],
+            "report": dataclasses.asdict(graph.report),
+            "passes": [[r.name, r.modified] for r in graph.records],
+        }
+        json.dumps(entry)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        raise GraphStoreError(f"a value of the graph is not storable: {e}") from None
+    return entry, tensors
+
+
+def _tensor_names(module: nn.Module) -> tuple[dict[int, str], dict[int, tuple[str, str]]]:
+    """``module``'s tensors by identity, and the packings they carry: ``id -> (name, provider)``."""
+    names: dict[int, str] = {}
+    packings: dict[int, tuple[str, str]] = {}
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for name, t in named:
+        names.setdefault(id(t), name)
+        for provider, p in packed.packings(t).items():
+            packings.setdefault(id(p), (name, provider))
+    return names, packings
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t._schema.name}.{t._overloadname or 'default'}"
+    if t in _FUNCTION_NAMES:
+        return _FUNCTION_NAMES[t]
+    raise GraphStoreError(f"node {node.name}: target {t!r} is outside the stored vocabulary")
+
+
+def _encode(value: Any, node: fx.Node) -> Any:
+    if isinstance(value, fx.Node):
+        return {"node": value.name}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if isinstance(value, (list, tuple)):
+        items = [_encode(v, node) for v in value]
+        return items if isinstance(value, list) else {"tuple": items}
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise GraphStoreError(f"node {node.name}: a dict argument with non-string keys")
+        return {"dict": {k: _encode(v, node) for k, v in value.items()}}
+    if isinstance(value, torch.dtype):
+        return {"dtype": _dtype_name(value)}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, (torch.layout, torch.memory_format)):
+        return {type(value).__name__: str(value).removeprefix("torch.")}
+    if isinstance(value, slice):
+        return {"slice": [_encode(v, node) for v in (value.start, value.stop, value.step)]}
+    raise GraphStoreError(f"node {node.name}: argument {value!r} ({type(value).__name__}) is not storable")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------
+
+
+def restore(
+    entry: dict, module: nn.Module, provider: str, tensors: Mapping[str, torch.Tensor], origin: str
+) -> GraphEntry:
+    """Rebuild a graph written by :func:`dump` on ``module`` (the module that was exported).
+
+    ``origin`` (where the entry came from) becomes a note of the report.
+
+    A packed buffer comes from the packing the source weight carries for its provider (loaded from
+    an artifact, or made by another graph), else it is packed now and remembered on the source.
+
+    Raises:
+        GraphStoreError: the entry does not fit ``module`` (a missing tensor, another shape) or
+            names a target outside the vocabulary.
+    """
+    if entry.get("format") != FORMAT:
+        raise GraphStoreError(f"stored graph format {entry.get('format')} (this amxopt reads {FORMAT})")
+    root = nn.Module()
+    for target, spec in entry["attrs"].items():
+        _set_attr(root, target, _restore_attr(target, spec, module, tensors))
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for op, name, target, args, kwargs in entry["nodes"]:
+        args, kwargs = _decode(args, env), _decode(kwargs, env)
+        if op == "call_function":
+            node = graph.call_function(_resolve(target), tuple(args), kwargs)
+        elif op == "placeholder":
+            node = graph.placeholder(target)
+        elif op == "get_attr":
+            node = graph.get_attr(target)
+        else:
+            node = graph.output(args[0])
+        node.name = name
+        env[name] = node
+    graph._codegen = _PyTreeCodeGen(
+        _PyTreeInfo(
+            entry["orig_args"], pytree.treespec_loads(entry["in_spec"]), pytree.treespec_loads(entry["out_spec"])
+        )
+    )
+    graph.lint()
+    gm = fx.GraphModule(root, graph)
+    report = entry["report"]
+    report["replaced"] = [Entry(**e) for e in report["replaced"]]
+    report["left"] = [Entry(**e) for e in report["left"]]
+    report["passes"] = [tuple(p) for p in report["passes"]]
+    report["choices"] = [tuple(c) for c in report["choices"]]
+    report["notes"] = [*report["notes"], f"graph restored from {origin}: not captured or rewritten in this process"]
+    spec, constants = entry["signature"]
+    captured = Captured(gm, entry["dynamic"], GuardCheck(entry["guards"]), entry["note"], list(entry["guards"]))
+    return GraphEntry(
+        captured=captured,
+        dtypes={k: getattr(torch, v) for k, v in entry["dtypes"].items()},
+        signature=(pytree.treespec_loads(spec), tuple(constants)),
+        report=Report(**report),
+        records=[PassRecord(n, m, "", "") for n, m in entry["passes"]],
+    )
+
+
+def _restore_attr(target: str, spec: dict, module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    if "stored" in spec:
+        if spec["stored"] not in tensors:
+            raise GraphStoreError(f"tensor {spec['stored']} of the stored graph is missing")
+        t = tensors[spec["stored"]]
+    else:
+        name = spec.get("source", spec.get("packs"))
+        try:
+            source = _get_tensor(module, name)
+        except AttributeError:
+            raise GraphStoreError(f"{type(module).__name__} has no tensor {name} (read by {target})") from None
+        if "source" in spec:
+            t = source
+        else:
+            t = packed.packed_for(source, spec["provider"])
+            if t is None:
+                if packed.is_released(source):
+                    raise GraphStoreError(f"{name} was released without a packing for {spec['provider']!r}")
+                with torch.no_grad():
+                    t = torch.ops.amxopt.pack_linear_weight(source.reshape(packed.flat_shape(source)), spec["provider"])
+                packed.remember(source, spec["provider"], t)
+    if list(t.shape) != spec["shape"] or _dtype_name(t.dtype) != spec["dtype"]:
+        raise GraphStoreError(
+            f"{target}: the stored graph reads {spec['dtype']}{spec['shape']}, found {_dtype_name(t.dtype)}{list(t.shape)}"
+        )
+    return t
+
+
+def _get_tensor(module: nn.Module, name: str) -> torch.Tensor:
+    owner, _, attr = name.rpartition(".")
+    t = getattr(module.get_submodule(owner) if owner else module, attr)
+    if not isinstance(t, torch.Tensor):
+        raise AttributeError(name)
+    return t
+
+
+def _set_attr(root: nn.Module, target: str, t: torch.Tensor) -> None:
+    *path, attr = target.split(".")
+    for part in path:
+        if not hasattr(root, part):
+            root.add_module(part, nn.Module())
+        root = getattr(root, part)
+    if isinstance(t, nn.Parameter):
+        root.register_parameter(attr, t)
+    else:
+        root.register_buffer(attr, t)
+
+
+def _resolve(name: str) -> Any:
+    if name in _FUNCTIONS:
+        return _FUNCTIONS[name]
+    qualified, _, overload = name.rpartition(".")
+    namespace, _, op = qualified.partition("::")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+    except (AttributeError, RuntimeError):
+        raise GraphStoreError(f"the stored graph calls {name}, which this torch/amxopt does not have") from None
+
+
+def _decode(value: Any, env: dict[str, fx.Node]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, env) for v in value]
+    if not isinstance(value, dict):
+        return value
+    ((kind, v),) = value.items()
+    if kind == "node":
+        return env[v]
+    if kind == "tuple":
+        return tuple(_decode(x, env) for x in v)
+    if kind == "dict":
+        return {k: _decode(x, env) for k, x in v.items()}
+    if kind == "float":
+        return float(v)
+    if kind == "dtype":
+        return _torch_value(v, torch.dtype)
+    if kind in ("layout", "memory_format"):
+        return _torch_value(v, torch.layout if kind == "layout" else torch.memory_format)
+    if kind == "device":
+        return torch.device(v)
+    if kind == "slice":
+        return slice(*(_decode(x, env) for x in v))
+    raise GraphStoreError(f"unknown value kind {kind!r} in a stored graph")
+
+
+def _torch_value(name: str, kind: type) -> Any:
+    value = getattr(torch, name, None)
+    if not isinstance(value, kind):
+        raise GraphStoreError(f"{name!r} is not a torch {kind.__name__}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------------
+# Guards: export's checks, evaluated without code
+# --------------------------------------------------------------------------------------------------
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+           ast.Mod: operator.mod, ast.Pow: operator.pow, ast.Div: operator.truediv}  # fmt: skip
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge}  # fmt: skip
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Not: operator.not_}
+_CALLS = {"max": max, "min": min, "abs": abs}
+_METHODS = ("size", "stride", "storage_offset", "dim")
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_guard(code: str) -> ast.Expression:
+    tree = ast.parse(code, mode="eval")
+    for node in ast.walk(tree):
+        ok = isinstance(node, (ast.Expression, ast.Constant, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare,
+                               ast.Subscript, ast.Call, ast.Attribute, ast.Name, ast.Load, ast.And, ast.Or,
+                               *_BINARY, *_COMPARE, *_UNARY))  # fmt: skip
+        ok = ok and not (isinstance(node, ast.Name) and node.id not in ("args", *_CALLS))
+        ok = ok and not (isinstance(node, ast.Attribute) and node.attr not in _METHODS)
+        ok = ok and not (isinstance(node, ast.Constant) and not isinstance(node.value, (int, float)))
+        if not ok:
+            raise GraphStoreError(f"guard {code!r}: {ast.unparse(node)} is outside what amxopt evaluates")
+    return tree
+
+
+def _evaluate(node: ast.AST, args: tuple) -> Any:
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body, args)
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return args
+    if isinstance(node, ast.BinOp):
+        return _BINARY[type(node.op)](_evaluate(node.left, args), _evaluate(node.right, args))
+    if isinstance(node, ast.UnaryOp):
+        return _UNARY[type(node.op)](_evaluate(node.operand, args))
+    if isinstance(node, ast.BoolOp):
+        values = (_evaluate(v, args) for v in node.values)
+        return all(values) if isinstance(node.op, ast.And) else any(values)
+    if isinstance(node, ast.Compare):
+        left = _evaluate(node.left, args)
+        for op, right_node in zip(node.ops, node.comparators):
+            right = _evaluate(right_node, args)
+            if not _COMPARE[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.Subscript):
+        return _evaluate(node.value, args)[_evaluate(node.slice, args)]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        return _CALLS[node.func.id](*(_evaluate(a, args) for a in node.args))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.args:
+        tensor = _evaluate(node.func.value, args)
+        if not isinstance(tensor, torch.Tensor):
+            raise AssertionError(f"Guard failed: {ast.unparse(node.func.value)} is not a tensor")
+        return getattr(tensor, node.func.attr)()
+    raise GraphStoreError(f"cannot evaluate {ast.unparse(node)}")
+
+
+class GuardCheck:
+    """Export's input guards of a stored graph: raises ``AssertionError`` (as export's do) when one fails."""
+
+    def __init__(self, code: list[str]) -> None:
+        self.code = [(c, _parse_guard(c)) for c in code]
+
+    def __call__(self, *args: Any) -> None:
+        for text, tree in self.code:
+            try:
+                ok = _evaluate(tree, args)
+            except (IndexError, TypeError) as e:
+                raise AssertionError(f"Guard failed: {text} ({e})") from None
+            if not ok:
+                raise AssertionError(f"Guard failed: {text}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The on-disk graph cache
+# --------------------------------------------------------------------------------------------------
+
+
+def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: AmxConfig) -> str:
+    """What a cached graph depends on: amxopt's own code, the library versions, the CPU and tier,
+    the exported module's structure and tensor shapes, the call's structure, and the options.
+    Weight values are not in it: a cached graph reads the weights it is restored on."""
+    leaves, spec = pytree.tree_flatten(graph_inputs)
+    parts = {
+        "format": FORMAT,
+        "code": _code_hash(),
+        "versions": _versions(),
+        "cpu": native.cpu_model(),
+        "tier": native.active_tier() if config.provider == "native" else config.provider,
+        "class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "adapter": adapter_name,
+        "structure": repr(module),
+        "config": _model_config(module),
+        "tensors": [(n, list(t.shape), str(t.dtype)) for n, t in module.state_dict(keep_vars=True).items()],
+        "inputs": [
+            str(spec),
+            [[str(x.dtype), x.dim()] if isinstance(x, torch.Tensor) else repr(x) for x in leaves],
+        ],
+        "options": {k: v for k, v in dataclasses.asdict(config).items() if k not in ("autotune_cache", "graph_cache")},
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _model_config(module: nn.Module) -> Any:
+    configs = {}
+    for name, m in module.named_modules():
+        config = getattr(m, "config", None)
+        if config is not None:
+            configs[name] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return configs
+
+
+@functools.cache
+def _code_hash() -> str:
+    package = pathlib.Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*")):
+        if path.suffix in (".py", ".cpp", ".h"):
+            digest.update(path.relative_to(package).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
+    versions = {"torch": torch.__version__}
+    for dist in ("transformers", "diffusers"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = "-"
+    return versions
+
+
+def read_cache(key: str, module: nn.Module, config: AmxConfig) -> GraphEntry | None:
+    """The cached graph under ``key`` restored on ``module``, or ``None`` (absent or unusable: logged)."""
+    from safetensors.torch import load_file
+
+    path = config.cache_dir() / "graphs" / f"{key}.json"
+    if not path.exists():
+        return None
+    try:
+        entry = json.loads(path.read_text())
+        tensors = load_file(str(path.with_suffix(".safetensors"))) if entry.get("has_tensors") else {}
+        return restore(entry, module, config.provider, tensors, f"the graph cache ({path})")
+    except (OSError, ValueError, KeyError, GraphStoreError) as e:
+        logger.warning("amxopt: cached graph %s is unusable (%s); capturing again", path, e)
+        return None
+
+
+def write_cache(key: str, graph: GraphEntry, module: nn.Module, config: AmxConfig) -> None:
+    """Store ``graph`` under ``key``; a graph that cannot be stored, or a read-only cache, only logs."""
+    from safetensors.torch import save_file
+
+    try:
+        entry, tensors = dump(graph, module, for_cache=True)
+    except GraphStoreError as e:
+        logger.info("amxopt: the graph of %s is not cached: %s", type(module).__name__, e)
+        return
+    entry["has_tensors"] = bool(tensors)
+    directory = config.cache_dir() / "graphs"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if tensors:
+            save_file(tensors, str(directory / f"{key}.safetensors"))
+        with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
+            json.dump(entry, f)
+        os.replace(f.name, directory / f"{key}.json")
+    except OSError as e:
+        logger.warning("amxopt: could not write the graph cache in %s: %s", directory, e)

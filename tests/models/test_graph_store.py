@@ -1,0 +1,177 @@
+"""Rewritten graphs as data: the on-disk graph cache and the graphs saved in an artifact."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from hypothesis import given
+from hypothesis import strategies as st
+
+import amxopt
+from amxopt import models
+from amxopt.capture import prepare
+from amxopt.capture.base import export
+from amxopt.runtime import graph_store
+from amxopt.runtime import module as runtime_module
+from tests.helpers import CONFIG
+
+FAMILIES = ("tiny-qwen3-vl-vision", "tiny-qwen3-omni-vision", "tiny-qwen3-omni-audio", "tiny-wan")
+RESTORED = "graph restored from the graph cache"
+
+
+def _equal(a, b) -> bool:
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    return len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("name, provider", [(n, "reference") for n in FAMILIES] + [("tiny-qwen3-vl-vision", "auto")])
+def test_a_cached_graph_restored_on_other_weights_equals_a_fresh_capture(name, provider, tmp_path):
+    config = dataclasses.replace(CONFIG, provider=provider, autotune_cache=str(tmp_path))
+    inputs = models.example_inputs(name, torch.float32)
+    first = amxopt.optimize(models.build_model(name, torch.float32, seed=0), inputs, config)
+    assert not any(RESTORED in n for n in first.report.notes)
+    model = models.build_model(name, torch.float32, seed=1)  # same structure, other weights
+    restored = amxopt.optimize(model, inputs, config)
+    fresh = amxopt.optimize(model, inputs, dataclasses.replace(config, graph_cache=False))
+    assert any(RESTORED in n for n in restored.report.notes), restored.report.notes
+    assert restored.report.counts() == fresh.report.counts()
+    with torch.no_grad():
+        got, want = restored(**inputs), fresh(**inputs)
+    assert type(got) is type(want)
+    assert _equal(got, want), f"{name}: the restored graph differs from a fresh capture"
+
+
+def test_a_restored_dynamic_graph_takes_other_sizes(tmp_path):
+    name = "tiny-qwen3-vl-vision"
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path))
+    model = models.build_model(name, torch.float32)
+    amxopt.optimize(model, models.example_inputs(name, torch.float32), config)
+    restored = amxopt.optimize(model, models.example_inputs(name, torch.float32), config)
+    other = models.example_inputs(name, torch.float32, size=[(64, 96), (32, 32)])
+    with torch.no_grad():
+        got, want = restored(**other), model(**other)
+    assert len(restored.graphs) == 1  # the restored graph's guards accepted the new sizes
+    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.fixture(scope="module")
+def qwen_capture():
+    model = models.build_model("tiny-qwen3-vl-vision", torch.float32)
+    adapter, graph_inputs = prepare(model, models.example_inputs("tiny-qwen3-vl-vision", torch.float32))
+    return export(model, adapter, graph_inputs, dynamic=True), graph_inputs
+
+
+def _accepts(check, graph_inputs) -> bool:
+    try:
+        check(*pytree.tree_leaves(graph_inputs))
+    except AssertionError:
+        return False
+    return True
+
+
+@given(rows=st.integers(1, 96), width=st.sampled_from([1536, 1535]), skew=st.sampled_from([None, "position_ids"]))
+def test_stored_guards_decide_like_exports(qwen_capture, rows, width, skew):
+    captured, example = qwen_capture
+    inputs = {
+        "hidden_states": torch.zeros(rows, width),
+        "cu_seqlens": example["cu_seqlens"],
+        "position_ids": torch.zeros(rows + (skew == "position_ids"), 2, dtype=torch.long),
+        "interp_indices": torch.zeros(rows, 4, dtype=torch.long),
+        "interp_weights": torch.zeros(rows, 4),
+    }
+    stored = graph_store.GuardCheck(captured.guard_code)
+    assert _accepts(stored, inputs) == _accepts(captured.guards, inputs), inputs["hidden_states"].shape
+
+
+@pytest.mark.parametrize(
+    "code",
+    ["__import__('os').system('true')", "args[0].numpy()", "args[0].size()[0] == 'x'", "(lambda: 1)() == 1"],
+)
+def test_a_guard_outside_the_vocabulary_is_refused(code):
+    with pytest.raises(graph_store.GraphStoreError, match="outside what amxopt evaluates"):
+        graph_store.GuardCheck([code])
+
+
+def _cache_entry(tmp_path) -> tuple:
+    name = "tiny-qwen3-omni-audio"
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path))
+    model = models.build_model(name, torch.float32)
+    inputs = models.example_inputs(name, torch.float32)
+    amxopt.optimize(model, inputs, config)
+    (path,) = (tmp_path / "graphs").glob("*.json")
+    return model, inputs, config, path
+
+
+def _exported(model, inputs):
+    return prepare(model, inputs)[0].export_module(model)
+
+
+def test_a_stored_graph_naming_a_foreign_function_is_refused_and_recaptured(tmp_path, caplog):
+    model, inputs, config, path = _cache_entry(tmp_path)
+    entry = json.loads(path.read_text())
+    node = next(n for n in entry["nodes"] if n[0] == "call_function")
+    node[2] = "builtins.eval"
+    path.write_text(json.dumps(entry))
+    with pytest.raises(graph_store.GraphStoreError, match="builtins.eval"):
+        graph_store.restore(entry, _exported(model, inputs), "reference", {}, "a test")
+    with caplog.at_level(logging.WARNING):
+        opt = amxopt.optimize(model, inputs, config)
+    assert "unusable" in caplog.text and "builtins.eval" in caplog.text
+    assert not any(RESTORED in n for n in opt.report.notes)  # captured again, and it runs
+    with torch.no_grad():
+        assert _equal(
+            opt(**inputs), amxopt.optimize(model, inputs, dataclasses.replace(config, graph_cache=False))(**inputs)
+        )
+
+
+def test_a_stored_graph_on_a_model_of_another_shape_is_refused(tmp_path):
+    model, inputs, _, path = _cache_entry(tmp_path)
+    entry = json.loads(path.read_text())
+    config = models.ZOO["tiny-qwen3-omni-audio"].config()
+    config.d_model *= 2
+    wider = type(model)(config).eval()
+    with pytest.raises(graph_store.GraphStoreError, match="the stored graph reads"):
+        graph_store.restore(entry, _exported(wider, inputs), "reference", {}, "a test")
+
+
+def test_cache_key_follows_structure_and_options_not_weights():
+    name = "tiny-wan"
+    a, b = (models.build_model(name, torch.float32, seed=s) for s in (0, 1))
+    inputs = models.example_inputs(name, torch.float32)
+    adapter, graph_inputs = prepare(a, inputs)
+
+    def key(model, config=CONFIG, graph_inputs=graph_inputs):
+        return graph_store.cache_key(model, adapter.name, graph_inputs, config)
+
+    assert key(a) == key(b)
+    assert key(a) != key(a, dataclasses.replace(CONFIG, fuse_activation=False))
+    assert key(a) != key(a.to(torch.bfloat16))
+    assert key(b) != key(b, graph_inputs={**graph_inputs, "timestep": graph_inputs["timestep"].float()[:, None]})
+
+
+def test_load_restores_the_saved_graph_without_capturing(tmp_path, monkeypatch):
+    name = "tiny-wan"
+    config = dataclasses.replace(CONFIG, keep_source=False, graph_cache=False)
+    model = models.build_model(name, torch.float32)
+    inputs = models.example_inputs(name, torch.float32)
+    opt = amxopt.optimize(model, inputs, config)
+    with torch.no_grad():
+        want = opt(**inputs)
+    opt.save(tmp_path / "artifact")
+    manifest = json.loads((tmp_path / "artifact" / "amxopt.json").read_text())
+    assert len(manifest["graphs"]) == 1 and manifest["graphs_not_saved"] is None
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("load() captured the model again")
+
+    monkeypatch.setattr(runtime_module, "export", no_capture)
+    loaded = amxopt.load(tmp_path / "artifact", config)
+    assert any("the artifact" in n for n in loaded.report.notes)
+    with torch.no_grad():
+        assert _equal(loaded(**inputs), want)
