@@ -10,8 +10,8 @@ route runs in a fresh process, so that each peak RSS (``ru_maxrss``) is its own:
 * ``hf+optimize warm``: the same, with the graph the previous route left in the graph cache
   (restored, not captured: what every optimize() after the first costs);
 * ``amxopt.from_pretrained``: packing while streaming the checkpoint;
-* ``amxopt.load``: the artifact ``opt.save`` wrote (memory-mapped, no packing, graph restored), and
-  its first call.
+* ``amxopt.load``: the artifact ``opt.save`` wrote after the previous route's first call
+  (memory-mapped, no packing, graph restored), and its first call.
 
 Each process also reports the RSS of the bare imports, so the weights' share can be read apart.
 Autotune is off (its timing runs would blur the setup time; decisions are cached on disk anyway).
@@ -85,6 +85,8 @@ def _child(route: str, name: str, path: pathlib.Path) -> dict:
         out["packed_mb"] = _source_packed_mb(opt)
         out.update(rss_mb=_rss_mb(), peak_rss_mb=_peak_mb())
         if not (path / "artifact").exists():  # for the amxopt.load route, after this route's numbers
+            with torch.no_grad():
+                opt(**inputs)  # captured (or restored from the graph cache) at its first call, then saved
             t = time.perf_counter()
             opt.save(path / "artifact")
             out["save_s"] = time.perf_counter() - t

@@ -205,6 +205,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+def check(entry: dict) -> None:
+    """The cheap part of :func:`restore`: the format, and every target and guard in the vocabulary.
+
+    Raises:
+        GraphStoreError: what :func:`restore` would refuse for the same reason.
+    """
+    if entry.get("format") != FORMAT:
+        raise GraphStoreError(f"stored graph format {entry.get('format')} (this amxopt reads {FORMAT})")
+    for op, _, target, _, _ in entry["nodes"]:
+        if op == "call_function":
+            _resolve(target)
+    for code in entry["guards"]:
+        _parse_guard(code)
+
+
 def restore(
     entry: dict, module: nn.Module, provider: str, tensors: Mapping[str, torch.Tensor], origin: str
 ) -> GraphEntry:
@@ -219,8 +234,7 @@ def restore(
         GraphStoreError: the entry does not fit ``module`` (a missing tensor, another shape) or
             names a target outside the vocabulary.
     """
-    if entry.get("format") != FORMAT:
-        raise GraphStoreError(f"stored graph format {entry.get('format')} (this amxopt reads {FORMAT})")
+    check(entry)
     root = nn.Module()
     for target, spec in entry["attrs"].items():
         _set_attr(root, target, _restore_attr(target, spec, module, tensors))
@@ -461,12 +475,18 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+# Where a config came from, not what the model computes: a model loaded from a directory restores
+# the graph of the same model built in code.
+_CONFIG_PROVENANCE = ("_name_or_path", "_commit_hash", "_diffusers_version", "transformers_version")
+
+
 def _model_config(module: nn.Module) -> Any:
     configs = {}
     for name, m in module.named_modules():
         config = getattr(m, "config", None)
         if config is not None:
-            configs[name] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+            values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+            configs[name] = {k: v for k, v in values.items() if k not in _CONFIG_PROVENANCE}
     return configs
 
 

@@ -10,14 +10,15 @@ Every other tensor is loaded as its owner expects (the dtype the class keeps it 
 ``save`` writes the packed and the plain tensors to one safetensors file plus ``amxopt.json`` (the
 manifest: versions, provider and tier, the model class and config, every tensor's shape and dtype,
 the file's size, and each rewritten graph as data, see ``amxopt/runtime/graph_store.py``); ``load``
-memory-maps that file (no copy, no packing, nothing unpickled), restores the graphs (no capture, no
-passes) and refuses an artifact that does not match this machine or is damaged, naming the problem.
+memory-maps that file (no copy, no packing, nothing unpickled), restores the graphs at their first
+use (no capture, no passes) and refuses an artifact that does not match this machine or is damaged, naming the problem.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -486,15 +487,21 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
             f"amxopt: {directory}: its graphs were captured through adapter {manifest.get('adapter')!r}, "
             f"this amxopt picks {opt.adapter.name!r} for {cls_name}; re-create the artifact"
         )
+    module = opt.adapter.export_module(model)
     for i, entry in enumerate(manifest.get("graphs", [])):
         try:
-            graph = graph_store.restore(
-                entry, opt.adapter.export_module(model), config.provider, tensors, f"the artifact {directory}"
-            )
+            graph_store.check(entry)
         except graph_store.GraphStoreError as e:
             raise CheckpointError(f"amxopt: {directory}: saved graph {i} cannot be restored: {e}") from None
-        opt._add(graph)
+        opt.defer(functools.partial(_restore, entry, module, config.provider, tensors, directory, i))
     return opt
+
+
+def _restore(entry: dict, module: nn.Module, provider: str, tensors: dict, directory: pathlib.Path, i: int) -> Any:
+    try:
+        return graph_store.restore(entry, module, provider, tensors, f"the artifact {directory}")
+    except graph_store.GraphStoreError as e:
+        raise CheckpointError(f"amxopt: {directory}: saved graph {i} cannot be restored: {e}") from None
 
 
 def _check_manifest(manifest: dict, config: AmxConfig, directory: pathlib.Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,7 +110,8 @@ class OptimizedModule(nn.Module):
         super().__init__()
         self.adapter = adapter
         self.amx_config = config
-        self._graphs: list[GraphEntry] = []
+        self._entries: list[GraphEntry] = []
+        self._pending: list[Callable[[], GraphEntry]] = []  # stored graphs, restored at first use
         # A pipeline component that torch.export cannot capture runs as it was (reported, logged)
         # instead of failing the user's pipeline call; ``eager_reason`` says why.
         self.eager_fallback = eager_fallback
@@ -120,13 +122,23 @@ class OptimizedModule(nn.Module):
         if first is not None:
             self._add(first)
 
+    @property
+    def _graphs(self) -> list[GraphEntry]:
+        while self._pending:
+            self._add(self._pending.pop(0)())
+        return self._entries
+
+    def defer(self, restore: Callable[[], GraphEntry]) -> None:
+        """Add a stored graph that ``restore`` rebuilds at its first use (a call, ``report``, ``graphs``)."""
+        self._pending.append(restore)
+
     def _add(self, graph: GraphEntry) -> None:
-        if not self._graphs:
+        if not self._entries:
             self.add_module("graph_module", graph.captured.gm)
-        self._graphs.append(graph)
+        self._entries.append(graph)
         if not self.amx_config.keep_source:
             # Weights some graph still reads unpacked (a node autotune kept on ATen) stay.
-            keep = {id(t) for g in self._graphs for t in (*g.captured.gm.parameters(), *g.captured.gm.buffers())}
+            keep = {id(t) for g in self._entries for t in (*g.captured.gm.parameters(), *g.captured.gm.buffers())}
             freed = weights.release(self.__dict__["_source"], keep)
             if freed:
                 logger.info("amxopt: released %.1f MB of packed source weights", freed / 2**20)
