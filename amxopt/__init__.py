@@ -15,7 +15,7 @@ from amxopt.capture import CaptureError, capture, find_adapter, prepare
 from amxopt.config import AmxConfig
 from amxopt.ops import AmxOpError
 from amxopt.ops.providers import resolve
-from amxopt.runtime import OptimizedModule, Report, build_graph
+from amxopt.runtime import OptimizedModule, Report, build_graph, tp
 from amxopt.runtime.components import ComponentsReport, has_towers, is_pipeline, optimize_components
 from amxopt.runtime.loading import CheckpointError, from_pretrained, load
 
@@ -67,6 +67,18 @@ def optimize(model: Any, example_inputs: Any = None, config: AmxConfig | None = 
             f"amxopt: {type(model).__name__} is in training mode; amxopt optimizes inference, call .eval()"
         )
     config = dataclasses.replace(config, provider=resolve(config.provider))
+    if config.tp != 1 and config.tp_group is None:
+        if config.tp != "env" and (not isinstance(config.tp, int) or isinstance(config.tp, bool) or config.tp < 1):
+            raise ValueError(f"amxopt: AmxConfig.tp must be a positive int or 'env', got {config.tp!r}")
+        if is_pipeline(model) or has_towers(model):
+            raise ValueError(
+                f"amxopt: tensor parallelism applies to a model captured whole (an encoder or transformer), "
+                f"not to {type(model).__name__}'s parts: optimize the tower itself with tp"
+            )
+        if config.tp == "env":
+            config = tp.rank_config(config)
+        else:
+            return tp.TPModule(model, example_inputs, config)
     if is_pipeline(model) or has_towers(model):
         if example_inputs is not None:
             raise ValueError(

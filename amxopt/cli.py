@@ -1,7 +1,7 @@
 """amxopt command line: a thin layer over the library.
 
 amxopt passes                      the default pass order
-amxopt info                        CPU features and kernel providers
+amxopt info [--tp N]               CPU features and kernel providers (and N tp ranks' cores)
 amxopt dump MODEL [--out DIR]      graph before/after every pass + the rewrite report
 amxopt check MODEL                 optimized vs original: max abs error (fp32 and bf16)
 """
@@ -39,6 +39,10 @@ def _cmd_info(args) -> int:
     print("     " + ", ".join(f"{f}={'yes' if f in flags else 'no'}" for f in wanted))
     for name, (ok, why) in available_providers().items():
         print(f"provider {name:<10} {'available' if ok else 'unavailable'}: {why}")
+    if args.tp:
+        from amxopt.runtime.tp import describe_plan
+
+        print(f"tensor parallel plan for tp={args.tp}:\n{describe_plan(args.tp)}")
     if resolve("auto") != "native":
         print("every op runs the reference (plain ATen)")
         return 0
@@ -110,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what amxopt does")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("passes", help="list DEFAULT_PASSES in order").set_defaults(fn=_cmd_passes)
-    sub.add_parser("info", help="CPU features and kernel providers").set_defaults(fn=_cmd_info)
+    info = sub.add_parser("info", help="CPU features and kernel providers")
+    info.add_argument("--tp", type=int, default=0, help="also print the cores each of N tp ranks would bind")
+    info.set_defaults(fn=_cmd_info)
     for name, fn, text in (
         ("dump", _cmd_dump, "write graphs before/after each pass"),
         ("check", _cmd_check, "equivalence"),

@@ -31,7 +31,15 @@ class AmxConfig:
         graph_cache: keep each rewritten graph in that directory, keyed by amxopt's code, the
             library versions, the CPU, the model's structure (not its weight values), the call's
             structure and these options: a later optimize() of the same model restores the graph
-            instead of capturing and rewriting it again.
+            instead of capturing and rewriting it again. Not used with tensor parallelism.
+        tp: tensor-parallel ranks. ``1``: none. ``"env"``: this process is one rank of a
+            ``torchrun`` job (torch.distributed from the environment, gloo, or oneCCL when installed).
+            ``N > 1``: optimize() starts N-1 worker processes and returns a module that runs all N
+            ranks behind one call. See ``amxopt/runtime/tp.py``.
+        cpu_bind: each rank's cores: ``None`` splits the allowed cores evenly along the NUMA nodes;
+            or one entry per rank, a list of core ids or a string such as ``"0-3"``; ``"none"`` binds nothing.
+        tp_timeout_s: how long a rank waits for the others (a collective, a call) before failing.
+        tp_rank, tp_group: set by the tp runner in each rank (which shard; the process group's name).
 
     Example::
 
@@ -48,6 +56,11 @@ class AmxConfig:
     autotune: bool = True
     autotune_cache: str | None = None
     graph_cache: bool = True
+    tp: int | str = 1
+    cpu_bind: str | tuple | None = None
+    tp_timeout_s: float = 300.0
+    tp_rank: int = 0
+    tp_group: str | None = None
 
     def cache_dir(self) -> pathlib.Path:
         """Root of the on-disk caches (``autotune_cache``, else the XDG cache directory)."""

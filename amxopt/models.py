@@ -443,7 +443,7 @@ def _spec(name: str) -> ModelSpec:
         raise KeyError(f"unknown model {name!r}; valid names: {list(ZOO)}") from None
 
 
-def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **config: Any) -> torch.nn.Module:
     """Build a zoo model with seeded random weights, in eval mode.
 
     The model is created directly in ``dtype`` (as ``from_pretrained(torch_dtype=dtype)`` would):
@@ -458,6 +458,8 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) ->
         name: a key of :data:`ZOO`.
         dtype: parameter dtype (``torch.float32``, ``torch.bfloat16`` or ``torch.float16``).
         seed: seed for the weights.
+        **config: config values that replace the zoo's (e.g. ``num_heads=16`` for a head count
+            that tensor parallelism must pad).
 
     Returns:
         The model, in ``eval()`` mode.
@@ -475,7 +477,13 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) ->
         _check_memory(spec, dtype)
     start = time.perf_counter()
     torch.manual_seed(seed)
-    model = _construct(spec.family, spec.config(), dtype)
+    values = spec.config()
+    for key, value in config.items():
+        if isinstance(values, dict):
+            values[key] = value
+        else:
+            setattr(values, key, value)
+    model = _construct(spec.family, values, dtype)
     torch.manual_seed(seed)
     _reinit(model)
     model.eval()

@@ -12,6 +12,7 @@ import torch
 
 PACKED_ATTR = "amxopt_packed"  # on a source tensor: {provider: (its _version, packed W.reshape(N, -1))}
 RELEASED_ATTR = "amxopt_released"  # on a placeholder: the unpacked weight is gone
+SHARDED_ATTR = "amxopt_sharded"  # on a source tensor: a tensor-parallel graph keeps only its rank's slice
 
 
 def packed_for(tensor: torch.Tensor, provider: str) -> torch.Tensor | None:
@@ -47,3 +48,12 @@ def is_released(tensor: torch.Tensor) -> bool:
 def flat_shape(tensor: torch.Tensor) -> tuple[int, int]:
     """The ``[N, K]`` matrix a weight is packed as (a conv kernel ``[O, C, ...]`` flattens to ``[O, C*...]``)."""
     return tensor.shape[0], math.prod(tensor.shape[1:])
+
+
+def mark_sharded(tensor: torch.Tensor) -> None:
+    """Tag ``tensor`` as read only through a tp shard (the source may be released like a packed one)."""
+    setattr(tensor, SHARDED_ATTR, True)
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    return bool(getattr(tensor, SHARDED_ATTR, False))

@@ -1,8 +1,9 @@
 """The rewrite passes. Order is data: ``DEFAULT_PASSES`` runs first to last.
 
 Attention and patch embedding go first (they change layouts around their nodes), norms before
-Linear (a norm feeding a Linear is matched on its own), and weight packing last, once every amxopt
-op that reads a constant weight exists.
+Linear (a norm feeding a Linear is matched on its own), tensor-parallel sharding once every Linear
+and attention is an amxopt op (a no-op without ``AmxConfig.tp``), and weight packing last, once
+every amxopt op that reads a constant weight exists and each rank packs only its shard.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from amxopt.passes.replace_conv2d import replace_conv2d
 from amxopt.passes.replace_linear import replace_linear
 from amxopt.passes.replace_norms import replace_norms
 from amxopt.passes.replace_patch_embed import replace_patch_embed
+from amxopt.passes.shard_tensor_parallel import shard_tensor_parallel
 
 Pass = Callable[[fx.GraphModule, AmxConfig], PassResult]
 
@@ -29,6 +31,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     replace_conv2d,
     replace_norms,
     replace_linear,
+    shard_tensor_parallel,
     pack_weights,
 )
 PASSES: dict[str, Pass] = {p.__name__: p for p in DEFAULT_PASSES}

@@ -18,6 +18,7 @@ from amxopt.patterns import AMX_KINDS
 REPLACED = "amxopt_replaced"  # on a new amxopt node: the aten op it replaced
 LEFT = "amxopt_left"  # on an aten node a pass chose to keep: why
 TIMED = "amxopt_timing"  # on a new amxopt node or a kept aten node: the autotune Timing that decided it
+SHARDED = "amxopt_sharded"  # on a row-parallel Linear: which tp shard the graph computes
 _KEEP_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node")
 
 
@@ -141,6 +142,18 @@ def source_attr(node: fx.Node) -> fx.Node | None:
             return None
         node = node.all_input_nodes[0]
     return node
+
+
+def evaluate_constant(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
+    """Run the constant subgraph ending at ``node`` (get_attr plus reshapes/casts) eagerly."""
+    if node not in memo:
+        if node.op == "get_attr":
+            memo[node] = fetch(gm, node.target)
+        else:
+            args = fx.node.map_arg(node.args, lambda n: evaluate_constant(n, gm, memo))
+            kwargs = fx.node.map_arg(node.kwargs, lambda n: evaluate_constant(n, gm, memo))
+            memo[node] = node.target(*args, **kwargs)
+    return memo[node]
 
 
 def fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:

@@ -17,22 +17,10 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
 from amxopt.ops import packed
-from amxopt.passes._graph import cleanup, fetch, is_constant, leave, source_attr, val
+from amxopt.passes._graph import cleanup, evaluate_constant, fetch, is_constant, leave, source_attr, val
 
 _PACK = torch.ops.amxopt.pack_linear_weight.default
 PACKED_PREFIX = "_packed"
-
-
-def _evaluate(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
-    """Run the constant subgraph ending at ``node`` (get_attr plus reshapes/casts) eagerly."""
-    if node not in memo:
-        if node.op == "get_attr":
-            memo[node] = fetch(gm, node.target)
-        else:
-            args = fx.node.map_arg(node.args, lambda n: _evaluate(n, gm, memo))
-            kwargs = fx.node.map_arg(node.kwargs, lambda n: _evaluate(n, gm, memo))
-            memo[node] = node.target(*args, **kwargs)
-    return memo[node]
 
 
 def _delete(gm: fx.GraphModule, target: str) -> None:
@@ -68,7 +56,7 @@ def _pack(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
             f"{tuple(val(weight).shape)} for provider {provider!r}): optimize with AmxConfig(keep_source=True)"
         )
     with torch.no_grad():
-        result = node.target(_evaluate(weight, gm, memo), *node.args[1:], **node.kwargs)
+        result = node.target(evaluate_constant(weight, gm, memo), *node.args[1:], **node.kwargs)
     if source is not None:
         packed.remember(source, provider, result)  # a later graph reuses it
     return result

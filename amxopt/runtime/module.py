@@ -41,7 +41,7 @@ def build_graph(
     """
     module = adapter.export_module(model)
     key = None
-    if config.graph_cache and not keep_text:
+    if config.graph_cache and not keep_text and config.tp == 1:
         key = graph_store.cache_key(module, adapter.name, graph_inputs, config)
     if key is not None:
         restored = graph_store.read_cache(key, module, config)

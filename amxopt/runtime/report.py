@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from amxopt.passes._graph import LEFT, REPLACED, TIMED, op_name
+from amxopt.passes._graph import LEFT, REPLACED, SHARDED, TIMED, op_name
 from amxopt.patterns import AMX_KINDS, KIND_TARGETS
 
 aten = torch.ops.aten
@@ -70,6 +70,7 @@ class Report:
     ) -> Report:
         replaced, left, notes = [], [], list(notes)
         other: collections.Counter = collections.Counter()
+        sharded: collections.Counter = collections.Counter()
         choices: dict[str, tuple[str, str]] = {}
         for node in gm.graph.nodes:
             if TIMED in node.meta:
@@ -81,6 +82,10 @@ class Report:
                 notes.append(f"{node.target}: {node.meta[LEFT]}")
             if node.op != "call_function":
                 continue
+            if SHARDED in node.meta:
+                sharded[node.meta[SHARDED]] += 1
+            if node.target in AMX_KINDS and LEFT in node.meta:
+                notes.append(f"{node.name}: {node.meta[LEFT]}")
             if node.target in AMX_KINDS:
                 detail = f"{op_name(node.target).removesuffix('.default')} [{node.args[-1]}]"
                 replaced.append(Entry(AMX_KINDS[node.target], node.name, node.meta.get(REPLACED, "?"), detail))
@@ -89,6 +94,10 @@ class Report:
                 left.append(Entry(_TARGET_KIND[node.target], node.name, op_name(node.target), reason))
             elif node.target in _OTHER_COMPUTE:
                 other[op_name(node.target)] += 1
+        notes += [
+            f"tensor parallel ({shard}): {n} attention/MLP units sharded, each + 1 all-reduce"
+            for shard, n in sharded.items()
+        ]
         return cls(
             model, adapter, provider, dynamic, passes, replaced, left, dict(other), notes, list(choices.values())
         )

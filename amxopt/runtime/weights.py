@@ -19,11 +19,11 @@ import ctypes
 import torch
 from torch import nn
 
-from amxopt.ops.packed import RELEASED_ATTR, is_released, packings, remember, transfer
+from amxopt.ops.packed import RELEASED_ATTR, is_released, is_sharded, packings, remember, transfer
 
 
 def release(model: nn.Module, keep: set[int]) -> int:
-    """Replace every packed parameter of ``model`` by a meta placeholder, except ids in ``keep``.
+    """Replace every packed (or tp-sharded) parameter of ``model`` by a meta placeholder, except ids in ``keep``.
 
     Returns the bytes freed. Tied parameters (one tensor under several names) are replaced once
     and stay tied.
@@ -31,7 +31,7 @@ def release(model: nn.Module, keep: set[int]) -> int:
     freed, done = 0, {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is None or not packings(p) or is_released(p) or id(p) in keep:
+            if p is None or not (packings(p) or is_sharded(p)) or is_released(p) or id(p) in keep:
                 continue
             if id(p) not in done:
                 done[id(p)] = placeholder(p, packings(p))

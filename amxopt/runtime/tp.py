@@ -1,0 +1,323 @@
+"""Tensor-parallel runner: N ranks on torch.distributed, each on its own cores.
+
+Two ways in, both ending in the same per-rank ``optimize()`` whose ``shard_tensor_parallel`` pass
+keeps that rank's heads and MLP columns:
+
+* ``AmxConfig(tp="env")`` under ``torchrun``: this process is one rank. The process group comes
+  from the environment (gloo; oneCCL's ``ccl`` backend when ``oneccl_bindings_for_pytorch`` is
+  installed); every rank calls the optimized module with the same inputs and gets the same output.
+* ``AmxConfig(tp=N)`` from a plain script: optimize() starts N-1 worker processes (spawned; the
+  model's tensors reach them through shared memory, not copies), and returns a :class:`TPModule`.
+  Each call is broadcast to the workers and rank 0's output returned: the caller sees one module.
+
+Each rank binds itself to its cores (``os.sched_setaffinity``) and sets torch's thread count to
+match. A worker that dies or hangs makes the call fail within ``AmxConfig.tp_timeout_s`` with its
+exit code and error; workers are daemons and are stopped when the module is closed or collected,
+so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import pathlib
+import socket
+import time
+import traceback
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from amxopt.config import AmxConfig
+
+logger = logging.getLogger(__name__)
+
+_READY = "amxopt/ready/{}"
+_ERROR = "amxopt/error/{}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Cores
+# --------------------------------------------------------------------------------------------------
+
+
+def _parse_cores(spec: Any) -> tuple[int, ...]:
+    if isinstance(spec, int):
+        return (spec,)
+    if isinstance(spec, str):
+        cores: list[int] = []
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cores += range(int(lo), int(hi or lo) + 1)
+        return tuple(cores)
+    return tuple(int(c) for c in spec)
+
+
+def _numa_nodes(allowed: list[int]) -> list[list[int]]:
+    """The allowed cores grouped by NUMA node (from /sys), nodes in order; one group without /sys."""
+    nodes = []
+    for path in sorted(pathlib.Path("/sys/devices/system/node").glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        try:
+            cores = set(_parse_cores((path / "cpulist").read_text().strip()))
+        except (OSError, ValueError):
+            continue
+        group = [c for c in allowed if c in cores]
+        if group:
+            nodes.append(group)
+    covered = {c for g in nodes for c in g}
+    return nodes if covered == set(allowed) else [allowed]
+
+
+def cpu_plan(tp: int, cpu_bind: Any = None) -> list[tuple[int, ...]]:
+    """Each rank's cores.
+
+    ``None``: the allowed cores, ordered by NUMA node, split into ``tp`` contiguous near-equal
+    parts (so ranks line up with nodes when the counts divide). A list gives each rank's cores
+    (ids or ``"0-3,8"`` strings): they must exist and not overlap. ``"none"``: every rank may use
+    every core. More ranks than cores is allowed (each rank gets one core, shared) with a warning.
+
+    Raises:
+        ValueError: ``tp`` < 1, a list of the wrong length, a core that is not allowed here, a core
+            given to two ranks, or a rank without cores.
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"amxopt: tp must be a positive int or 'env', got {tp!r}")
+    allowed = sorted(os.sched_getaffinity(0))
+    if cpu_bind == "none":
+        return [tuple(allowed)] * tp
+    if cpu_bind is not None:
+        if isinstance(cpu_bind, str) or len(cpu_bind) != tp:
+            raise ValueError(f"amxopt: cpu_bind needs one entry of cores per rank ({tp}), got {cpu_bind!r}")
+        plan = [_parse_cores(c) for c in cpu_bind]
+        owner: dict[int, int] = {}
+        for rank, cores in enumerate(plan):
+            if not cores:
+                raise ValueError(f"amxopt: cpu_bind gives rank {rank} no cores")
+            missing = sorted(set(cores) - set(allowed))
+            if missing:
+                raise ValueError(
+                    f"amxopt: cpu_bind names cores {missing} for rank {rank}; this process may use {allowed}"
+                )
+            for c in cores:
+                if c in owner:
+                    raise ValueError(f"amxopt: cpu_bind gives core {c} to ranks {owner[c]} and {rank}")
+                owner[c] = rank
+        return plan
+    if tp > len(allowed):
+        logger.warning("amxopt: tp=%d ranks on %d cores: ranks share cores (oversubscribed)", tp, len(allowed))
+        return [(allowed[r % len(allowed)],) for r in range(tp)]
+    ordered = [c for node in _numa_nodes(allowed) for c in node]
+    bounds = [round(r * len(ordered) / tp) for r in range(tp + 1)]
+    return [tuple(ordered[bounds[r] : bounds[r + 1]]) for r in range(tp)]
+
+
+def describe_plan(tp: int, cpu_bind: Any = None) -> str:
+    """What ``amxopt info --tp N`` prints: NUMA nodes, and each rank's cores and threads."""
+    allowed = sorted(os.sched_getaffinity(0))
+    nodes = _numa_nodes(allowed)
+    lines = [f"{len(allowed)} cores allowed, {len(nodes)} NUMA node(s): " + "; ".join(_span(n) for n in nodes)]
+    for rank, cores in enumerate(cpu_plan(tp, cpu_bind)):
+        lines.append(f"  rank {rank}: cores {_span(cores)} ({len(cores)} threads)")
+    return "\n".join(lines)
+
+
+def _span(cores) -> str:
+    cores = sorted(cores)
+    parts, start = [], cores[0]
+    for a, b in zip(cores, cores[1:] + [None]):
+        if b != a + 1:
+            parts.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    return ",".join(parts)
+
+
+def _bind(cores: tuple[int, ...]) -> None:
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+
+
+# --------------------------------------------------------------------------------------------------
+# Process groups
+# --------------------------------------------------------------------------------------------------
+
+
+def _backend() -> str:
+    try:
+        import oneccl_bindings_for_pytorch  # noqa: F401 - registers the "ccl" backend
+
+        return "ccl"
+    except ImportError:
+        return "gloo"
+
+
+def rank_config(config: AmxConfig) -> AmxConfig:
+    """This process's rank of a ``torchrun`` job (``tp="env"``): joins the process group if the
+    script has not, binds the rank's cores, and returns the config the passes read."""
+    if not dist.is_initialized():
+        for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            if key not in os.environ:
+                raise RuntimeError(f"amxopt: AmxConfig(tp='env') runs under torchrun; {key} is not set")
+        dist.init_process_group(_backend(), timeout=datetime.timedelta(seconds=config.tp_timeout_s))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if config.cpu_bind != "none":
+        _bind(cpu_plan(local_world, config.cpu_bind)[local_rank])
+    return dataclasses.replace(config, tp=world, tp_rank=rank, tp_group=dist.group.WORLD.group_name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, cores, model, example_inputs, config: AmxConfig) -> None:
+    timeout = datetime.timedelta(seconds=config.tp_timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    try:
+        _bind(cores)
+        import amxopt
+
+        store.set(_READY.format(rank), "1")
+        dist.init_process_group(_backend(), store=store, rank=rank, world_size=world, timeout=timeout)
+        rank_cfg = dataclasses.replace(config, tp=world, tp_rank=rank, tp_group=dist.group.WORLD.group_name)
+        opt = amxopt.optimize(model, example_inputs, rank_cfg)
+        del model
+        while True:
+            message = [None]
+            dist.broadcast_object_list(message, src=0)
+            kind, args, kwargs = message[0]
+            if kind == "stop":
+                break
+            with torch.no_grad():
+                opt(*args, **kwargs)
+        dist.destroy_process_group()
+    except BaseException:
+        store.set(_ERROR.format(rank), traceback.format_exc()[-4000:])
+        raise
+
+
+class TPModule(nn.Module):
+    """N tensor-parallel ranks behind one module: rank 0 runs here, N-1 workers in other processes.
+
+    Calls take the model's arguments and return rank 0's output (every rank's is the same).
+    ``close()`` stops the workers (also done when the module is garbage-collected).
+    """
+
+    def __init__(self, model: nn.Module, example_inputs: Any, config: AmxConfig) -> None:
+        super().__init__()
+        import torch.multiprocessing as mp
+
+        import amxopt
+
+        if dist.is_initialized():
+            raise RuntimeError(
+                "amxopt: torch.distributed is already initialized in this process (another tp group, or a "
+                "torchrun job: use AmxConfig(tp='env') there); close() the other TPModule first"
+            )
+        tp = config.tp
+        plan = cpu_plan(tp, config.cpu_bind)
+        self.tp = tp
+        self._previous = (os.sched_getaffinity(0), torch.get_num_threads())
+        port = _free_port()
+        timeout = datetime.timedelta(seconds=config.tp_timeout_s)
+        self._store = dist.TCPStore("127.0.0.1", port, tp, is_master=True, timeout=timeout, wait_for_workers=False)
+        context = mp.get_context("spawn")
+        self._workers = [
+            context.Process(
+                target=_worker,
+                args=(rank, tp, port, plan[rank], model, example_inputs, config),
+                daemon=True,
+                name=f"amxopt-tp-rank{rank}",
+            )
+            for rank in range(1, tp)
+        ]
+        for w in self._workers:
+            w.start()
+        self._finalizer = weakref.finalize(self, _stop, self._workers)
+        try:
+            self._wait_ready(config.tp_timeout_s)
+            _bind(plan[0])
+            dist.init_process_group(_backend(), store=self._store, rank=0, world_size=tp, timeout=timeout)
+            rank_cfg = dataclasses.replace(config, tp=tp, tp_rank=0, tp_group=dist.group.WORLD.group_name)
+            self.module = amxopt.optimize(model, example_inputs, rank_cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        waiting = set(range(1, self.tp))
+        while waiting:
+            self._check_workers()
+            waiting = {r for r in waiting if not self._store.check([_READY.format(r)])}
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"amxopt: tp workers {sorted(waiting)} did not start within {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def _check_workers(self) -> None:
+        for rank, w in enumerate(self._workers, start=1):
+            if w.exitcode is not None and w.exitcode != 0:
+                raise RuntimeError(f"amxopt: tp rank {rank} exited with code {w.exitcode}")
+
+    def _error_of(self, rank: int) -> str:
+        try:
+            if self._store.check([_ERROR.format(rank)]):
+                return ":\n" + self._store.get(_ERROR.format(rank)).decode()
+        except Exception:  # noqa: BLE001 - the store may be gone with the failure being reported
+            pass
+        return ""
+
+    @property
+    def report(self):
+        return self.module.report
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._finalizer is None or not self._finalizer.alive:
+            raise RuntimeError("amxopt: this TPModule is closed (a rank failed, or close() was called)")
+        try:
+            self._check_workers()
+            dist.broadcast_object_list([("call", args, kwargs)], src=0)
+            with torch.no_grad():
+                return self.module(*args, **kwargs)
+        except RuntimeError as e:
+            time.sleep(0.2)  # let a dying worker's exit code settle
+            failed = [
+                f"rank {r} exited with code {w.exitcode}{self._error_of(r)}"
+                for r, w in enumerate(self._workers, start=1)
+                if not w.is_alive()
+            ]
+            self.close()
+            detail = "; ".join(failed) if failed else "no rank exited: one hung past tp_timeout_s or failed in the call"
+            raise RuntimeError(f"amxopt: a tensor-parallel call failed: {detail} ({e})") from e
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group; the module cannot be called afterwards."""
+        if dist.is_initialized():
+            if all(w.is_alive() for w in self._workers):
+                try:
+                    dist.broadcast_object_list([("stop", (), {})], src=0)
+                except RuntimeError:
+                    pass
+            dist.destroy_process_group()
+        if self._finalizer is not None:
+            self._finalizer()
+        cores, threads = self._previous
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+
+
+def _stop(workers: list) -> None:
+    for w in workers:
+        w.join(timeout=5)
+        if w.is_alive():
+            w.terminate()
+            w.join(timeout=5)
+        if w.is_alive():
+            w.kill()

@@ -1,0 +1,227 @@
+"""Tensor parallelism: every family at tp 2 and 3 equals tp 1, padded heads included; the runner's errors.
+
+The ranks are real processes on torch.distributed (gloo); tp 3 oversubscribes this machine's cores
+on purpose. Head counts are chosen so that padding is needed: 16 heads at tp 3, 20 at tp 3, 5 at tp 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from hypothesis import given
+from hypothesis import strategies as st
+
+import amxopt
+from amxopt import models
+from amxopt.passes import run_passes
+from amxopt.passes._graph import fetch
+from amxopt.runtime import max_abs_error, tp
+from tests.helpers import CONFIG, captured
+
+_shard = sys.modules["amxopt.passes.shard_tensor_parallel"]
+
+# (zoo name, config overrides, units sharded per block)
+FAMILIES = {
+    "qwen3-vl-16-heads": ("tiny-qwen3-vl-vision", {"hidden_size": 128, "num_heads": 16}, 2),
+    "qwen3-omni-vision": ("tiny-qwen3-omni-vision", {}, 2),
+    "omni-audio-20-heads": ("tiny-qwen3-omni-audio", {"d_model": 80, "encoder_attention_heads": 20}, 2),
+    "wan-5-heads": ("tiny-wan", {"num_attention_heads": 5, "attention_head_dim": 16}, 3),
+}
+
+
+def _model(case: str, dtype: torch.dtype) -> torch.nn.Module:
+    name, overrides, _ = FAMILIES[case]
+    model = models.build_model(name, dtype, **overrides)
+    # The zoo's biases are zero; the row-parallel bias (added once, on rank 0) needs real values.
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias"):
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    return model
+
+
+def _blocks(model: torch.nn.Module) -> int:
+    return len(model.blocks if hasattr(model, "blocks") else model.layers)
+
+
+@pytest.mark.parametrize("tp_size", [2, 3])
+@pytest.mark.parametrize("case", list(FAMILIES))
+def test_fp32_shards_equal_one_rank(case, tp_size):
+    name, _, per_block = FAMILIES[case]
+    model = _model(case, torch.float32)
+    inputs = models.example_inputs(name, torch.float32)
+    single = amxopt.optimize(model, inputs, CONFIG)
+    sharded = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp=tp_size))
+    try:
+        with torch.no_grad():
+            want, got = single(**inputs), sharded(**inputs)
+        assert type(got) is type(want)
+        for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+            torch.testing.assert_close(a, b)
+        note = f"tensor parallel (tp {tp_size}, rank 0): {per_block * _blocks(model)} attention/MLP units sharded"
+        assert any(note in n for n in sharded.report.notes), sharded.report.notes
+    finally:
+        sharded.close()
+
+
+@pytest.mark.parametrize("case", ["qwen3-vl-16-heads", "wan-5-heads"])
+def test_bf16_shards_within_eager_error(case):
+    name, _, _ = FAMILIES[case]
+    reference = _model(case, torch.float32)
+    model = _model(case, torch.bfloat16)
+    inputs32 = models.example_inputs(name, torch.float32)
+    inputs = models.example_inputs(name, torch.bfloat16)
+    sharded = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp=3))
+    try:
+        with torch.no_grad():
+            expected = reference(**inputs32)
+            eager_err = max_abs_error(model(**inputs), expected)
+            err = max_abs_error(sharded(**inputs), expected)
+        assert err <= 1.5 * eager_err, f"{case}: tp 3 {err:.3e} vs eager bf16 {eager_err:.3e}"
+    finally:
+        sharded.close()
+
+
+@given(heads=st.integers(1, 64), tp_size=st.integers(1, 8), unit=st.integers(1, 4), outer=st.integers(1, 3))
+def test_padded_heads_cover_every_head_once_and_pad_with_zeros(heads, tp_size, unit, outer):
+    shards = [_shard.owned_heads(heads, tp_size, r) for r in range(tp_size)]
+    assert len({len(s) for s in shards}) == 1 and len(shards[0]) * tp_size == _shard.padded(heads, tp_size)
+    assert sorted(h for s in shards for h in s if h is not None) == list(range(heads))
+    assert _shard.padded(heads, tp_size) - heads < tp_size
+    # Sliced weights: each rank's rows are the real heads' rows, zeros for padding; all ranks together
+    # hold every row exactly once.
+    weight = torch.arange(outer * heads * unit, dtype=torch.float32)[:, None] + 1
+    rows = []
+    for r, owned in enumerate(shards):
+        layout = _shard.Layout(0, heads, unit, outer, tuple(owned))
+        part = _shard.gather(weight, 0, layout.index())
+        assert part.shape[0] == layout.local_size == outer * len(owned) * unit
+        pads = sum(h is None for h in owned) * unit * outer
+        assert int((part == 0).sum()) == pads
+        rows += part[part != 0].tolist()
+    assert sorted(rows) == weight.flatten().tolist()
+
+
+@given(q_heads=st.integers(1, 48), group=st.sampled_from([1, 2, 4, 8]), tp_size=st.integers(1, 6))
+def test_kv_heads_serve_each_local_q_head(q_heads, group, tp_size):
+    if q_heads % group:
+        q_heads *= group
+    kv_heads = q_heads // group
+    for r in range(tp_size):
+        q = _shard.owned_heads(q_heads, tp_size, r)
+        kv = _shard.owned_kv_heads(q_heads, kv_heads, tp_size, r)
+        assert len(q) % len(kv) == 0
+        local_group = len(q) // len(kv)
+        for j, h in enumerate(q):  # local q head j reads local kv head j // local_group
+            if h is not None:
+                assert kv[j // local_group] == h // group
+
+
+def test_padding_heads_get_zero_weights_on_the_rank_that_holds_them():
+    """5 heads at tp 2: rank 1 owns heads 3, 4 and one padding head. Its column-parallel rows and
+    bias for that head and its row-parallel columns are zero, and only rank 0 adds the row bias."""
+    model = _model("wan-5-heads", torch.float32)
+    gm, _ = captured(model, models.example_inputs("tiny-wan", torch.float32))
+    passes = tuple(p for p in amxopt.passes.PASSES if p != "pack_weights")
+    config = dataclasses.replace(CONFIG, passes=passes, tp=2, tp_rank=1, tp_group="unused")
+    run_passes(gm, config)
+    linears = [n for n in gm.graph.nodes if n.target == torch.ops.amxopt.linear.default]
+    attention_out = [n for n in linears if "attn1.to_out" in str(n.meta.get("nn_module_stack"))][0]
+    to_q = [n for n in linears if "attn1.to_q" in str(n.meta.get("nn_module_stack"))][0]
+    head_dim, pad = 16, slice(32, 48)  # local head 2 of 3 is the padding one
+    w_q = fetch(gm, to_q.args[1].args[0].target)
+    assert w_q.shape[0] == 3 * head_dim and to_q.args[4] == 3 * head_dim
+    assert torch.count_nonzero(w_q[pad]) == 0 and torch.count_nonzero(w_q[:32]) > 0
+    assert torch.count_nonzero(fetch(gm, to_q.args[2].target)[pad]) == 0
+    w_o = fetch(gm, attention_out.args[1].args[0].target)
+    assert w_o.shape[1] == 3 * head_dim and torch.count_nonzero(w_o[:, pad]) == 0
+    assert attention_out.args[2] is None  # the bias is rank 0's
+    reduce = [u.target for u in attention_out.users]
+    assert reduce == [torch.ops._c10d_functional.all_reduce.default]
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="tp must be a positive int"):
+        amxopt.optimize(models.build_model("tiny-wan"), None, dataclasses.replace(CONFIG, tp=0))
+    with pytest.raises(ValueError, match="names cores"):
+        tp.cpu_plan(2, [[0], [4096]])
+    with pytest.raises(ValueError, match="gives core 0 to ranks 0 and 1"):
+        tp.cpu_plan(2, [[0], [0]])
+    with pytest.raises(ValueError, match="one entry of cores per rank"):
+        tp.cpu_plan(2, [[0]])
+    assert len(tp.cpu_plan(5)) == 5  # more ranks than cores: allowed, with a warning
+
+
+def test_a_dead_rank_fails_the_call_with_its_exit_code():
+    model = _model("qwen3-omni-vision", torch.float32)
+    inputs = models.example_inputs("tiny-qwen3-omni-vision", torch.float32)
+    sharded = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp=2, tp_timeout_s=60))
+    worker = sharded._workers[0]
+    worker.kill()
+    worker.join()
+    with pytest.raises(RuntimeError, match="rank 1 exited with code"):
+        sharded(**inputs)
+    with pytest.raises(RuntimeError, match="closed"):
+        sharded(**inputs)
+    assert not worker.is_alive()
+
+
+def test_a_hung_rank_fails_the_call_within_the_timeout():
+    model = _model("qwen3-omni-vision", torch.float32)
+    inputs = models.example_inputs("tiny-qwen3-omni-vision", torch.float32)
+    sharded = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp=2, tp_timeout_s=8))
+    worker = sharded._workers[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="tensor-parallel call failed"):
+            sharded(**inputs)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    assert time.monotonic() - start < 60
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+
+
+_TORCHRUN_SCRIPT = """
+import dataclasses, sys, torch, torch.distributed as dist
+import torch.utils._pytree as pytree
+import amxopt
+from amxopt import models
+sys.path.insert(0, {root!r})
+from tests.helpers import CONFIG
+model = models.build_model("tiny-qwen3-omni-audio", torch.float32, d_model=80, encoder_attention_heads=20)
+inputs = models.example_inputs("tiny-qwen3-omni-audio", torch.float32)
+one = amxopt.optimize(model, inputs, CONFIG)
+opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp="env"))
+with torch.no_grad():
+    for a, b in zip(pytree.tree_leaves(opt(**inputs)), pytree.tree_leaves(one(**inputs))):
+        torch.testing.assert_close(a, b)
+assert any("tensor parallel (tp 2, rank " in n for n in opt.report.notes), opt.report.notes
+print("rank", dist.get_rank(), "ok", sorted(__import__("os").sched_getaffinity(0)))
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_ranks_with_tp_env(tmp_path):
+    import pathlib
+    import subprocess
+
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    script = tmp_path / "rank.py"
+    script.write_text(_TORCHRUN_SCRIPT.format(root=root))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(tp._free_port()),
+           str(script)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = tp.cpu_plan(2)  # each rank bound to its share of the cores
+    for rank in range(2):
+        assert f"rank {rank} ok {sorted(plan[rank])}" in done.stdout, done.stdout
