@@ -32,17 +32,18 @@ def _median_s(fn, repeat: int) -> float:
 
 
 def _collective_share(module, inputs) -> tuple[float, float, int]:
+    """Rank 0's seconds in the graph's collectives during one call, the call's seconds, and how many
+    all-reduces the graph has."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         module(**inputs)
         total = time.perf_counter() - t
-    comm, count = 0.0, 0
-    for e in prof.key_averages():
-        if "all_reduce" in e.key or "wait_tensor" in e.key:
-            comm += e.cpu_time_total / 1e6
-            count += e.count if "all_reduce" in e.key else 0
+    keys = ("_c10d_functional::all_reduce", "_c10d_functional::wait_tensor")
+    comm = sum(e.cpu_time_total for e in prof.key_averages() if e.key in keys) / 1e6
+    graph = module.module.graph_module.graph
+    count = sum(1 for n in graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default)
     return comm, total, count
 
 
@@ -105,7 +106,6 @@ def main() -> None:
     rows = {"eager": _median_s(lambda: model(**inputs), args.repeat)}
     one = amxopt.optimize(model, inputs, config)
     rows["amxopt tp=1 (2 cores)"] = _median_s(lambda: one(**inputs), args.repeat)
-    del one
     two = amxopt.optimize(model, inputs, dataclasses.replace(config, tp=2))
     try:
         rows["amxopt tp=2 (1 core per rank)"] = _median_s(lambda: two(**inputs), args.repeat)
@@ -126,7 +126,7 @@ def main() -> None:
     tokens = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[0]
     sizes = sorted({4096, 2**20, tokens * hidden * 2} - {0})
     costs = allreduce_costs(sizes)
-    print("\ngloo all-reduce, 2 processes on one core each (median of 50):")
+    print("\ngloo all-reduce, 2 processes bound to one core each (median of 50):")
     for n, s in costs.items():
         print(f"  {n / 2**20:8.3f} MB: {s * 1e3:8.3f} ms ({n / s / 2**30:.2f} GB/s)")
 

@@ -72,7 +72,7 @@ def test_fp32_shards_equal_one_rank(case, tp_size):
         sharded.close()
 
 
-@pytest.mark.parametrize("case", ["qwen3-vl-16-heads", "wan-5-heads"])
+@pytest.mark.parametrize("case", list(FAMILIES))
 def test_bf16_shards_within_eager_error(case):
     name, _, _ = FAMILIES[case]
     reference = _model(case, torch.float32)
@@ -225,3 +225,46 @@ def test_torchrun_ranks_with_tp_env(tmp_path):
     plan = tp.cpu_plan(2)  # each rank bound to its share of the cores
     for rank in range(2):
         assert f"rank {rank} ok {sorted(plan[rank])}" in done.stdout, done.stdout
+
+
+class _GQABlock(torch.nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, heads * self.head_dim)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.o = torch.nn.Linear(heads * self.head_dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return x + self.o(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class GQAModel(torch.nn.Module):
+    """Two GQA blocks: 8 q / 2 kv heads (both divide tp 2: kv split alongside) and 6 q / 3 kv heads
+    (kv does not divide: each rank keeps the kv head of each of its q heads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_GQABlock(48, 8, 2), _GQABlock(48, 6, 3)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_gqa_kv_heads_split_or_kept_per_q_head():
+    torch.manual_seed(0)
+    model = GQAModel().eval()
+    x = torch.randn(2, 10, 48)
+    sharded = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, tp=2))
+    try:
+        assert any("2 attention/MLP units sharded" in n for n in sharded.report.notes), sharded.report.notes
+        with torch.no_grad():
+            torch.testing.assert_close(sharded(x), model(x))
+    finally:
+        sharded.close()
