@@ -156,6 +156,28 @@ def evaluate_constant(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Te
     return memo[node]
 
 
+def first_attr(node: fx.Node) -> fx.Node | None:
+    """The first get_attr behind a constant, following first inputs through casts too (names derived buffers)."""
+    while node.op != "get_attr":
+        if not node.all_input_nodes:
+            return None
+        node = node.all_input_nodes[0]
+    return node
+
+
+def add_constant(gm: fx.GraphModule, holder: str, name: str, tensor: torch.Tensor, before: fx.Node) -> fx.Node:
+    """Register ``tensor`` as buffer ``holder.name`` of ``gm`` (a fresh name) and insert its get_attr before ``before``."""
+    if not hasattr(gm, holder):
+        gm.add_module(holder, torch.nn.Module())
+    module = gm.get_submodule(holder)
+    name = name.replace(".", "_")
+    while hasattr(module, name):
+        name += "_"
+    module.register_buffer(name, tensor)
+    with gm.graph.inserting_before(before):
+        return gm.graph.get_attr(f"{holder}.{name}")
+
+
 def fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
     owner, _, name = target.rpartition(".")
     return getattr(gm.get_submodule(owner) if owner else gm, name)

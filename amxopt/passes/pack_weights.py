@@ -17,7 +17,17 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
 from amxopt.ops import packed
-from amxopt.passes._graph import cleanup, evaluate_constant, fetch, is_constant, leave, source_attr, val
+from amxopt.passes._graph import (
+    add_constant,
+    cleanup,
+    evaluate_constant,
+    fetch,
+    first_attr,
+    is_constant,
+    leave,
+    source_attr,
+    val,
+)
 
 _PACK = torch.ops.amxopt.pack_linear_weight.default
 PACKED_PREFIX = "_packed"
@@ -26,15 +36,6 @@ PACKED_PREFIX = "_packed"
 def _delete(gm: fx.GraphModule, target: str) -> None:
     owner, _, name = target.rpartition(".")
     delattr(gm.get_submodule(owner) if owner else gm, name)
-
-
-def _source_attr(node: fx.Node) -> fx.Node | None:
-    """The first get_attr behind a constant (through casts too): names the packed buffer."""
-    while node.op != "get_attr":
-        if not node.all_input_nodes:
-            return None
-        node = node.all_input_nodes[0]
-    return node
 
 
 def _pack(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
@@ -49,7 +50,7 @@ def _pack(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
         done = packed.packed_for(source, provider)
         if done is not None:
             return done  # packed by an earlier graph of this model, or at load time
-    origin = _source_attr(weight)
+    origin = first_attr(weight)
     if origin is not None and packed.is_released(fetch(gm, origin.target)):
         raise RuntimeError(
             f"amxopt: {origin.target} was released after packing, but this graph packs it again (as "
@@ -63,9 +64,6 @@ def _pack(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
 
 
 def pack_weights(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
-    if not hasattr(gm, PACKED_PREFIX):
-        gm.add_module(PACKED_PREFIX, torch.nn.Module())
-    holder = gm.get_submodule(PACKED_PREFIX)
     memo: dict = {}
     sources = []
     n_packed = 0
@@ -76,13 +74,8 @@ def pack_weights(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
         if not is_constant(weight):
             continue
         packed_weight = _pack(node, gm, memo)
-        src = _source_attr(weight)
-        name = (src.target if src is not None else node.name).replace(".", "_")
-        while hasattr(holder, name):
-            name += "_"
-        holder.register_buffer(name, packed_weight)
-        with gm.graph.inserting_before(node):
-            new = gm.graph.get_attr(f"{PACKED_PREFIX}.{name}")
+        src = first_attr(weight)
+        new = add_constant(gm, PACKED_PREFIX, src.target if src is not None else node.name, packed_weight, node)
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

@@ -42,7 +42,19 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
 from amxopt.ops import packed
-from amxopt.passes._graph import SHARDED, arg, cleanup, evaluate_constant, fetch, is_constant, leave, source_attr, val
+from amxopt.passes._graph import (
+    SHARDED,
+    add_constant,
+    arg,
+    cleanup,
+    evaluate_constant,
+    fetch,
+    first_attr,
+    is_constant,
+    leave,
+    source_attr,
+    val,
+)
 
 aten = torch.ops.aten
 _LINEAR = torch.ops.amxopt.linear.default
@@ -464,7 +476,7 @@ def _size_slot(node: fx.Node, out: Layout | None) -> tuple[list, int] | None:
 
 
 def _const(gm: fx.GraphModule, node: fx.Node, memo: dict) -> torch.Tensor:
-    src = source_attr(node) or _first_attr(node)
+    src = source_attr(node) or first_attr(node)
     if src is not None and packed.is_released(fetch(gm, src.target)):
         raise RuntimeError(
             f"amxopt: {src.target} was released after an earlier capture, and tensor parallelism must shard it "
@@ -475,25 +487,9 @@ def _const(gm: fx.GraphModule, node: fx.Node, memo: dict) -> torch.Tensor:
     return evaluate_constant(node, gm, memo)
 
 
-def _first_attr(node: fx.Node) -> fx.Node | None:
-    while node.op != "get_attr":
-        if not node.all_input_nodes:
-            return None
-        node = node.all_input_nodes[0]
-    return node
-
-
 def _put(gm: fx.GraphModule, consumer: fx.Node, old: fx.Node, tensor: torch.Tensor, name: str) -> None:
     """Make ``consumer`` read ``tensor`` (a new buffer) where it read ``old``."""
-    if not hasattr(gm, _SHARD_PREFIX):
-        gm.add_module(_SHARD_PREFIX, torch.nn.Module())
-    holder = gm.get_submodule(_SHARD_PREFIX)
-    name = name.replace(".", "_")
-    while hasattr(holder, name):
-        name += "_"
-    holder.register_buffer(name, tensor)
-    with gm.graph.inserting_before(consumer):
-        new = gm.graph.get_attr(f"{_SHARD_PREFIX}.{name}")
+    new = add_constant(gm, _SHARD_PREFIX, name, tensor, consumer)
     fake = detect_fake_mode([val(n) for n in gm.graph.nodes if isinstance(val(n), torch.Tensor)][:1])
     new.meta["val"] = fake.from_tensor(tensor) if fake is not None else tensor
     consumer.replace_input_with(old, new)
