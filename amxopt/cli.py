@@ -2,13 +2,14 @@
 
 amxopt passes                      the default pass order
 amxopt info [--tp N]               CPU features and kernel providers (and N tp ranks' cores)
-amxopt dump MODEL [--out DIR]      graph before/after every pass + the rewrite report
+amxopt dump MODEL [--out DIR] [--tp N --rank R]   graph before/after every pass + the rewrite report
 amxopt check MODEL                 optimized vs original: max abs error (fp32 and bf16)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import pathlib
 import sys
@@ -79,6 +80,8 @@ def _cmd_dump(args) -> int:
     from amxopt.runtime import build_graph
 
     config = AmxConfig(provider=resolve(args.provider), autotune=args.autotune)
+    if args.tp > 1:  # one rank's shard, as that rank would build it; the graph is written, not run
+        config = dataclasses.replace(config, tp=args.tp, tp_rank=args.rank, tp_group="amxopt-dump")
     model, inputs = _build(args, _DTYPES[args.dtype])
     adapter, graph_inputs = prepare(model, inputs)
     graph = build_graph(model, adapter, graph_inputs, config, keep_text=True)
@@ -134,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "dump":
             p.add_argument("--out", default=None, help="output directory (default dumps/MODEL)")
             p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+            p.add_argument("--tp", type=int, default=1, help="dump the tensor-parallel shard of --rank of N ranks")
+            p.add_argument("--rank", type=int, default=0)
         p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
     if getattr(args, "size", None):

@@ -31,3 +31,12 @@ def test_dump_writes_graphs_and_report(tmp_path, capsys):
     report = (tmp_path / "report.txt").read_text()
     assert "rewrite report: WanTransformer3DModel" in report
     assert "rewrite report" in capsys.readouterr().out
+
+
+def test_dump_of_a_tp_shard_shows_the_collectives(tmp_path, capsys):
+    args = ["dump", "tiny-qwen3-vl-vision", "--out", str(tmp_path), "--dtype", "fp32", "--no-autotune"]
+    assert cli.main([*args, "--tp", "3", "--rank", "2"]) == 0
+    index = [p.__name__ for p in DEFAULT_PASSES].index("shard_tensor_parallel") + 1
+    after = (tmp_path / f"{index:02d}_shard_tensor_parallel.after.txt").read_text()
+    assert after.count("_c10d_functional.all_reduce") == 6  # 3 blocks x (attention, MLP)
+    assert "tensor parallel (tp 3, rank 2): 6 attention/MLP units sharded" in capsys.readouterr().out
