@@ -60,6 +60,8 @@ aten = torch.ops.aten
 _LINEAR = torch.ops.amxopt.linear.default
 _PACK = torch.ops.amxopt.pack_linear_weight.default
 _VARLEN = torch.ops.amxopt.varlen_attention.default
+_SDPA = aten.scaled_dot_product_attention.default  # kept as ATen where autotune measured it faster
+_ATTENTION = (_VARLEN, _SDPA)  # q, k, v first, heads at dim 1 ([T, H, D] and [B, H, S, D])
 _RMS = torch.ops.amxopt.rms_norm.default
 _LAYER_NORM = torch.ops.amxopt.layer_norm.default
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
@@ -84,7 +86,7 @@ _RESHAPING = _VIEWS | {
 }  # fmt: skip
 
 
-_BETWEEN = _POINTWISE | _RESHAPING | {_VARLEN, _RMS, _LAYER_NORM, operator.getitem}
+_BETWEEN = _POINTWISE | _RESHAPING | {*_ATTENTION, _RMS, _LAYER_NORM, operator.getitem}
 
 # --------------------------------------------------------------------------------------------------
 # Head arithmetic (pure: the hypothesis properties test it directly)
@@ -226,7 +228,7 @@ def _units(gm: fx.GraphModule) -> tuple[list[_Unit], list[tuple[fx.Node, str]]]:
     units, left = [], []
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for row, (cols, inside) in groups.items():
-        has_attention = any(n.target is _VARLEN for n in inside)
+        has_attention = any(n.target in _ATTENTION for n in inside)
         if not _in_block(row) or not (has_attention or all(n.target in _POINTWISE for n in inside)):
             continue  # not a block's attention, nor an MLP (only elementwise ops between its Linears)
         if row.target == _LINEAR and row.args[3] != "none":
@@ -341,7 +343,9 @@ def _forward(node: fx.Node, layouts: dict[fx.Node, Layout]) -> Layout | None:
         if lay.dim == len(in_shape) - 1:
             raise _Refuse(f"{node.name} normalizes across the sharded dim")  # handled by _shard_norm first
         return lay
-    if t is _VARLEN:
+    if t in _ATTENTION:
+        if t is _SDPA and arg(node, 3, "attn_mask") is not None:
+            raise _Refuse(f"{node.name} has an attention mask")
         return layouts[node.args[0]]
     raise _Refuse(f"{node.name} ({t}) is not known to keep the sharded dim in place")
 
@@ -370,14 +374,14 @@ def _backward(node: fx.Node, user: fx.Node, out: Layout) -> Layout:
     if t in (aten.squeeze.dim, aten.unbind.int, aten.select.int):
         d = _norm_dim(arg(user, 1, "dim", 0), len(shape))
         return dataclasses.replace(out, dim=out.dim + (d <= out.dim))
-    if t in (aten.slice.Tensor, aten.cat.default, _RMS, _LAYER_NORM, _VARLEN):
+    if t in (aten.slice.Tensor, aten.cat.default, _RMS, _LAYER_NORM, *_ATTENTION):
         return out
     raise _Refuse(f"{user.name} ({t}) is not known to keep the sharded dim in place")
 
 
 def _column_layouts(unit: _Unit, tp: int, rank: int) -> dict[fx.Node, Layout]:
     """Each column Linear's output layout: from the attention's heads, or the MLP width."""
-    attention = [n for n in unit.nodes if n.target is _VARLEN]
+    attention = [n for n in unit.nodes if n.target in _ATTENTION]
     if not attention:
         widths = {_static(_shape(c)[-1]) for c in unit.columns}
         if len(widths) != 1:

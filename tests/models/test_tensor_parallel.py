@@ -257,11 +257,14 @@ class GQAModel(torch.nn.Module):
         return x
 
 
-def test_gqa_kv_heads_split_or_kept_per_q_head():
+@pytest.mark.parametrize("attention", ["amxopt", "aten"])
+def test_gqa_kv_heads_split_or_kept_per_q_head(attention):
+    """Both with amxopt.varlen_attention and with ATen's SDPA (what autotune keeps where ATen is faster)."""
     torch.manual_seed(0)
     model = GQAModel().eval()
     x = torch.randn(2, 10, 48)
-    sharded = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, tp=2))
+    passes = None if attention == "amxopt" else tuple(p for p in amxopt.passes.PASSES if p != "replace_attention")
+    sharded = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, tp=2, passes=passes))
     try:
         assert any("2 attention/MLP units sharded" in n for n in sharded.report.notes), sharded.report.notes
         with torch.no_grad():
