@@ -43,6 +43,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from amxopt.config import AmxConfig
 from amxopt.ops import packed
 from amxopt.passes._graph import (
+    LEFT,
     SHARDED,
     add_constant,
     arg,
@@ -52,6 +53,7 @@ from amxopt.passes._graph import (
     first_attr,
     is_constant,
     leave,
+    op_name,
     source_attr,
     val,
 )
@@ -184,9 +186,10 @@ class _Unit:
     row: fx.Node
 
 
-def _closure(start: fx.Node) -> tuple[set[fx.Node], set[fx.Node]] | None:
-    """Nodes reachable from ``start`` through non-Linear ops, and the Linears that end it; ``None``
-    when the flow leaves through something other than a Linear's input (an output, a residual...)."""
+def _closure(start: fx.Node) -> tuple[set[fx.Node], set[fx.Node]] | str:
+    """Nodes reachable from ``start`` through non-Linear ops, and the Linears that end it; or why
+    not, when the flow leaves through something other than a Linear's input (an output, an op the
+    pass does not know, a residual path that runs on)."""
     inside, ends, todo = set(), set(), [start]
     while todo:
         node = todo.pop()
@@ -199,11 +202,25 @@ def _closure(start: fx.Node) -> tuple[set[fx.Node], set[fx.Node]] | None:
                 if user not in inside:
                     inside.add(user)
                     if len(inside) > _MAX_UNIT_NODES:
-                        return None
+                        return f"its output flows through more than {_MAX_UNIT_NODES} nodes"
                     todo.append(user)
             else:
-                return None
+                return f"{user.name} ({op_name(user.target)}) is not an op the pass can follow"
     return inside, ends
+
+
+def _producer(node: fx.Node) -> fx.Node | None:
+    """The nearest Linear upstream of ``node`` (breadth-first), if any."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop(0)
+        if _is_linear(n):
+            return n
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return None
 
 
 def _in_block(node: fx.Node) -> bool:
@@ -211,12 +228,17 @@ def _in_block(node: fx.Node) -> bool:
     return any(_BLOCK.search(path) for path, _ in stack.values())
 
 
-def _units(gm: fx.GraphModule) -> tuple[list[_Unit], list[tuple[fx.Node, str]]]:
-    closures = {}
+def _units(gm: fx.GraphModule) -> tuple[list[_Unit], list[tuple[fx.Node, str]], dict[fx.Node, str]]:
+    """The units, Linears left with a reason, and why each other block Linear starts no unit."""
+    closures, why_not = {}, {}
     for node in gm.graph.nodes:
         if _is_linear(node) and is_constant(_weight(node)) and _in_block(node):
             found = _closure(node)
-            if found is not None and len(found[1]) == 1:
+            if isinstance(found, str):
+                why_not[node] = found
+            elif len(found[1]) != 1:
+                why_not[node] = f"its output reaches {len(found[1])} Linears"
+            else:
                 closures[node] = found
     # Column Linears ending at the same row Linear (q, k and v; gate and up) are one unit.
     groups: dict[fx.Node, tuple[list[fx.Node], set[fx.Node]]] = {}
@@ -237,7 +259,7 @@ def _units(gm: fx.GraphModule) -> tuple[list[_Unit], list[tuple[fx.Node, str]]]:
         if not is_constant(_weight(row)):
             continue
         units.append(_Unit(sorted(cols, key=order.get), sorted(inside, key=order.get), row))
-    return units, left
+    return units, left, why_not
 
 
 # --------------------------------------------------------------------------------------------------
@@ -459,6 +481,10 @@ def _plan(unit: _Unit, tp: int, rank: int) -> tuple[dict[fx.Node, Layout], list[
                 and _norm_dim(user.args[1], len(_shape(node))) == out.dim
             ):
                 raise _Refuse(f"{user.name} reads the sharded size of {node.name}")
+    for col in unit.columns:
+        for user in col.users:
+            if user.target is aten.sym_size.int and _norm_dim(user.args[1], len(_shape(col))) == layouts[col].dim:
+                raise _Refuse(f"{user.name} reads the sharded size of {col.name}")
     x = unit.row.args[0]
     lay = layouts.get(x)
     if lay is None or lay.dim != len(_shape(x)) - 1:
@@ -587,19 +613,30 @@ def shard_tensor_parallel(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
     if config.tp_group is None:
         raise RuntimeError("amxopt: shard_tensor_parallel runs inside a tp rank (amxopt/runtime/tp.py sets tp_group)")
     tp, rank, group = config.tp, config.tp_rank, config.tp_group
-    units, left = _units(gm)
+    units, left, why_not = _units(gm)
     for node, reason in left:
         leave(node, f"replicated across tp ranks: {reason}")
-    n_sharded = 0
+    n_sharded, covered = 0, set()
     for unit in units:
         try:
             layouts, norms = _plan(unit, tp, rank)
         except _Refuse as e:
-            leave(unit.row, f"replicated across tp ranks: {e}")
+            attention = [n for n in unit.nodes if n.target in _ATTENTION]
+            feeds = {_producer(a) for n in attention for a in n.args[:3]}
+            causes = [f"{f.name}: {why_not[f]}" for f in feeds if f in why_not]
+            leave(unit.row, f"replicated across tp ranks: {'; '.join([str(e), *causes])}")
+            covered.update(unit.nodes)
             continue
+        covered.update(unit.nodes)
         _shard(gm, unit, layouts, norms, rank, group)
         unit.row.meta[SHARDED] = f"tp {tp}, rank {rank}"
         n_sharded += 1
+    for node in gm.graph.nodes:  # a block's attention in no unit: say why
+        if node.op == "call_function" and node.target in _ATTENTION and _in_block(node) and node not in covered:
+            source = _producer(node.args[0])
+            reason = why_not.get(source, "its q/k/v Linears and output Linear do not form one unit")
+            note = f"replicated across tp ranks: {source.name if source else 'q'}: {reason}"
+            leave(node, f"{node.meta[LEFT]}; {note}" if LEFT in node.meta else note)
     if n_sharded:
         cleanup(gm)
     return PassResult(gm, n_sharded > 0)

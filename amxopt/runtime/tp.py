@@ -278,6 +278,16 @@ class TPModule(nn.Module):
     def report(self):
         return self.module.report
 
+    def __getattr__(self, name: str) -> Any:
+        # Drop-in, as OptimizedModule: what callers read from the model (dtype, config, ...).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._finalizer is None or not self._finalizer.alive:
             raise RuntimeError("amxopt: this TPModule is closed (a rank failed, or close() was called)")

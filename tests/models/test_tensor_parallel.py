@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 
 import amxopt
 from amxopt import models
+from amxopt.capture import prepare
 from amxopt.passes import run_passes
 from amxopt.passes._graph import fetch
-from amxopt.runtime import max_abs_error, tp
+from amxopt.runtime import build_graph, max_abs_error, tp
 from tests.helpers import CONFIG, captured
 
 _shard = sys.modules["amxopt.passes.shard_tensor_parallel"]
@@ -271,3 +272,23 @@ def test_gqa_kv_heads_split_or_kept_per_q_head(attention):
             torch.testing.assert_close(sharded(x), model(x))
     finally:
         sharded.close()
+
+
+class _FlippedQ(_GQABlock):
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).flip(-1).view(b, s, self.heads, self.head_dim).transpose(1, 2)  # flip: unknown to the pass
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return x + self.o(o.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_an_attention_the_pass_cannot_follow_is_replicated_and_reported():
+    model = GQAModel().eval()
+    model.blocks[1] = _FlippedQ(48, 6, 3)
+    x = torch.randn(2, 10, 48)
+    adapter, graph_inputs = prepare(model, (x,))
+    config = dataclasses.replace(CONFIG, tp=2, tp_rank=1, tp_group="unused")
+    report = build_graph(model, adapter, graph_inputs, config).report
+    assert any("1 attention/MLP units sharded" in n for n in report.notes), report.notes
+    assert any("replicated across tp ranks" in n and "flip" in n for n in report.notes), report.notes
