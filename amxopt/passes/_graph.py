@@ -178,6 +178,19 @@ def add_constant(gm: fx.GraphModule, holder: str, name: str, tensor: torch.Tenso
         return gm.graph.get_attr(f"{holder}.{name}")
 
 
+def drop_unread(gm: fx.GraphModule, targets: set[str], kept: str) -> None:
+    """Delete the attributes ``targets`` of ``gm`` (weights a pass replaced by packed or sliced copies)
+    that no node reads any more; one still read stays, noted ``kept: also used by ...``."""
+    readers = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
+    for target in sorted(targets):
+        if target in readers:
+            users = ", ".join(u.name for u in readers[target].users)
+            leave(readers[target], f"{kept}: also used by {users}")
+        else:
+            owner, _, name = target.rpartition(".")
+            delattr(gm.get_submodule(owner) if owner else gm, name)
+
+
 def fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
     owner, _, name = target.rpartition(".")
     return getattr(gm.get_submodule(owner) if owner else gm, name)

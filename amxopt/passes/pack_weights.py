@@ -20,22 +20,17 @@ from amxopt.ops import packed
 from amxopt.passes._graph import (
     add_constant,
     cleanup,
+    drop_unread,
     evaluate_constant,
     fetch,
     first_attr,
     is_constant,
-    leave,
     source_attr,
     val,
 )
 
 _PACK = torch.ops.amxopt.pack_linear_weight.default
 PACKED_PREFIX = "_packed"
-
-
-def _delete(gm: fx.GraphModule, target: str) -> None:
-    owner, _, name = target.rpartition(".")
-    delattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _pack(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
@@ -86,17 +81,6 @@ def pack_weights(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
     memo.clear()
     gm.graph.eliminate_dead_code()
     if config.release_weights:
-        _release(gm, {src.target for src in sources if src is not None})
+        drop_unread(gm, {src.target for src in sources if src is not None}, "unpacked copy kept")
     cleanup(gm)
     return PassResult(gm, True)
-
-
-def _release(gm: fx.GraphModule, targets: set[str]) -> None:
-    """Delete packed weights' originals from ``gm``, unless a remaining node still reads them."""
-    readers = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
-    for target in sorted(targets):
-        if target in readers:
-            users = ", ".join(u.name for u in readers[target].users)
-            leave(readers[target], f"unpacked copy kept: also used by {users}")
-        else:
-            _delete(gm, target)

@@ -48,6 +48,7 @@ from amxopt.passes._graph import (
     add_constant,
     arg,
     cleanup,
+    drop_unread,
     evaluate_constant,
     fetch,
     first_attr,
@@ -505,7 +506,7 @@ def _size_slot(node: fx.Node, out: Layout | None) -> tuple[list, int] | None:
     return None
 
 
-def _const(gm: fx.GraphModule, node: fx.Node, memo: dict) -> torch.Tensor:
+def _const(gm: fx.GraphModule, node: fx.Node, memo: dict, sliced: set) -> torch.Tensor:
     src = source_attr(node) or first_attr(node)
     if src is not None and packed.is_released(fetch(gm, src.target)):
         raise RuntimeError(
@@ -514,6 +515,7 @@ def _const(gm: fx.GraphModule, node: fx.Node, memo: dict) -> torch.Tensor:
         )
     if src is not None:
         packed.mark_sharded(fetch(gm, src.target))
+        sliced.add(src.target)
     return evaluate_constant(node, gm, memo)
 
 
@@ -554,7 +556,7 @@ def _all_reduce_after(gm: fx.GraphModule, node: fx.Node, group: str) -> fx.Node:
     return done
 
 
-def _shard_norm(gm: fx.GraphModule, norm: fx.Node, lay: Layout, group: str, memo: dict) -> None:
+def _shard_norm(gm: fx.GraphModule, norm: fx.Node, lay: Layout, group: str, memo: dict, sliced: set) -> None:
     """RMSNorm over all heads of a sharded tensor: local sum of squares, all-reduced, over the global width."""
     x, weight, eps = norm.args[0], norm.args[1], norm.args[2]
     width = lay.outer * lay.count * lay.unit
@@ -571,7 +573,7 @@ def _shard_norm(gm: fx.GraphModule, norm: fx.Node, lay: Layout, group: str, memo
             aten.mul.Tensor, (xf, g.call_function(aten.rsqrt.default, (g.call_function(aten.add.Tensor, (mean, eps)),)))
         )
         if weight is not None:
-            w = _const(gm, weight, memo)
+            w = _const(gm, weight, memo, sliced)
             w_local = gather(w, 0, lay.index())
             wf = g.call_function(aten._to_copy.default, (weight,), {"dtype": torch.float32})
             y = g.call_function(aten.mul.Tensor, (y, wf))
@@ -584,13 +586,15 @@ def _shard_norm(gm: fx.GraphModule, norm: fx.Node, lay: Layout, group: str, memo
     g.erase_node(norm)
 
 
-def _shard(gm: fx.GraphModule, unit: _Unit, layouts: dict, norms: list, rank: int, group: str) -> None:
+def _shard(gm: fx.GraphModule, unit: _Unit, layouts: dict, norms: list, rank: int, group: str) -> set[str]:
+    """Rewrite one unit in place; returns the targets of the weights it sliced."""
     memo: dict = {}
+    sliced: set[str] = set()
     for col in unit.columns:
         index = layouts[col].index()
         b = _bias(col)
-        bias = gather(_const(gm, b, memo), 0, index) if b is not None else None
-        _shard_linear(gm, col, gather(_const(gm, _weight(col), memo), 0, index), bias)
+        bias = gather(_const(gm, b, memo, sliced), 0, index) if b is not None else None
+        _shard_linear(gm, col, gather(_const(gm, _weight(col), memo, sliced), 0, index), bias)
     for node in unit.nodes:
         slot = _size_slot(node, layouts.get(node))
         if slot is not None and slot[0][slot[1]] != -1:
@@ -599,12 +603,13 @@ def _shard(gm: fx.GraphModule, unit: _Unit, layouts: dict, norms: list, rank: in
             at = 1 if node.target in _VIEWS else 2
             node.args = (*node.args[:at], sizes, *node.args[at + 1 :])
     for norm in norms:
-        _shard_norm(gm, norm, layouts[norm], group, memo)
+        _shard_norm(gm, norm, layouts[norm], group, memo, sliced)
     row, index = unit.row, layouts[unit.row.args[0]].index()
     b = _bias(row)
-    bias = _const(gm, b, memo) if b is not None and rank == 0 else None
-    _shard_linear(gm, row, gather(_const(gm, _weight(row), memo), 1, index), bias)
+    bias = _const(gm, b, memo, sliced) if b is not None and rank == 0 else None
+    _shard_linear(gm, row, gather(_const(gm, _weight(row), memo, sliced), 1, index), bias)
     _all_reduce_after(gm, row, group)
+    return sliced
 
 
 def shard_tensor_parallel(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
@@ -616,7 +621,7 @@ def shard_tensor_parallel(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
     units, left, why_not = _units(gm)
     for node, reason in left:
         leave(node, f"replicated across tp ranks: {reason}")
-    n_sharded, covered = 0, set()
+    n_sharded, covered, sliced = 0, set(), set()
     for unit in units:
         try:
             layouts, norms = _plan(unit, tp, rank)
@@ -628,7 +633,7 @@ def shard_tensor_parallel(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
             covered.update(unit.nodes)
             continue
         covered.update(unit.nodes)
-        _shard(gm, unit, layouts, norms, rank, group)
+        sliced |= _shard(gm, unit, layouts, norms, rank, group)
         unit.row.meta[SHARDED] = f"tp {tp}, rank {rank}"
         n_sharded += 1
     for node in gm.graph.nodes:  # a block's attention in no unit: say why
@@ -638,5 +643,8 @@ def shard_tensor_parallel(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
             note = f"replicated across tp ranks: {source.name if source else 'q'}: {reason}"
             leave(node, f"{node.meta[LEFT]}; {note}" if LEFT in node.meta else note)
     if n_sharded:
+        gm.graph.eliminate_dead_code()
+        if config.release_weights:
+            drop_unread(gm, sliced, "full copy kept")
         cleanup(gm)
     return PassResult(gm, n_sharded > 0)
