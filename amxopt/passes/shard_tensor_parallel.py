@@ -171,9 +171,15 @@ def _is_linear(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (_LINEAR, aten.linear.default)
 
 
-def _weight(node: fx.Node) -> fx.Node:
-    w = node.args[1]
-    return w.args[0] if node.target == _LINEAR and isinstance(w, fx.Node) and w.target == _PACK else w
+def _weight_consumer(linear: fx.Node) -> fx.Node:
+    """The node that reads the weight: ``amxopt.linear``'s pack node, or ``aten.linear`` itself."""
+    w = linear.args[1]
+    return w if linear.target == _LINEAR and isinstance(w, fx.Node) and w.target == _PACK else linear
+
+
+def _weight(linear: fx.Node) -> fx.Node:
+    consumer = _weight_consumer(linear)
+    return consumer.args[0] if consumer is not linear else linear.args[1]
 
 
 def _bias(node: fx.Node) -> fx.Node | None:
@@ -527,11 +533,6 @@ def _put(gm: fx.GraphModule, consumer: fx.Node, old: fx.Node, tensor: torch.Tens
     consumer.replace_input_with(old, new)
 
 
-def _weight_consumer(linear: fx.Node) -> fx.Node:
-    w = linear.args[1]
-    return w if linear.target == _LINEAR and isinstance(w, fx.Node) and w.target == _PACK else linear
-
-
 def _shard_linear(gm: fx.GraphModule, linear: fx.Node, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     w_node, b_node = _weight(linear), _bias(linear)
     _put(gm, _weight_consumer(linear), w_node, weight, f"{linear.name}_weight")
@@ -544,6 +545,11 @@ def _shard_linear(gm: fx.GraphModule, linear: fx.Node, weight: torch.Tensor, bia
         linear.args = (*linear.args[:4], weight.shape[0], *linear.args[5:])
 
 
+def _copy_source(old: fx.Node, new: fx.Node) -> None:
+    """Give ``new`` the module path and stack trace of the node it stands for (read by report and dumps)."""
+    new.meta.update({k: old.meta[k] for k in ("nn_module_stack", "stack_trace") if k in old.meta})
+
+
 def _all_reduce_after(gm: fx.GraphModule, node: fx.Node, group: str) -> fx.Node:
     with gm.graph.inserting_after(node):
         reduced = gm.graph.call_function(_ALL_REDUCE, (node, "sum", group))
@@ -551,7 +557,7 @@ def _all_reduce_after(gm: fx.GraphModule, node: fx.Node, group: str) -> fx.Node:
         done = gm.graph.call_function(_WAIT, (reduced,))
     for n in (reduced, done):
         n.meta["val"] = val(node)
-        n.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta})
+        _copy_source(node, n)
     node.replace_all_uses_with(done, delete_user_cb=lambda user: user is not reduced)
     return done
 
@@ -564,9 +570,7 @@ def _shard_norm(gm: fx.GraphModule, norm: fx.Node, lay: Layout, group: str, memo
     with g.inserting_before(norm):
         xf = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
         sq = g.call_function(aten.sum.dim_IntList, (g.call_function(aten.mul.Tensor, (xf, xf)), [-1], True))
-    _all_reduce_after(gm, sq, group)
-    (reduced,) = [u for u in sq.users]
-    (total,) = [u for u in reduced.users]
+    total = _all_reduce_after(gm, sq, group)
     with g.inserting_before(norm):
         mean = g.call_function(aten.div.Tensor, (total, float(width)))
         y = g.call_function(
@@ -581,7 +585,7 @@ def _shard_norm(gm: fx.GraphModule, norm: fx.Node, lay: Layout, group: str, memo
     if weight is not None:
         _put(gm, wf, weight, w_local, f"{norm.name}_weight")
     for n in (xf, sq, mean, y, out):
-        n.meta.update({k: norm.meta[k] for k in ("nn_module_stack", "stack_trace") if k in norm.meta})
+        _copy_source(norm, n)
     norm.replace_all_uses_with(out)
     g.erase_node(norm)
 
