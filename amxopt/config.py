@@ -17,6 +17,10 @@ class AmxConfig:
         passes: names of the passes to run, in order; ``None`` runs ``DEFAULT_PASSES``.
         dynamic: capture with dynamic sequence/frame dimensions where export allows; when
             ``False`` (or when dynamic export fails) every new input signature is re-captured.
+        stamp_blocks: trace the first block of each stack of identical blocks (a ``ModuleList`` of
+            transformer layers) and copy its graph for the others, instead of tracing every block:
+            the same graph, captured several times faster. A stack that cannot be copied is traced
+            block by block, and the report says why. See ``amxopt/capture/repeated.py``.
         fuse_activation: fold a following gelu/silu into ``amxopt.linear``'s epilogue.
         release_weights: drop the unpacked originals from the graph once they are packed.
         keep_source: keep the source model's unpacked weights after packing. By default they are
@@ -49,6 +53,7 @@ class AmxConfig:
     provider: str = "auto"
     passes: tuple[str, ...] | None = None
     dynamic: bool = True
+    stamp_blocks: bool = True
     fuse_activation: bool = True
     release_weights: bool = True
     keep_source: bool = False

@@ -61,7 +61,7 @@ def capture(model: nn.Module, example_inputs: Any, config: AmxConfig | None = No
     """
     config = config or AmxConfig()
     adapter, graph_inputs = prepare(model, example_inputs)
-    return export(model, adapter, graph_inputs, config.dynamic).gm
+    return export(model, adapter, graph_inputs, config.dynamic, config.stamp_blocks).gm
 
 
 __all__ = [

@@ -17,6 +17,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from amxopt.capture import repeated
+
 logger = logging.getLogger(__name__)
 
 _OUTPUT_OPTIONS = ("return_dict",)
@@ -115,24 +117,31 @@ class Captured:
             self.guards(*pytree.tree_leaves(graph_inputs))
 
 
-def export(model: nn.Module, adapter: Adapter, graph_inputs: dict[str, Any], dynamic: bool) -> Captured:
-    """Export ``adapter.export_module(model)`` on ``graph_inputs``; dynamic first, then static."""
+def export(
+    model: nn.Module, adapter: Adapter, graph_inputs: dict[str, Any], dynamic: bool, stamp_blocks: bool = True
+) -> Captured:
+    """Export ``adapter.export_module(model)`` on ``graph_inputs``; dynamic first, then static.
+
+    With ``stamp_blocks``, each stack of identical blocks is traced once and copied
+    (amxopt/capture/repeated.py); a stack that cannot be is traced block by block, with a note.
+    """
     module = adapter.export_module(model)
     attempts = [True, False] if dynamic else [False]
     errors = []
     for dyn in attempts:
         shapes = adapter.dynamic_shapes(graph_inputs) if dyn else None
         try:
-            with adapter.tracing(model), torch.no_grad():
-                ep = torch.export.export(module, (), dict(graph_inputs), dynamic_shapes=shapes, strict=False)
+            ep, gm, stamp_note = _export(module, model, adapter, graph_inputs, shapes, stamp_blocks)
         except Exception as e:  # noqa: BLE001 - export raises many types; all mean "not captured"
             errors.append(f"{'dynamic' if dyn else 'static'}: {type(e).__name__}: {_first_line(e)}")
             logger.info("amxopt: %s export of %s failed: %s", "dynamic" if dyn else "static", adapter.model_name, e)
             continue
-        gm = ep.module()
         _drop_dtype_asserts(gm)
-        note = "" if dyn or not dynamic else f"dynamic export failed ({errors[0]}); shapes are static"
-        return Captured(gm=gm, dynamic=dyn, guards=_take_guards(gm), note=note, guard_code=_guard_code(ep, gm))
+        notes = [stamp_note] if stamp_note else []
+        if not dyn and dynamic:
+            notes.append(f"dynamic export failed ({errors[0]}); shapes are static")
+        guards = _take_guards(gm)
+        return Captured(gm=gm, dynamic=dyn, guards=guards, note="; ".join(notes), guard_code=_guard_code(ep, gm))
     hint = ""
     if any("data-dependent" in e or "DataDependent" in e for e in errors):
         hint = (
@@ -144,6 +153,25 @@ def export(model: nn.Module, adapter: Adapter, graph_inputs: dict[str, Any], dyn
         f"amxopt: torch.export could not capture {adapter.model_name} as one graph "
         f"(adapter {adapter.name!r}): " + "; ".join(errors) + hint
     )
+
+
+def _export(module, model, adapter, graph_inputs, shapes, stamp_blocks) -> tuple[Any, fx.GraphModule, str]:
+    """One torch.export of ``module``: blocks stamped where they can be, else traced one by one."""
+    stacks = repeated.find_stacks(module) if stamp_blocks else []
+    note = ""
+    if stacks:
+        try:
+            with adapter.tracing(model), repeated.tracing(module, stacks), torch.no_grad():
+                ep = torch.export.export(module, (), dict(graph_inputs), dynamic_shapes=shapes, strict=False)
+            gm = ep.module()
+            repeated.stamp(gm, stacks)
+            return ep, gm, ""
+        except Exception as e:  # noqa: BLE001 - whatever stopped stamping, a full trace may still work
+            note = f"blocks traced one by one: {_first_line(e)}"
+            logger.info("amxopt: stamping the blocks of %s failed (%s); tracing every block", adapter.model_name, e)
+    with adapter.tracing(model), torch.no_grad():
+        ep = torch.export.export(module, (), dict(graph_inputs), dynamic_shapes=shapes, strict=False)
+    return ep, ep.module(), note
 
 
 def _drop_dtype_asserts(gm: fx.GraphModule) -> None:

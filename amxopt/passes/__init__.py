@@ -15,6 +15,7 @@ from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
+from amxopt.passes._graph import DEFER_RECOMPILE
 from amxopt.passes.pack_weights import pack_weights
 from amxopt.passes.replace_attention import replace_attention
 from amxopt.passes.replace_conv2d import replace_conv2d
@@ -59,11 +60,16 @@ def selected_passes(config: AmxConfig) -> tuple[Pass, ...]:
 def run_passes(gm: fx.GraphModule, config: AmxConfig, keep_text: bool = False) -> list[PassRecord]:
     """Run the configured passes in order on ``gm`` (in place); return what each did."""
     records = []
-    for p in selected_passes(config):
-        before = gm.print_readable(print_output=False) if keep_text else ""
-        result = p(gm, config)
-        after = result.graph_module.print_readable(print_output=False) if keep_text else ""
-        records.append(PassRecord(p.__name__, result.modified, before, after))
+    setattr(gm, DEFER_RECOMPILE, True)  # one code generation for the whole list, not one per pass
+    try:
+        for p in selected_passes(config):
+            before = gm.print_readable(print_output=False) if keep_text else ""
+            result = p(gm, config)
+            after = result.graph_module.print_readable(print_output=False) if keep_text else ""
+            records.append(PassRecord(p.__name__, result.modified, before, after))
+    finally:
+        delattr(gm, DEFER_RECOMPILE)
+        gm.recompile()
     return records
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,26 +40,35 @@ def insert_traced(node: fx.Node, fn: Callable, args: list[Any], replaced: str, t
 
     Non-Node ``args`` are bound as constants. The new nodes get fake values (symbolic where the
     capture was dynamic) and ``node``'s source metadata. Returns the node holding the result.
+
+    A trace is reused for every later call on the same graph with the same function, constants and
+    input metadata (dtype, symbolic sizes and strides): the 24 blocks of an encoder trace each of
+    their replacements once.
     """
     graph = node.graph
     node_pos = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
     inputs = [args[i] for i in node_pos]
-
-    def bound(*tensors):
-        full = list(args)
-        for i, t in zip(node_pos, tensors):
-            full[i] = t
-        return fn(*full)
-
     fakes = [val(a) for a in inputs]
-    fake_mode = detect_fake_mode(fakes)
-    with fake_mode:
-        sub = make_fx(bound, tracing_mode="real")(*fakes)
+    key = _trace_key(fn, args, fakes)
+    traces = _TRACES.setdefault(graph, {})
+    sub = traces.get(key) if key is not None else None
+    if sub is None:
+
+        def bound(*tensors):
+            full = list(args)
+            for i, t in zip(node_pos, tensors):
+                full[i] = t
+            return fn(*full)
+
+        with detect_fake_mode(fakes):
+            sub = make_fx(bound, tracing_mode="real")(*fakes).graph
+        if key is not None:
+            traces[key] = sub
     env: dict[fx.Node, Any] = {}
     placeholders = iter(inputs)
     result = None
     with graph.inserting_before(node):
-        for n in sub.graph.nodes:
+        for n in sub.nodes:
             if n.op == "placeholder":
                 env[n] = next(placeholders)
             elif n.op == "output":
@@ -73,6 +83,32 @@ def insert_traced(node: fx.Node, fn: Callable, args: list[Any], replaced: str, t
             if timing is not None:
                 n.meta[TIMED] = timing
     return result
+
+
+# Per graph: traced replacement subgraphs, by _trace_key.
+_TRACES: weakref.WeakKeyDictionary[fx.Graph, dict] = weakref.WeakKeyDictionary()
+
+
+def _trace_key(fn: Callable, args: list[Any], fakes: list[Any]) -> tuple | None:
+    """What a traced replacement depends on; ``None`` when something in it has no stable value."""
+    if isinstance(fn, functools.partial):
+        fn_key = (fn.func, fn.args, tuple(sorted(fn.keywords.items())))
+    else:
+        fn_key = (fn,)
+    metas = []
+    for f in fakes:
+        if not isinstance(f, torch.Tensor):
+            return None
+        metas.append((f.dtype, f.device, tuple(map(str, f.shape)), tuple(map(str, f.stride()))))
+    consts = tuple(None if isinstance(a, fx.Node) else a for a in args)
+    if any(isinstance(a, torch.Tensor) for a in consts):
+        return None  # compared by identity, not value
+    key = (fn_key, consts, tuple(metas))
+    try:
+        hash(key)
+    except TypeError:  # a list argument (conv strides): its repr is its value
+        key = (fn_key[0], repr(fn_key[1:]), repr(consts), tuple(metas))
+    return key
 
 
 def replace_node(old: fx.Node, new: fx.Node, *extra_dead: fx.Node) -> None:
@@ -203,11 +239,17 @@ def released_source(node: fx.Node) -> bool:
     return src is not None and packed.is_released(fetch(src.graph.owning_module, src.target))
 
 
+# Set on a GraphModule while run_passes runs the pass list: its code is generated once, at the end.
+DEFER_RECOMPILE = "_amxopt_defer_recompile"
+
+
 def cleanup(gm: fx.GraphModule) -> None:
-    """Shared end of every pass: drop dead nodes, check the graph, regenerate code."""
+    """Shared end of every pass: drop dead nodes, check the graph, regenerate code (unless the pass
+    runs inside run_passes, which regenerates it once after the last pass)."""
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
-    gm.recompile()
+    if not getattr(gm, DEFER_RECOMPILE, False):
+        gm.recompile()
 
 
 def dtype_of(node: Any) -> torch.dtype | None:

@@ -58,7 +58,7 @@ def _capture_and_rewrite(
     model: nn.Module, adapter: Adapter, graph_inputs: dict, config: AmxConfig, keep_text: bool
 ) -> GraphEntry:
     with weights.exportable(model):
-        captured = export(model, adapter, graph_inputs, config.dynamic)
+        captured = export(model, adapter, graph_inputs, config.dynamic, config.stamp_blocks)
     records = run_passes(captured.gm, config, keep_text=keep_text)
     _check_no_released_reads(captured.gm, adapter.model_name)
     notes = [captured.note] if captured.note else []

@@ -1,0 +1,344 @@
+"""Repeated-block capture: trace the first block of a stack of identical blocks, stamp the rest.
+
+torch.export's non-strict trace with dynamic shapes costs several milliseconds per aten op, and a
+24-block vision tower spends nearly all of its capture in blocks that trace to the same graph. So,
+while exporting, the first block called of each *stack* (an ``nn.ModuleList`` of two or more
+modules of one class with the same parameter names, shapes and dtypes) is traced as usual between
+marker ops, and each later call of a block of that stack becomes one opaque node whose outputs
+carry the first block's (symbolic) output metadata. After export, :func:`stamp` replaces each opaque
+node with a copy of the first block's nodes that reads the called block's own weights, and drops
+the markers: the graph is the one a full trace gives, node for node.
+
+It is sound because the copies share the first block's ShapeEnv: a later call is stamped only when
+its tensor inputs have the same dtypes and the same symbolic sizes and strides as the first call's,
+and its non-tensor arguments are equal. Export's guards for the first block then hold for every
+block. A stack that does not fit (a block that mutates its inputs, reads a tensor from outside its
+arguments, returns a non-tensor, or is called with other shapes) raises :class:`NotRepeated`, and
+the caller exports the whole model as it is instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import operator
+import types
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+_MIN_BLOCKS = 2
+
+
+class NotRepeated(RuntimeError):
+    """A stack's blocks cannot be stamped from the first one (the reason is the message)."""
+
+
+@torch.library.custom_op("amxopt_capture::block_input", mutates_args=())
+def block_input(x: torch.Tensor, stack: str, pos: int) -> torch.Tensor:
+    """Marks tensor input ``pos`` of a stack's traced block (removed by :func:`stamp`)."""
+    raise RuntimeError("amxopt_capture.block_input only exists while amxopt traces a model")
+
+
+@block_input.register_fake
+def _(x, stack, pos):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("amxopt_capture::block_output", mutates_args=())
+def block_output(x: torch.Tensor, stack: str, pos: int) -> torch.Tensor:
+    """Marks output ``pos`` of a stack's traced block (removed by :func:`stamp`)."""
+    raise RuntimeError("amxopt_capture.block_output only exists while amxopt traces a model")
+
+
+@block_output.register_fake
+def _(x, stack, pos):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("amxopt_capture::block_call", mutates_args=())
+def block_call(inputs: list[torch.Tensor], stack: str, index: int) -> list[torch.Tensor]:
+    """A later call of block ``index`` of a stack: replaced by a copy of the traced block."""
+    raise RuntimeError("amxopt_capture.block_call only exists while amxopt traces a model")
+
+
+@block_call.register_fake
+def _(inputs, stack, index):
+    return [torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in _TRACING[stack].outputs]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Meta:
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Meta:
+        return cls(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+    def key(self) -> tuple:
+        # Symbolic sizes compare by expression: no guard is added by comparing them.
+        return tuple(map(str, self.shape)), tuple(map(str, self.stride)), self.dtype, self.device
+
+
+@dataclasses.dataclass
+class Stack:
+    """One stack of identical blocks: its path in the exported module and what the first call saw."""
+
+    path: str
+    size: int
+    state: frozenset[str]  # names of each block's parameters and buffers
+    template: int | None = None  # index of the block that was traced
+    in_spec: Any = None
+    constants: list | None = None
+    inputs: list[_Meta] | None = None
+    out_spec: Any = None
+    outputs: list[_Meta] | None = None
+
+    def block_path(self, index: int) -> str:
+        return f"{self.path}.{index}" if self.path else str(index)
+
+
+_TRACING: dict[str, Stack] = {}
+
+
+def find_stacks(module: nn.Module) -> list[Stack]:
+    """The outermost ``ModuleList``s of ``module`` whose blocks share class and parameter layout."""
+    stacks: list[Stack] = []
+    seen: set[int] = set()
+    for path, child in module.named_modules():
+        if not isinstance(child, nn.ModuleList) or len(child) < _MIN_BLOCKS:
+            continue
+        if any(path.startswith(s.path + ".") for s in stacks) or any(id(b) in seen for b in child):
+            continue  # inside a stack, or sharing a block with one
+        if len({id(b) for b in child}) != len(child):
+            continue  # one block listed twice
+        first = child[0]
+        layout, settings = _layout(first), _settings(first)
+        if layout and all(type(b) is type(first) and _layout(b) == layout and _settings(b) == settings for b in child):
+            stacks.append(Stack(path, len(child), frozenset(name for name, _, _ in layout)))
+            seen.update(id(b) for b in child)
+    return stacks
+
+
+def _layout(block: nn.Module) -> tuple:
+    state = list(block.named_parameters()) + list(block.named_buffers())
+    return tuple((name, tuple(t.shape), t.dtype) for name, t in state)
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def _settings(block: nn.Module) -> tuple:
+    """The Python attributes of ``block`` and its submodules (``layer_idx``, a sliding window, an
+    attention processor and its settings): blocks that differ in one may trace differently."""
+    return tuple(
+        (path, name, _value(v, 0))
+        for path, sub in block.named_modules()
+        for name, v in sorted(vars(sub).items())
+        if name not in _MODULE_INTERNALS
+    )
+
+
+def _value(v: Any, depth: int) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return type(v), tuple(_value(x, depth + 1) for x in v)
+    if isinstance(v, dict):
+        return dict, tuple((repr(k), _value(x, depth + 1)) for k, x in v.items())
+    if isinstance(v, functools.partial):
+        return functools.partial, v.func, _value(v.args, depth + 1), _value(v.keywords, depth + 1)
+    if isinstance(v, types.MethodType):
+        return types.MethodType, v.__func__
+    if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return v
+    if depth < 2 and hasattr(v, "__dict__") and not isinstance(v, torch.Tensor):
+        return type(v), _value(vars(v), depth + 1)  # an attention processor, a config
+    return type(v), id(v)  # a tensor attribute, or deeper: the same object, or not the same setting
+
+
+@contextlib.contextmanager
+def tracing(module: nn.Module, stacks: list[Stack]):
+    """While exporting ``module``: the first call of each stack's blocks is traced between markers,
+    later calls become ``block_call`` nodes."""
+    patched = []
+    try:
+        for stack in stacks:
+            _TRACING[stack.path] = stack
+            for index, block in enumerate(module.get_submodule(stack.path)):
+                block.forward = _call(stack, index, block.forward)
+                patched.append(block)
+        yield
+    finally:
+        for block in patched:
+            del block.forward
+        for stack in stacks:
+            _TRACING.pop(stack.path, None)
+
+
+def _call(stack: Stack, index: int, forward):
+    def call(*args, **kwargs):
+        flat, in_spec = pytree.tree_flatten((args, kwargs))
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        constants = [None if isinstance(x, torch.Tensor) else x for x in flat]
+        metas = [_Meta.of(t) for t in tensors]
+        if stack.template is None:
+            return _trace_first(stack, index, forward, flat, in_spec, constants, metas)
+        where = f"{stack.block_path(index)} (traced: {stack.block_path(stack.template)})"
+        if in_spec != stack.in_spec or constants != stack.constants:
+            raise NotRepeated(f"{where} is called with other non-tensor arguments")
+        if [m.key() for m in metas] != [m.key() for m in stack.inputs]:
+            raise NotRepeated(f"{where} is called with inputs of other shapes or dtypes")
+        outs = block_call(tensors, stack.path, index)
+        return pytree.tree_unflatten(outs, stack.out_spec)
+
+    return call
+
+
+def _trace_first(stack: Stack, index: int, forward, flat, in_spec, constants, metas):
+    where = stack.block_path(index)
+    marked, pos = [], 0
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            x = block_input(x, stack.path, pos)
+            pos += 1
+        marked.append(x)
+    versions = [x._version for x in marked if isinstance(x, torch.Tensor)]
+    args, kwargs = pytree.tree_unflatten(marked, in_spec)
+    out = forward(*args, **kwargs)
+    if versions != [x._version for x in marked if isinstance(x, torch.Tensor)]:
+        raise NotRepeated(f"{where} modifies one of its inputs in place")
+    leaves, out_spec = pytree.tree_flatten(out)
+    if not leaves or not all(isinstance(x, torch.Tensor) for x in leaves):
+        raise NotRepeated(f"{where} returns something other than tensors")
+    stack.template, stack.in_spec, stack.constants, stack.inputs = index, in_spec, constants, metas
+    stack.out_spec, stack.outputs = out_spec, [_Meta.of(t) for t in leaves]
+    marked_out = [block_output(t, stack.path, i) for i, t in enumerate(leaves)]
+    return pytree.tree_unflatten(marked_out, out_spec)
+
+
+def stamp(gm: fx.GraphModule, stacks: list[Stack]) -> int:
+    """Replace every ``block_call`` node of ``gm`` by a copy of its stack's traced block (the
+    caller regenerates ``gm``'s code).
+
+    Returns the number of blocks stamped. Raises :class:`NotRepeated` when the traced block reads a
+    tensor other than its arguments and its own weights (a copy could not tell whose it reads).
+    """
+    graph = gm.graph
+    stamped = 0
+    for stack in stacks:
+        if stack.template is None:
+            continue
+        region, inputs, outputs = _region(graph, stack)
+        params = _own_weights(gm, region, stack)
+        attrs = {n.target: n for n in graph.find_nodes(op="get_attr")}
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target is torch.ops.amxopt_capture.block_call.default:
+                if node.args[1] == stack.path:
+                    _copy_block(gm, node, stack, region, inputs, outputs, params, attrs)
+                    stamped += 1
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in (
+            torch.ops.amxopt_capture.block_input.default,
+            torch.ops.amxopt_capture.block_output.default,
+        ):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    graph.lint()
+    return stamped
+
+
+def _region(graph: fx.Graph, stack: Stack) -> tuple[list[fx.Node], dict[fx.Node, int], dict[int, fx.Node]]:
+    """The traced block's nodes (in order), its input markers -> position, position -> output value."""
+    nodes = list(graph.nodes)
+
+    def marker(node, op):
+        return node.op == "call_function" and node.target is op and node.args[1] == stack.path
+
+    ins = [i for i, n in enumerate(nodes) if marker(n, torch.ops.amxopt_capture.block_input.default)]
+    outs = [i for i, n in enumerate(nodes) if marker(n, torch.ops.amxopt_capture.block_output.default)]
+    if not ins or not outs:
+        raise NotRepeated(f"the traced block of {stack.path} left no markers in the graph")
+    region = [n for n in nodes[ins[0] : outs[-1] + 1] if n.op == "call_function"]
+    inputs = {nodes[i]: nodes[i].args[2] for i in ins}
+    outputs = {nodes[i].args[2]: nodes[i].args[0] for i in outs}
+    return region, inputs, outputs
+
+
+def _own_weights(gm: fx.GraphModule, region: list[fx.Node], stack: Stack) -> dict[fx.Node, str]:
+    """get_attr nodes the traced block reads -> attribute path inside the block; anything else
+    tensor-valued that it reads from outside must be one of its marked inputs."""
+    inside = set(region)
+    prefix = stack.block_path(stack.template) + "."
+    params: dict[fx.Node, str] = {}
+    for node in region:
+        if node.target is torch.ops.amxopt_capture.block_input.default:
+            continue
+        for a in node.all_input_nodes:
+            if a in inside:
+                continue
+            if a.op == "get_attr" and a.target.startswith(prefix) and a.target[len(prefix) :] in stack.state:
+                params[a] = a.target[len(prefix) :]
+            elif isinstance(a.meta.get("val"), torch.Tensor) or a.op == "get_attr":
+                raise NotRepeated(
+                    f"{stack.block_path(stack.template)} reads {a.name} ({a.target}), which is neither one of its "
+                    "arguments nor its own weight"
+                )
+    return params
+
+
+def _copy_block(gm, call: fx.Node, stack: Stack, region, inputs, outputs, params, attrs) -> None:
+    graph = gm.graph
+    path = stack.block_path(call.args[2])
+    env: dict[fx.Node, Any] = {}
+    for marker, pos in inputs.items():
+        env[marker] = call.args[0][pos]
+    with graph.inserting_before(call):
+        for node, name in params.items():
+            target = f"{path}.{name}"
+            if target not in attrs:
+                if not _has_attr(gm, target):
+                    raise NotRepeated(f"{target} is not in the exported graph module")
+                attrs[target] = graph.get_attr(target)
+                attrs[target].meta = dict(node.meta)
+            env[node] = attrs[target]
+        for node in region:
+            if node in inputs or node.target is torch.ops.amxopt_capture.block_output.default:
+                continue
+            new = graph.node_copy(node, lambda a: env.get(a, a))
+            new.meta = dict(node.meta)
+            if "nn_module_stack" in node.meta:
+                new.meta["nn_module_stack"] = _moved(node.meta["nn_module_stack"], stack, path)
+            env[node] = new
+    for user in list(call.users):
+        if user.op != "call_function" or user.target is not operator.getitem:
+            raise NotRepeated(f"{path}'s outputs are used as a list ({user.name})")
+        user.replace_all_uses_with(env.get(outputs[user.args[1]], outputs[user.args[1]]))
+        graph.erase_node(user)
+    graph.erase_node(call)
+
+
+def _has_attr(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        functools.reduce(getattr, target.split("."), gm)
+    except AttributeError:
+        return False
+    return True
+
+
+def _moved(stack_meta: dict, stack: Stack, path: str) -> dict:
+    old = stack.block_path(stack.template)
+    moved = {}
+    for key, (fqn, kind) in stack_meta.items():
+        if fqn == old or fqn.startswith(old + "."):
+            new_fqn = path + fqn[len(old) :]
+            key = key[: len(key) - len(fqn)] + new_fqn if key.endswith(fqn) else key
+            fqn = new_fqn
+        moved[key] = (fqn, kind)
+    return moved

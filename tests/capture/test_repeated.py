@@ -1,0 +1,156 @@
+"""Repeated-block capture: a stamped graph is the full trace's graph; stacks that cannot be stamped
+are traced block by block, with the reason in the capture note."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from amxopt import models
+from amxopt.capture import prepare
+from amxopt.capture.base import export
+from amxopt.capture.repeated import find_stacks
+
+_TINY = ("tiny-qwen3-vl-vision", "tiny-qwen3-omni-vision", "tiny-qwen3-omni-audio", "tiny-wan")
+
+
+def _capture(model, inputs, stamp: bool):
+    adapter, graph_inputs = prepare(model, inputs)
+    return export(model, adapter, graph_inputs, True, stamp), graph_inputs
+
+
+def _ops(gm) -> collections.Counter:
+    return collections.Counter(str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "get_attr"))
+
+
+def _block_of(node) -> set[str]:
+    return {path for path, _ in node.meta.get("nn_module_stack", {}).values()}
+
+
+@pytest.mark.parametrize("name", _TINY)
+def test_stamped_graph_is_the_full_trace(name):
+    model = models.build_model(name, torch.float32)
+    inputs = models.example_inputs(name, torch.float32)
+    stamped, graph_inputs = _capture(model, inputs, stamp=True)
+    full, _ = _capture(model, inputs, stamp=False)
+    assert stamped.note == full.note == ""
+    assert _ops(stamped.gm) == _ops(full.gm)
+    assert "amxopt_capture" not in stamped.gm.code
+    assert stamped.guard_code == full.guard_code
+    with torch.no_grad():
+        for a, b in zip(pytree.tree_leaves(stamped.gm(**graph_inputs)), pytree.tree_leaves(full.gm(**graph_inputs))):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # Each copy reads its own block's weights and says which block it is in: the per-block module
+    # paths (which tensor parallelism reads) are those of the full trace.
+    stack = find_stacks(_graph_module(model, name))[0]
+    last = f"{stack.path}.{stack.size - 1}"
+    reads = {n.target for n in stamped.gm.graph.nodes if n.op == "get_attr" and n.target.startswith(last + ".")}
+    assert reads and all(any(u for u in _users_in(stamped.gm, t)) for t in reads)
+    paths = collections.Counter(
+        p for n in stamped.gm.graph.nodes for p in _block_of(n) if p.startswith(stack.path + ".")
+    )
+    full_paths = collections.Counter(
+        p for n in full.gm.graph.nodes for p in _block_of(n) if p.startswith(stack.path + ".")
+    )
+    assert paths == full_paths
+
+
+def _graph_module(model, name):
+    from amxopt.capture import find_adapter
+
+    return find_adapter(model)(model).export_module(model)
+
+
+def _users_in(gm, target):
+    return [u for n in gm.graph.nodes if n.op == "get_attr" and n.target == target for u in n.users]
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int = 8, mutate: bool = False, outside: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.mutate = mutate
+        self.outside = outside
+
+    def forward(self, x, scale=1.0):
+        if self.mutate:
+            x.mul_(2.0)
+        y = torch.relu(self.fc(x)) * scale + x
+        return y + _OUTSIDE if self.outside else y
+
+
+class _Stack(nn.Module):
+    """Four blocks; ``call`` decides how each is called."""
+
+    def __init__(self, call: str = "plain", **block) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(**block) for _ in range(4))
+        self.call = call
+        self.register_buffer("offset", torch.linspace(0, 1, 8))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if self.call == "scaled":
+                x = block(x, scale=float(i + 1))
+            elif self.call == "sliced" and i == 2:
+                x = torch.cat([block(x[:-1]), x[-1:]])
+            else:
+                x = block(x)
+        return x + self.offset
+
+
+_OUTSIDE = torch.full((8,), 0.5)
+
+
+def _check(model, stamp_note: str):
+    x = torch.randn(6, 8)
+    captured, graph_inputs = _capture(model, {"x": x.clone()}, stamp=True)
+    assert stamp_note in captured.note
+    with torch.no_grad():
+        torch.testing.assert_close(captured.gm(**graph_inputs), model(x.clone()))
+
+
+def test_plain_stack_is_stamped():
+    model = _Stack().eval()
+    _check(model, "")
+    assert [s.path for s in find_stacks(model)] == ["blocks"]
+
+
+@pytest.mark.parametrize(
+    "call, note",
+    [
+        ("scaled", "called with other non-tensor arguments"),
+        ("sliced", "called with inputs of other shapes"),
+    ],
+)
+def test_stack_called_differently_is_traced_block_by_block(call, note):
+    _check(
+        _Stack(call).eval(),
+        f"blocks traced one by one: blocks.{2 if call == 'sliced' else 1} (traced: blocks.0) is {note}",
+    )
+
+
+def test_block_modifying_its_input_is_traced_block_by_block():
+    _check(_Stack(mutate=True).eval(), "blocks traced one by one: blocks.0 modifies one of its inputs in place")
+
+
+def test_block_reading_a_tensor_outside_its_arguments_is_traced_block_by_block():
+    # A copy could not tell whether another block reads the same tensor or its own.
+    _check(_Stack(outside=True).eval(), "which is neither one of its arguments nor its own weight")
+
+
+def test_blocks_of_other_shapes_or_settings_or_one_block_twice_are_no_stack():
+    model = _Stack().eval()
+    model.blocks[1].mutate = True  # a Python attribute such as a layer index or a sliding window
+    assert find_stacks(model) == []
+    model.blocks[1].mutate = False
+    model.blocks[3] = _Block(width=8)
+    model.blocks[3].fc = nn.Linear(8, 8, bias=False)
+    assert find_stacks(model) == []
+    shared = _Block()
+    model.blocks = nn.ModuleList([shared, shared, _Block()])
+    assert find_stacks(model) == []
