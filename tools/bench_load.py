@@ -1,7 +1,7 @@
 """Load-time benchmark: memory and time from a checkpoint on disk to a model ready to run.
 
 For each model (real configs, random weights, saved once in bf16 with ``save_pretrained``), every
-route runs in a fresh process, so that each peak RSS (``ru_maxrss``) is its own:
+route runs in a fresh process, so that each peak RSS (``VmHWM``) is its own:
 
 * ``hf``: transformers/diffusers ``from_pretrained`` (what eager runs on);
 * ``hf+compile``: the same, then ``torch.compile`` with freezing and its first call (``--compile``);
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import resource
 import shutil
 import subprocess
 import sys
@@ -44,7 +43,13 @@ def _rss_mb() -> float:
 
 
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across exec, so a child would report
+    # the parent's peak (the parent builds and saves each checkpoint) whenever it is the larger.
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _child(route: str, name: str, path: pathlib.Path) -> dict:
