@@ -38,6 +38,9 @@ from amxopt.config import AmxConfig
 logger = logging.getLogger(__name__)
 
 _READY = "amxopt/ready/{}"
+# A worker's start (spawn, imports, joining the store) is not a collective: on a loaded machine it
+# can take longer than a short tp_timeout_s. A worker that dies while starting is seen at once.
+_START_TIMEOUT_S = 120.0
 _ERROR = "amxopt/error/{}"
 
 
@@ -242,7 +245,7 @@ class TPModule(nn.Module):
             w.start()
         self._finalizer = weakref.finalize(self, _stop, self._workers)
         try:
-            self._wait_ready(config.tp_timeout_s)
+            self._wait_ready(max(config.tp_timeout_s, _START_TIMEOUT_S))
             _bind(plan[0])
             dist.init_process_group(_backend(), store=self._store, rank=0, world_size=tp, timeout=timeout)
             rank_cfg = dataclasses.replace(config, tp=tp, tp_rank=0, tp_group=dist.group.WORLD.group_name)
