@@ -2,8 +2,10 @@
 
 amxopt passes                      the default pass order
 amxopt info [--tp N]               CPU features and kernel providers (and N tp ranks' cores)
-amxopt dump MODEL [--out DIR] [--tp N --rank R]   graph before/after every pass + the rewrite report
-amxopt check MODEL                 optimized vs original: max abs error (fp32 and bf16)
+amxopt dump MODEL [--out DIR] [--tp N --rank R]   graphs before/after every pass (text, SVG, diff,
+                                   index.html) + the rewrite report; MODEL is a zoo name or
+                                   package.module:factory returning (model, inputs)
+amxopt check MODEL                 optimized vs original (MODEL as for dump): max abs error (fp32 and bf16)
 """
 
 from __future__ import annotations
@@ -65,49 +67,40 @@ def _cmd_info(args) -> int:
     return 0
 
 
-def _build(args, dtype):
-    from amxopt import models
-
-    model = models.build_model(args.model, dtype)
-    inputs = models.example_inputs(args.model, dtype, size=args.size)
-    return model, inputs
-
-
 def _cmd_dump(args) -> int:
     from amxopt import AmxConfig
     from amxopt.capture import prepare
     from amxopt.ops.providers import resolve
-    from amxopt.runtime import build_graph
+    from amxopt.runtime import build_graph, dump
 
     config = AmxConfig(provider=resolve(args.provider), autotune=args.autotune)
     if args.tp > 1:  # one rank's shard, as that rank would build it; the graph is written, not run
         config = dataclasses.replace(config, tp=args.tp, tp_rank=args.rank, tp_group="amxopt-dump")
-    model, inputs = _build(args, _DTYPES[args.dtype])
+    model, inputs = dump.load_target(args.model, _DTYPES[args.dtype], args.size)
     adapter, graph_inputs = prepare(model, inputs)
     graph = build_graph(model, adapter, graph_inputs, config, keep_text=True)
-    out = pathlib.Path(args.out or f"dumps/{args.model}")
-    out.mkdir(parents=True, exist_ok=True)
-    for i, rec in enumerate(graph.records, 1):
-        (out / f"{i:02d}_{rec.name}.before.txt").write_text(rec.before)
-        (out / f"{i:02d}_{rec.name}.after.txt").write_text(rec.after)
-    (out / "report.txt").write_text(str(graph.report) + "\n")
+    out = pathlib.Path(args.out or f"dumps/{args.model.replace(':', '.')}")
+    files = dump.write(graph, out, args.model)
     print(graph.report)
-    print(f"\nwrote {len(graph.records)} before/after pairs and report.txt to {out}/")
+    print(f"\nwrote {len(files)} files to {out}/: open {out / 'index.html'}")
     return 0
 
 
 def _cmd_check(args) -> int:
     import amxopt
-    from amxopt.runtime import max_abs_error
+    from amxopt.capture import split_inputs
+    from amxopt.runtime import dump, max_abs_error
 
     for name in ("fp32", "bf16"):
-        model, inputs = _build(args, _DTYPES[name])
+        model, inputs = dump.load_target(args.model, _DTYPES[name], args.size)
+        call_args, call_kwargs = split_inputs(inputs)
         t = time.perf_counter()
         opt = amxopt.optimize(
             model, inputs, amxopt.AmxConfig(provider=args.provider, autotune=args.autotune, keep_source=True)
         )
         took = time.perf_counter() - t
-        err = max_abs_error(opt(**inputs), model(**inputs))
+        with torch.no_grad():
+            err = max_abs_error(opt(*call_args, **call_kwargs), model(*call_args, **call_kwargs))
         print(f"{name}: optimized in {took:.1f}s, max abs error vs original {err:.3e}, counts {opt.report.counts()}")
     return 0
 
@@ -125,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         ("check", _cmd_check, "equivalence"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("model", help="a zoo name (see amxopt.models.ZOO), e.g. tiny-qwen3-vl-vision")
+        p.add_argument(
+            "model",
+            help="a zoo name (see amxopt.models.ZOO), e.g. tiny-qwen3-vl-vision; "
+            "or package.module:factory, factory() returning (model, inputs)",
+        )
         p.add_argument("--size", default=None, help="input size, e.g. 448 (image side), 30 (audio s), 5,32,32")
         p.add_argument("--provider", default="auto")
         p.add_argument(

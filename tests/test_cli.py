@@ -1,6 +1,12 @@
-"""The CLI: pass list, info, and dump writing before/after graphs for every pass."""
+"""The CLI: pass list, info, and dump writing graphs (text, SVG, diff, index.html) for every pass."""
 
 from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+from torch import nn
 
 from amxopt import cli
 from amxopt.passes import DEFAULT_PASSES
@@ -31,6 +37,63 @@ def test_dump_writes_graphs_and_report(tmp_path, capsys):
     report = (tmp_path / "report.txt").read_text()
     assert "rewrite report: WanTransformer3DModel" in report
     assert "rewrite report" in capsys.readouterr().out
+    # Pictures: one layer of Wan (blocks.0 and what feeds it), nodes coloured by kind.
+    captured = _svg_kinds(tmp_path / "00_captured.svg")
+    final = _svg_kinds(tmp_path / f"{len(DEFAULT_PASSES):02d}_pack_weights.svg")
+    assert "replaced" not in captured and captured["aten"] > 10
+    assert final["replaced"] >= 4  # attention x2, rms_norm x2 ... in one block
+    assert "blocks.0" in (tmp_path / "00_captured.svg").read_text()
+    diff = (tmp_path / "01_replace_attention.diff.txt").read_text()
+    assert "(scaled_dot_product_attention)" in diff.split("added")[0]  # removed
+    assert "(amxopt.varlen_attention)" in diff.split("added")[1]
+    index = (tmp_path / "index.html").read_text()
+    for i, p in enumerate(DEFAULT_PASSES, 1):
+        assert f'href="{i:02d}_{p.__name__}.svg"' in index and f'href="{i:02d}_{p.__name__}.diff.txt"' in index
+
+
+def _svg_kinds(path) -> dict[str, int]:
+    root = ET.parse(path).getroot()  # well-formed XML, or this raises
+    kinds: dict[str, int] = {}
+    for g in root.iter("{http://www.w3.org/2000/svg}g"):
+        kinds[g.get("class")] = kinds.get(g.get("class"), 0) + 1
+    return kinds
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.fc = nn.Linear(16, 32)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.fc(self.norm(x)))
+
+
+def build_tiny():
+    """A user's model for ``amxopt dump tests.test_cli:build_tiny``."""
+    return _Tiny().eval(), (torch.randn(4, 16),)
+
+
+def build_nothing():
+    return "a model"
+
+
+def test_dump_of_any_model_from_a_factory(tmp_path, capsys):
+    assert (
+        cli.main(["dump", "tests.test_cli:build_tiny", "--out", str(tmp_path), "--dtype", "fp32", "--no-autotune"]) == 0
+    )
+    final = _svg_kinds(tmp_path / f"{len(DEFAULT_PASSES):02d}_pack_weights.svg")
+    assert final["replaced"] == 2  # layer_norm, linear with gelu fused
+    assert "whole graph" in (tmp_path / "00_captured.svg").read_text()
+    assert "rewrite report: _Tiny" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "spec, error", [("tests.test_cli:nothing", "cannot load"), ("tests.test_cli:build_nothing", "must return")]
+)
+def test_dump_of_a_bad_factory_says_what_is_wrong(spec, error):
+    with pytest.raises(ValueError, match=error):
+        cli.main(["dump", spec, "--dtype", "fp32"])
 
 
 def test_dump_of_a_tp_shard_shows_the_collectives(tmp_path, capsys):

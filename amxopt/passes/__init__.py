@@ -16,6 +16,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
 from amxopt.passes._graph import DEFER_RECOMPILE
+from amxopt.passes._snapshot import snapshot
 from amxopt.passes.pack_weights import pack_weights
 from amxopt.passes.replace_attention import replace_attention
 from amxopt.passes.replace_conv2d import replace_conv2d
@@ -40,12 +41,14 @@ PASSES: dict[str, Pass] = {p.__name__: p for p in DEFAULT_PASSES}
 
 @dataclasses.dataclass(frozen=True)
 class PassRecord:
-    """What one pass did: its name, whether it changed the graph, graph text before and after."""
+    """What one pass did: its name, whether it changed the graph, graph text before and after, and
+    (``keep_text``) the graphs before and after as networkx (``amxopt/passes/_snapshot.py``)."""
 
     name: str
     modified: bool
     before: str
     after: str
+    graphs: tuple = ()
 
 
 def selected_passes(config: AmxConfig) -> tuple[Pass, ...]:
@@ -64,9 +67,11 @@ def run_passes(gm: fx.GraphModule, config: AmxConfig, keep_text: bool = False) -
     try:
         for p in selected_passes(config):
             before = gm.print_readable(print_output=False) if keep_text else ""
+            graph_before = snapshot(gm) if keep_text else None
             result = p(gm, config)
             after = result.graph_module.print_readable(print_output=False) if keep_text else ""
-            records.append(PassRecord(p.__name__, result.modified, before, after))
+            graphs = (graph_before, snapshot(gm)) if keep_text else ()
+            records.append(PassRecord(p.__name__, result.modified, before, after, graphs))
     finally:
         delattr(gm, DEFER_RECOMPILE)
         gm.recompile()
