@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test proptest lint clean
 
 $(STAMP): pyproject.toml $(wildcard amxopt/ops/csrc/*)
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,10 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest tests
+
+# Whole-model and random-graph properties at the nightly size (300 examples per family; hours).
+proptest: $(STAMP)
+	HYPOTHESIS_PROFILE=nightly $(BIN)/python -m pytest tests/models/test_model_properties.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

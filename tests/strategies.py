@@ -43,6 +43,12 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
+    "nightly",  # make proptest: whole-model properties at 300 examples per family
+    deadline=None,
+    max_examples=300,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
     "dev",
     deadline=None,
     max_examples=300,
