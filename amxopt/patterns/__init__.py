@@ -1,19 +1,73 @@
-"""Rewrite rules as data, and the replacement functions they point to.
+"""Rewrite rules as data, the replacement functions they point to, and the shared vocabulary.
 
-A replacement function takes the matched tensors as arguments (everything else is bound with
-``functools.partial``) and is traced by ``amxopt.passes._graph.insert_traced`` on the matched
-node's fake values, so its output shapes stay symbolic where the capture was dynamic.
-Nothing here touches a graph.
+A :class:`Rule` names an aten-level *pattern* (a function whose parameters are wildcards, traced
+once into an fx graph and matched by torch.fx's ``SubgraphMatcher``), a *guard* that reads the
+match and returns why it refuses (reported) or ``None``, and a *replacement* taking the matched
+tensors (everything else is bound from ``options`` with ``functools.partial``), traced by
+``amxopt.passes._graph.insert_traced`` on the matched nodes' fake values so its output shapes stay
+symbolic where the capture was dynamic. ``amxopt/passes/_rewrite.py`` applies a list of rules; a
+pass is such a list. The rule tables live in this package's modules (``linear``, ``norms``);
+nothing here touches a graph.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 aten = torch.ops.aten
 amx = torch.ops.amxopt
+
+
+# dtypes amxopt's kernels take (activations and weights alike).
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """One match of a rule: each pattern parameter's value (a node or a literal), the node of the
+    rule's kind (``root``: it carries the report's notes) and the node whose value is replaced."""
+
+    values: dict[str, Any]
+    root: Any
+    out: Any
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One rewrite: ``pattern`` -> ``replacement``, applied when ``guard`` finds nothing to refuse.
+
+    Args:
+        name: what the replaced nodes were, as the report says it (``aten.linear + gelu``).
+        kind: the report's kind (a key of ``KIND_TARGETS``); the matched node of that kind is the root.
+        pattern: aten-level function; its parameters are the wildcards (nodes or literals).
+        replacement: takes the tensors named by ``inputs`` plus the keyword ``options``.
+        inputs: the pattern parameters passed to ``replacement``, in order.
+        options: ``(match, config) -> dict`` of keyword arguments for ``replacement``.
+        applies: ``match -> bool``: whether this rule is the one for the match at all (a silent
+            filter, e.g. an upcast window whose down-cast is to another dtype; a shorter rule may
+            then match the same nodes).
+        guard: ``match -> reason`` to refuse (left as ATen, with the reason), or ``None``.
+        timing: ``(match, fn, config) -> Timing | None``: the autotune comparison (None: not timed).
+        when: name of a boolean ``AmxConfig`` field that must be set for the rule to apply.
+    """
+
+    name: str
+    kind: str
+    pattern: Callable
+    replacement: Callable
+    inputs: tuple[str, ...]
+    options: Callable[[Match, Any], dict] = lambda match, config: {}
+    applies: Callable[[Match], bool] = lambda match: True
+    guard: Callable[[Match], str | None] = lambda match: None
+    timing: Callable | None = None
+    when: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
