@@ -25,7 +25,7 @@ from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 from amxopt.config import AmxConfig
 from amxopt.passes import _autotune
 from amxopt.passes._graph import insert_traced, kept_for_speed, leave, replace_node
-from amxopt.patterns import KIND_TARGETS, Match, Rule
+from amxopt.patterns import AMX_KINDS, KIND_TARGETS, Match, Rule
 
 
 @functools.cache
@@ -48,13 +48,13 @@ def apply_rules(gm: fx.GraphModule, rules: list[Rule], config: AmxConfig) -> int
             if any(n._erased for n in inner):
                 continue  # rewritten by an earlier match
             out = found.returning_nodes[0]
-            root = next(n for n in inner if n.target in KIND_TARGETS[rule.kind])
+            root = next(n for n in inner if n.target in KIND_TARGETS[rule.kind] or AMX_KINDS.get(n.target) == rule.kind)
             if root in settled:
                 continue
             # A wildcard may have bound the output of a match this rule already replaced.
             values = [_current(v, renamed) for v in found.placeholder_nodes]
             match = Match(dict(zip(names, values)), root, out)
-            if not rule.applies(match):
+            if not rule.applies(match, config):
                 continue
             reason = rule.guard(match)
             if reason:

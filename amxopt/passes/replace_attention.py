@@ -12,100 +12,29 @@ top-left, varlen kernels bottom-right).
 
 The Qwen adapters already route attention to ``amxopt.varlen_attention`` at capture time (with
 the reference provider); this pass re-targets those nodes to the configured provider.
+
+The rules are ``amxopt/patterns/attention.py``.
 """
 
 from __future__ import annotations
 
-import functools
-
-import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
-from amxopt.passes import _autotune
-from amxopt.passes._graph import (
-    REPLACED,
-    arg,
-    cleanup,
-    dtype_of,
-    insert_traced,
-    kept_for_speed,
-    leave,
-    replace_node,
-    val,
-)
-from amxopt.patterns import sdpa_replacement
+from amxopt.passes._graph import REPLACED, cleanup
+from amxopt.passes._rewrite import apply_rules
+from amxopt.patterns import attention
 
-aten = torch.ops.aten
-_VARLEN = torch.ops.amxopt.varlen_attention.default
-_PROVIDER_ARG = 9
-
-
-def _refusal(node: fx.Node) -> str | None:
-    q, k, v = (val(a) for a in node.args[:3])
-    if arg(node, 3, "attn_mask") is not None:
-        # A padding mask, or an additive bias such as UMT5's relative positions: no amxopt op takes one yet.
-        return "has an attention mask (amxopt.varlen_attention takes none; causal is a flag)"
-    if arg(node, 4, "dropout_p", 0.0) != 0.0:
-        return f"dropout_p={arg(node, 4, 'dropout_p')}"
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
-        return "q/k/v are not [B, H, S, D]"
-    if dtype_of(node.args[0]) not in (torch.float32, torch.bfloat16):
-        return f"dtype {dtype_of(node.args[0])} has no kernel"
-    if q.shape[1] != k.shape[1] and not arg(node, 7, "enable_gqa", False):
-        return "query and key head counts differ without enable_gqa"
-    if arg(node, 5, "is_causal", False) and not statically_known_true(q.shape[2] == k.shape[2]):
-        return "causal with query/key lengths that may differ (SDPA aligns the mask top-left)"
-    return None
-
-
-def _timing(node: fx.Node, fn, config: AmxConfig) -> _autotune.Timing | None:
-    """Dense attention: amxopt's varlen op against the aten SDPA call it replaces. (Adapter-routed
-    varlen nodes are not timed: what they replace is the model's per-segment Python loop.)"""
-    if not _autotune.enabled(config):
-        return None
-    q, k, v = (_autotune.materialize(val(a)) for a in node.args[:3])
-    rest = [_autotune.materialize(val(a)) if isinstance(a, fx.Node) else a for a in node.args[3:]]
-    kwargs = {n: _autotune.materialize(val(a)) if isinstance(a, fx.Node) else a for n, a in node.kwargs.items()}
-    causal = " causal" if arg(node, 5, "is_causal", False) else ""
-    return _autotune.compare(
-        f"attention [{_autotune.describe(q, k, v)}]{causal}",
-        config,
-        lambda: fn(q, k, v),
-        lambda: node.target(q, k, v, *rest, **kwargs),
-    )
+_VARLEN = attention.amx.varlen_attention.default
 
 
 def replace_attention(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
-    n_replaced = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target == _VARLEN and node.args[_PROVIDER_ARG] != config.provider:
-            node.args = (*node.args[:_PROVIDER_ARG], config.provider)
-            node.meta.setdefault(REPLACED, "adapter-routed varlen attention")
-            n_replaced += 1
-        elif node.target == _VARLEN:
-            node.meta.setdefault(REPLACED, "adapter-routed varlen attention")
-        elif node.target == aten.scaled_dot_product_attention.default:
-            reason = _refusal(node)
-            if reason:
-                leave(node, reason)
-                continue
-            fn = functools.partial(
-                sdpa_replacement,
-                scale=arg(node, 6, "scale"),
-                causal=bool(arg(node, 5, "is_causal", False)),
-                provider=config.provider,
-            )
-            timing = _timing(node, fn, config)
-            if kept_for_speed(node, timing):
-                continue
-            source = "aten.scaled_dot_product_attention"
-            replace_node(node, insert_traced(node, fn, list(node.args[:3]), source, timing))
-            n_replaced += 1
+    # Adapter-routed nodes already at the configured provider are amxopt ops as captured: label
+    # them for the report (the re-target rule relabels the others).
+    for node in gm.graph.find_nodes(op="call_function", target=_VARLEN):
+        node.meta.setdefault(REPLACED, attention.ADAPTER_ROUTED)
+    n_replaced = apply_rules(gm, attention.rules(), config)
     if n_replaced:
         cleanup(gm)
     return PassResult(gm, n_replaced > 0)

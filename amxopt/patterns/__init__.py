@@ -50,9 +50,9 @@ class Rule:
         replacement: takes the tensors named by ``inputs`` plus the keyword ``options``.
         inputs: the pattern parameters passed to ``replacement``, in order.
         options: ``(match, config) -> dict`` of keyword arguments for ``replacement``.
-        applies: ``match -> bool``: whether this rule is the one for the match at all (a silent
-            filter, e.g. an upcast window whose down-cast is to another dtype; a shorter rule may
-            then match the same nodes).
+        applies: ``(match, config) -> bool``: whether this rule is the one for the match at all
+            (a silent filter, e.g. an upcast window whose down-cast is to another dtype, after which
+            a shorter rule may match the same nodes; or a node already in the wanted form).
         guard: ``match -> reason`` to refuse (left as ATen, with the reason), or ``None``.
         timing: ``(match, fn, config) -> Timing | None``: the autotune comparison (None: not timed).
         when: name of a boolean ``AmxConfig`` field that must be set for the rule to apply.
@@ -64,7 +64,7 @@ class Rule:
     replacement: Callable
     inputs: tuple[str, ...]
     options: Callable[[Match, Any], dict] = lambda match, config: {}
-    applies: Callable[[Match], bool] = lambda match: True
+    applies: Callable[[Match, Any], bool] = lambda match, config: True
     guard: Callable[[Match], str | None] = lambda match: None
     timing: Callable | None = None
     when: str | None = None

@@ -70,7 +70,7 @@ def _refusal(match: Match) -> str | None:
     return None
 
 
-def _same_dtype_window(match: Match) -> bool:
+def _same_dtype_window(match: Match, config) -> bool:
     """An upcast window folds only when it casts back to the input's own dtype."""
     return dtype_of(match["x"]) in DTYPES and dtype_of(match.out) == dtype_of(match["x"])
 
@@ -115,7 +115,7 @@ def _rule(kind: str, pattern, upcast: bool) -> Rule:
         replacement=replacement,
         inputs=("x", *params),
         options=functools.partial(_options, kind),
-        applies=_same_dtype_window if upcast else lambda match: True,
+        applies=_same_dtype_window if upcast else lambda match, config: True,
         guard=_refusal,
         timing=functools.partial(_timing, kind, params, upcast),
     )

@@ -1,0 +1,107 @@
+"""Rules for attention: dense SDPA -> ``amxopt.varlen_attention`` over equal segments, and the
+adapter-routed ``amxopt.varlen_attention`` (captured with the reference provider) re-targeted to
+the configured provider.
+
+SDPA refuses attention masks, dropout > 0, inputs that are not ``[B, H, S, D]``, dtypes without a
+kernel, GQA without ``enable_gqa``, and causal attention between query/key lengths that may differ
+(SDPA aligns that mask top-left, varlen kernels bottom-right).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from amxopt.passes import _autotune
+from amxopt.passes._graph import dtype_of, val
+from amxopt.patterns import DTYPES, Match, Rule, sdpa_replacement
+
+aten = torch.ops.aten
+amx = torch.ops.amxopt
+
+ADAPTER_ROUTED = "adapter-routed varlen attention"
+
+
+def _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    return aten.scaled_dot_product_attention.default(
+        q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def _sdpa_refusal(match: Match) -> str | None:
+    q, k, v = (val(match[n]) for n in ("q", "k", "v"))
+    if match["attn_mask"] is not None:
+        # A padding mask, or an additive bias such as UMT5's relative positions: no amxopt op takes one yet.
+        return "has an attention mask (amxopt.varlen_attention takes none; causal is a flag)"
+    if match["dropout_p"] != 0.0:
+        return f"dropout_p={match['dropout_p']}"
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return "q/k/v are not [B, H, S, D]"
+    if dtype_of(match["q"]) not in DTYPES:
+        return f"dtype {dtype_of(match['q'])} has no kernel"
+    if q.shape[1] != k.shape[1] and not match["enable_gqa"]:
+        return "query and key head counts differ without enable_gqa"
+    if match["is_causal"] and not statically_known_true(q.shape[2] == k.shape[2]):
+        return "causal with query/key lengths that may differ (SDPA aligns the mask top-left)"
+    return None
+
+
+def _sdpa_timing(match: Match, fn, config) -> _autotune.Timing | None:
+    """Dense attention: amxopt's varlen op against the aten SDPA call it replaces."""
+    node = match.root
+    q, k, v = (_autotune.materialize(val(match[n])) for n in ("q", "k", "v"))
+    rest = [_autotune.materialize(val(a)) if isinstance(a, fx.Node) else a for a in node.args[3:]]
+    kwargs = {n: _autotune.materialize(val(a)) if isinstance(a, fx.Node) else a for n, a in node.kwargs.items()}
+    causal = " causal" if match["is_causal"] else ""
+    return _autotune.compare(
+        f"attention [{_autotune.describe(q, k, v)}]{causal}",
+        config,
+        lambda: fn(q, k, v),
+        lambda: node.target(q, k, v, *rest, **kwargs),
+    )
+
+
+def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, provider):
+    return amx.varlen_attention.default(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, provider)
+
+
+def _retarget(q, k, v, cu_q, cu_k, *, max_q, max_k, scale, causal, provider):
+    return amx.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, provider)
+
+
+@functools.cache
+def rules() -> tuple[Rule, ...]:
+    # Adapter-routed attention replaces the model's per-segment Python loop: nothing to time.
+    retarget = Rule(
+        name=ADAPTER_ROUTED,
+        kind="attention",
+        pattern=_varlen,
+        replacement=_retarget,
+        inputs=("q", "k", "v", "cu_q", "cu_k"),
+        options=lambda match, config: {
+            "max_q": match["max_q"],
+            "max_k": match["max_k"],
+            "scale": match["scale"],
+            "causal": match["causal"],
+            "provider": config.provider,
+        },
+        applies=lambda match, config: match["provider"] != config.provider,
+    )
+    sdpa = Rule(
+        name="aten.scaled_dot_product_attention",
+        kind="attention",
+        pattern=_sdpa,
+        replacement=sdpa_replacement,
+        inputs=("q", "k", "v"),
+        options=lambda match, config: {
+            "scale": match["scale"],
+            "causal": bool(match["is_causal"]),
+            "provider": config.provider,
+        },
+        guard=_sdpa_refusal,
+        timing=_sdpa_timing,
+    )
+    return retarget, sdpa
