@@ -67,6 +67,7 @@ def insert_traced(node: fx.Node, fn: Callable, args: list[Any], replaced: str, t
     env: dict[fx.Node, Any] = {}
     placeholders = iter(inputs)
     result = None
+    created = []
     with graph.inserting_before(node):
         for n in sub.nodes:
             if n.op == "placeholder":
@@ -77,7 +78,9 @@ def insert_traced(node: fx.Node, fn: Callable, args: list[Any], replaced: str, t
                 new = graph.node_copy(n, lambda x: env[x])
                 new.meta.update({k: node.meta[k] for k in _KEEP_META if k in node.meta})
                 env[n] = new
-    for n in env.values():
+                created.append(new)
+    # Only the nodes made here: an input may itself be an amxopt node, labelled by its own rewrite.
+    for n in created:
         if n.op == "call_function" and n.target in AMX_KINDS:
             n.meta[REPLACED] = replaced
             if timing is not None:

@@ -62,6 +62,13 @@ def test_amxopt_is_kept_where_it_is_faster(tmp_path, monkeypatch):
     opt, _ = _optimize(_model(), tmp_path)
     assert opt.report.counts() == dict(linear=3, attention=1, patch_embed=0, conv2d=0, layer_norm=1, rms_norm=1)
     assert all(w == "amxopt" for w, _ in opt.report.choices)
+    # Every rewritten node keeps its own decision and source, also when its consumer (the qkv Linear
+    # reads the LayerNorm, the down projection the fused up projection) is rewritten after it.
+    assert len(opt.report.choices) == 6, str(opt.report)
+    for entry in opt.report.replaced:
+        assert entry.source.startswith(
+            {"attention": "aten.scaled_dot_product_attention"}.get(entry.kind, "aten." + entry.kind)
+        )
 
 
 def test_autotune_off_times_nothing(tmp_path, monkeypatch):
