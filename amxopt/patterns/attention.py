@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from amxopt.passes import _autotune
@@ -53,8 +52,8 @@ def _sdpa_timing(match: Match, fn, config) -> _autotune.Timing | None:
     """Dense attention: amxopt's varlen op against the aten SDPA call it replaces."""
     node = match.root
     q, k, v = (_autotune.materialize(val(match[n])) for n in ("q", "k", "v"))
-    rest = [_autotune.materialize(val(a)) if isinstance(a, fx.Node) else a for a in node.args[3:]]
-    kwargs = {n: _autotune.materialize(val(a)) if isinstance(a, fx.Node) else a for n, a in node.kwargs.items()}
+    rest = [_autotune.materialize(val(a)) for a in node.args[3:]]
+    kwargs = {n: _autotune.materialize(val(a)) for n, a in node.kwargs.items()}
     causal = " causal" if match["is_causal"] else ""
     return _autotune.compare(
         f"attention [{_autotune.describe(q, k, v)}]{causal}",

@@ -77,7 +77,7 @@ def _patch_timing(conv, match: Match, fn, config) -> _autotune.Timing | None:
     if released_source(match["weight"]):
         return None
     x, w = _autotune.materialize(val(match["x"])), _autotune.materialize(val(match["weight"]), scale=0.05)
-    b = _autotune.materialize(val(match["bias"])) if match["bias"] is not None else None
+    b = _autotune.materialize(val(match["bias"]))
     out_channels = w.shape[0]
     packed = torch.ops.amxopt.pack_linear_weight(w.reshape(out_channels, -1), config.provider)
     kernel = [1, *w.shape[2:]] if w.dim() == 4 else list(w.shape[2:])
@@ -146,7 +146,7 @@ def _conv2d_refusal(match: Match) -> str | None:
 
 def _conv2d_timing(match: Match, fn, config) -> _autotune.Timing | None:
     x, w = _autotune.materialize(val(match["x"])), _autotune.materialize(val(match["weight"]))
-    b = _autotune.materialize(val(match["bias"])) if match["bias"] is not None else None
+    b = _autotune.materialize(val(match["bias"]))
     params = _conv2d_params(match)
     return _autotune.compare(
         f"conv2d [{_autotune.describe(x, w, b)}] {params}",

@@ -51,7 +51,7 @@ def _timing(activation: str, match: Match, fn, config) -> _autotune.Timing | Non
     xv, wv, bias = val(match["x"]), val(match["weight"]), match["bias"]
     x = _autotune.materialize(xv).flatten(0, -2) if xv.dim() > 1 else _autotune.materialize(xv)[None]
     w = _autotune.materialize(wv, scale=x.shape[-1] ** -0.5)
-    b = _autotune.materialize(val(bias)) if bias is not None else None
+    b = _autotune.materialize(val(bias))
     packed = torch.ops.amxopt.pack_linear_weight(w, config.provider)
     act = reference.ACTIVATIONS[activation]
     return _autotune.compare(

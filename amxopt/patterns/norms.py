@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import fx
 
 from amxopt.passes import _autotune
 from amxopt.passes._graph import dtype_of, val
@@ -82,17 +81,18 @@ def _options(kind: str, match: Match, config) -> dict:
     return {"eps": float(eps), "provider": config.provider}
 
 
+def _real(a):
+    """A random real tensor for a node (its fake value's shape and dtype); a literal or None as is."""
+    return _autotune.materialize(val(a))
+
+
 def _timing(kind: str, params: tuple[str, ...], upcast: bool, match: Match, fn, config) -> _autotune.Timing | None:
     """The amxopt norm against the aten norm it replaces (with the up/down casts when folded)."""
     node = match.root
-
-    def real(a):
-        return _autotune.materialize(val(a)) if isinstance(a, fx.Node) else a
-
-    xs = real(match["x"])
-    ps = [real(match[p]) for p in params]
-    rest = [real(a) for a in node.args[1:]]
-    kwargs = {k: real(v) for k, v in node.kwargs.items()}
+    xs = _real(match["x"])
+    ps = [_real(match[p]) for p in params]
+    rest = [_real(a) for a in node.args[1:]]
+    kwargs = {k: _real(v) for k, v in node.kwargs.items()}
 
     def run_aten():
         y = node.target(xs.float() if upcast else xs, *rest, **kwargs)
