@@ -141,6 +141,7 @@ def export(
         if not dyn and dynamic:
             notes.append(f"dynamic export failed ({errors[0]}); shapes are static")
         guards = _take_guards(gm)
+        gm.recompile()  # once, after stamping and both edits
         return Captured(gm=gm, dynamic=dyn, guards=guards, note="; ".join(notes), guard_code=_guard_code(ep, gm))
     hint = ""
     if any("data-dependent" in e or "DataDependent" in e for e in errors):
@@ -180,7 +181,6 @@ def _drop_dtype_asserts(gm: fx.GraphModule) -> None:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target == torch.ops.aten._assert_tensor_metadata.default:
             gm.graph.erase_node(node)
-    gm.recompile()
 
 
 def _guard_code(ep: torch.export.ExportedProgram, gm: fx.GraphModule) -> list[str] | None:
@@ -213,9 +213,7 @@ def _take_guards(gm: fx.GraphModule) -> nn.Module | None:
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             gm.graph.erase_node(node)
-            guards = gm.get_submodule("_guards_fn")
-            gm.recompile()
-            return guards
+            return gm.get_submodule("_guards_fn")
     return None
 
 
