@@ -41,6 +41,12 @@ _SCHEMAS = {
     ),
     "layer_norm": "(Tensor x, Tensor? weight, Tensor? bias, float eps{provider}) -> Tensor",
     "rms_norm": "(Tensor x, Tensor? weight, float eps{provider}) -> Tensor",
+    # Wan's glue: norm(x) * (1 + scale) + shift; x + y * gate; rotary embedding of pairs.
+    "norm_modulate": (
+        "(Tensor x, Tensor? weight, Tensor? bias, Tensor scale, Tensor shift, float eps, bool rms{provider}) -> Tensor"
+    ),
+    "gated_residual": "(Tensor x, Tensor y, Tensor gate{provider}) -> Tensor",
+    "rotary_embedding": "(Tensor x, Tensor cos, Tensor sin, bool interleaved{provider}) -> Tensor",
 }
 # Sizes are SymInt so that a traced replacement keeps them symbolic under dynamic shapes.
 OPS = tuple(_SCHEMAS)
@@ -220,6 +226,48 @@ def _check_norm(op, x, params):
             _check_float(op, name, p)
 
 
+def _check_broadcast(op, name, p, x, width):
+    """``p`` broadcasts to ``x.shape[:-1] + (width,)``, with ``width`` as its own last dim."""
+    _check_float(op, name, p)
+    want = (*x.shape[:-1], width)
+    ok = 1 <= p.dim() <= x.dim() and p.shape[-1] == width
+    ok = ok and all(a in (1, b) for a, b in zip(reversed(p.shape[:-1]), reversed(x.shape[:-1])))
+    _check(ok, op, f"{name} has shape {tuple(p.shape)}, which does not broadcast to {want} for x {tuple(x.shape)}")
+
+
+def _check_norm_modulate(x, weight, bias, scale, shift, rms):
+    op = "norm_modulate"
+    _check_norm(op, x, (("weight", weight), ("bias", bias)))
+    _check(not (rms and bias is not None), op, "an RMSNorm has no bias")
+    _check_broadcast(op, "scale", scale, x, x.shape[-1])
+    _check_broadcast(op, "shift", shift, x, x.shape[-1])
+
+
+def _check_gated_residual(x, y, gate):
+    op = "gated_residual"
+    _check(x.dim() >= 1, op, f"x has shape {tuple(x.shape)}; it needs at least one dim")
+    _check_float(op, "x", x)
+    _check(
+        y.shape == x.shape and y.dtype == x.dtype,
+        op,
+        f"y must match x {x.dtype} {tuple(x.shape)}, got {y.dtype} {tuple(y.shape)}",
+    )
+    _check_broadcast(op, "gate", gate, x, x.shape[-1])
+
+
+def _check_rotary(x, cos, sin):
+    op = "rotary_embedding"
+    _check(
+        x.dim() >= 1 and x.shape[-1] % 2 == 0,
+        op,
+        f"x {tuple(x.shape)} must end in an even dim (pairs of values to rotate)",
+    )
+    _check_float(op, "x", x)
+    _check(cos.shape == sin.shape, op, f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape")
+    _check_broadcast(op, "cos", cos, x, x.shape[-1] // 2)
+    _check_broadcast(op, "sin", sin, x, x.shape[-1] // 2)
+
+
 # --- fakes: checks, then shapes only ---------------------------------------------------------------
 
 
@@ -268,6 +316,24 @@ def _(x, weight, eps, provider="auto"):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("amxopt::norm_modulate", lib=_lib)
+def _(x, weight, bias, scale, shift, eps, rms, provider="auto"):
+    _check_norm_modulate(x, weight, bias, scale, shift, rms)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("amxopt::gated_residual", lib=_lib)
+def _(x, y, gate, provider="auto"):
+    _check_gated_residual(x, y, gate)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("amxopt::rotary_embedding", lib=_lib)
+def _(x, cos, sin, interleaved, provider="auto"):
+    _check_rotary(x, cos, sin)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 # --- reference ops: checks, then amxopt.ops.reference ------------------------------------------------
 
 
@@ -307,6 +373,21 @@ def _ref_rms_norm(x, weight, eps):
     return reference.rms_norm(x, weight, eps)
 
 
+def _ref_norm_modulate(x, weight, bias, scale, shift, eps, rms):
+    _check_norm_modulate(x, weight, bias, scale, shift, rms)
+    return reference.norm_modulate(x, weight, bias, scale, shift, eps, rms)
+
+
+def _ref_gated_residual(x, y, gate):
+    _check_gated_residual(x, y, gate)
+    return reference.gated_residual(x, y, gate)
+
+
+def _ref_rotary_embedding(x, cos, sin, interleaved):
+    _check_rotary(x, cos, sin)
+    return reference.rotary_embedding(x, cos, sin, interleaved)
+
+
 _REFERENCE = {
     "pack_linear_weight": _ref_pack_linear_weight,
     "linear": _ref_linear,
@@ -315,6 +396,9 @@ _REFERENCE = {
     "conv2d": _ref_conv2d,
     "layer_norm": _ref_layer_norm,
     "rms_norm": _ref_rms_norm,
+    "norm_modulate": _ref_norm_modulate,
+    "gated_residual": _ref_gated_residual,
+    "rotary_embedding": _ref_rotary_embedding,
 }
 for _name, _fn in _REFERENCE.items():
     _lib.impl(f"reference_{_name}", _fn, "CPU")

@@ -131,3 +131,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if weight is not None:
         y = y * weight.float()
     return y.to(x.dtype).contiguous()
+
+
+def norm_modulate(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    eps: float,
+    rms: bool,
+) -> torch.Tensor:
+    # Wan: (norm(x.float()) * (1 + scale) + shift).type_as(x), every step in fp32.
+    if rms:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = y if weight is None else y * weight.float()
+    else:
+        w = None if weight is None else weight.float()
+        b = None if bias is None else bias.float()
+        y = F.layer_norm(x.float(), (x.shape[-1],), w, b, eps)
+    return (y * (1 + scale.float()) + shift.float()).to(x.dtype).contiguous()
+
+
+def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    # Wan: (x.float() + y * gate).type_as(x), with gate in fp32.
+    return (x.float() + y.float() * gate.float()).to(x.dtype).contiguous()
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    # Each pair (x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos) in fp32; the pairs are (x[2i], x[2i+1])
+    # when interleaved (Wan), else (x[i], x[i + D/2]) (rotate_half).
+    h = x.shape[-1] // 2
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :h], x[..., h:])
+    c, s = cos.float(), sin.float()
+    a, b = x1.float() * c - x2.float() * s, x1.float() * s + x2.float() * c
+    if interleaved:
+        return torch.stack((a, b), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat((a, b), dim=-1).to(x.dtype)

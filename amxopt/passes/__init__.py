@@ -1,7 +1,7 @@
 """The rewrite passes. Order is data: ``DEFAULT_PASSES`` runs first to last.
 
-Attention and patch embedding go first (they change layouts around their nodes), norms before
-Linear (a norm feeding a Linear is matched on its own), tensor-parallel sharding once every Linear
+Attention and patch embedding go first (they change layouts around their nodes), the glue before
+norms (a modulated norm is matched whole before its norm alone), norms before Linear (a norm feeding a Linear is matched on its own), tensor-parallel sharding once every Linear
 and attention is an amxopt op (a no-op without ``AmxConfig.tp``), and weight packing last, once
 every amxopt op that reads a constant weight exists and each rank packs only its shard.
 """
@@ -20,6 +20,7 @@ from amxopt.passes._snapshot import snapshot
 from amxopt.passes.pack_weights import pack_weights
 from amxopt.passes.replace_attention import replace_attention
 from amxopt.passes.replace_conv2d import replace_conv2d
+from amxopt.passes.replace_glue import replace_glue
 from amxopt.passes.replace_linear import replace_linear
 from amxopt.passes.replace_norms import replace_norms
 from amxopt.passes.replace_patch_embed import replace_patch_embed
@@ -31,6 +32,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     replace_attention,
     replace_patch_embed,
     replace_conv2d,
+    replace_glue,
     replace_norms,
     replace_linear,
     shard_tensor_parallel,

@@ -48,7 +48,8 @@ def apply_rules(gm: fx.GraphModule, rules: list[Rule], config: AmxConfig) -> int
             if any(n._erased for n in inner):
                 continue  # rewritten by an earlier match
             out = found.returning_nodes[0]
-            root = next(n for n in inner if n.target in KIND_TARGETS[rule.kind] or AMX_KINDS.get(n.target) == rule.kind)
+            roots = rule.root or KIND_TARGETS[rule.kind]
+            root = next(n for n in inner if n.target in roots or AMX_KINDS.get(n.target) == rule.kind)
             if root in settled:
                 continue
             # A wildcard may have bound the output of a match this rule already replaced.

@@ -67,6 +67,7 @@ _SDPA = aten.scaled_dot_product_attention.default  # kept as ATen where autotune
 _ATTENTION = (_VARLEN, _SDPA)  # q, k, v first, heads at dim 1 ([T, H, D] and [B, H, S, D])
 _RMS = torch.ops.amxopt.rms_norm.default
 _LAYER_NORM = torch.ops.amxopt.layer_norm.default
+_ROTARY = torch.ops.amxopt.rotary_embedding.default  # per head: rotates pairs within the last dim
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _SHARD_PREFIX = "_tp"
@@ -89,7 +90,7 @@ _RESHAPING = _VIEWS | {
 }  # fmt: skip
 
 
-_BETWEEN = _POINTWISE | _RESHAPING | {*_ATTENTION, _RMS, _LAYER_NORM, operator.getitem}
+_BETWEEN = _POINTWISE | _RESHAPING | {*_ATTENTION, _RMS, _LAYER_NORM, _ROTARY, operator.getitem}
 
 # --------------------------------------------------------------------------------------------------
 # Head arithmetic (pure: the hypothesis properties test it directly)
@@ -368,9 +369,9 @@ def _forward(node: fx.Node, layouts: dict[fx.Node, Layout]) -> Layout | None:
         if t is aten.cat.default and any(not (isinstance(a, fx.Node) and layouts.get(a) == lay) for a in node.args[0]):
             raise _Refuse(f"{node.name} concatenates sharded and replicated tensors")
         return lay
-    if t in (_RMS, _LAYER_NORM):
+    if t in (_RMS, _LAYER_NORM, _ROTARY):
         if lay.dim == len(in_shape) - 1:
-            raise _Refuse(f"{node.name} normalizes across the sharded dim")  # handled by _shard_norm first
+            raise _Refuse(f"{node.name} works across the sharded dim")  # norms: handled by _shard_norm first
         return lay
     if t in _ATTENTION:
         if t is _SDPA and arg(node, 3, "attn_mask") is not None:
@@ -403,7 +404,7 @@ def _backward(node: fx.Node, user: fx.Node, out: Layout) -> Layout:
     if t in (aten.squeeze.dim, aten.unbind.int, aten.select.int):
         d = _norm_dim(arg(user, 1, "dim", 0), len(shape))
         return dataclasses.replace(out, dim=out.dim + (d <= out.dim))
-    if t in (aten.slice.Tensor, aten.cat.default, _RMS, _LAYER_NORM, *_ATTENTION):
+    if t in (aten.slice.Tensor, aten.cat.default, _RMS, _LAYER_NORM, _ROTARY, *_ATTENTION):
         return out
     raise _Refuse(f"{user.name} ({t}) is not known to keep the sharded dim in place")
 

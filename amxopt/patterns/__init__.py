@@ -56,6 +56,8 @@ class Rule:
         guard: ``match -> reason`` to refuse (left as ATen, with the reason), or ``None``.
         timing: ``(match, fn, config) -> Timing | None``: the autotune comparison (None: not timed).
         when: name of a boolean ``AmxConfig`` field that must be set for the rule to apply.
+        root: the aten ops of the pattern that mark its root, for kinds with no aten op of their own
+            (the glue's ``add``, ``empty_like``); default: the kind's ``KIND_TARGETS``.
     """
 
     name: str
@@ -68,6 +70,7 @@ class Rule:
     guard: Callable[[Match], str | None] = lambda match: None
     timing: Callable | None = None
     when: str | None = None
+    root: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,11 @@ KIND_TARGETS = {
     "conv2d": (aten.conv2d.default, aten.conv2d.padding),
     "layer_norm": (aten.layer_norm.default,),
     "rms_norm": (aten.rms_norm.default,),
+    # Glue (amxopt/patterns/glue.py): chains of elementwise ops; none of their aten ops is one of
+    # these kinds by itself (an add is not a residual), so nothing is counted as left.
+    "modulate": (),
+    "residual": (),
+    "rotary": (),
 }
 AMX_KINDS = {
     amx.linear.default: "linear",
@@ -101,6 +109,9 @@ AMX_KINDS = {
     amx.conv2d.default: "conv2d",
     amx.layer_norm.default: "layer_norm",
     amx.rms_norm.default: "rms_norm",
+    amx.norm_modulate.default: "modulate",
+    amx.gated_residual.default: "residual",
+    amx.rotary_embedding.default: "rotary",
 }
 
 
@@ -144,3 +155,21 @@ def layer_norm_replacement(x, weight, bias, *, eps: float, provider: str):
 
 def rms_norm_replacement(x, weight, *, eps: float, provider: str):
     return amx.rms_norm(x, weight, eps, provider)
+
+
+def layer_norm_modulate_replacement(x, weight, bias, scale, shift, *, eps: float, provider: str):
+    return amx.norm_modulate(x, weight, bias, scale, shift, eps, False, provider)
+
+
+def rms_norm_modulate_replacement(x, weight, scale, shift, *, eps: float, provider: str):
+    return amx.norm_modulate(x, weight, None, scale, shift, eps, True, provider)
+
+
+def gated_residual_replacement(x, y, gate, *, provider: str):
+    return amx.gated_residual(x, y, gate, provider)
+
+
+def rotary_replacement(x, freqs_cos, freqs_sin, *, provider: str):
+    """Wan's interleaved rotary: pair i turns by the angle whose cos is ``freqs_cos[..., 2i]`` and sin
+    ``freqs_sin[..., 2i + 1]`` (diffusers stores each angle twice, and reads them so)."""
+    return amx.rotary_embedding(x, freqs_cos[..., 0::2], freqs_sin[..., 1::2], True, provider)

@@ -84,7 +84,8 @@ class Report:
                 continue
             if SHARDED in node.meta:
                 sharded[node.meta[SHARDED]] += 1
-            if node.target in AMX_KINDS and LEFT in node.meta:
+            if LEFT in node.meta and (node.target in AMX_KINDS or node.target not in _TARGET_KIND):
+                # an amxopt node with a note, or a glue chain's root (an add, an empty_like) left as ATen
                 notes.append(f"{node.name}: {node.meta[LEFT]}")
             if node.target in AMX_KINDS:
                 detail = f"{op_name(node.target).removesuffix('.default')} [{node.args[-1]}]"
@@ -103,7 +104,7 @@ class Report:
         )
 
     def counts(self) -> dict[str, int]:
-        """Replaced nodes by kind: keys ``linear``, ``attention``, ``patch_embed``, ``conv2d``, ``layer_norm``, ``rms_norm``."""
+        """Replaced nodes by kind: one key per kind of ``amxopt.patterns.KIND_TARGETS`` (``linear``, ...)."""
         c = collections.Counter(e.kind for e in self.replaced)
         return {k: c[k] for k in KINDS}
 

@@ -26,7 +26,10 @@ CASES = {
     ),
     "tiny-qwen3-omni-vision": (dict(attention=3, patch_embed=1, rms_norm=0), [64, (64, 128)]),
     "tiny-qwen3-omni-audio": (dict(linear=2 * 6 + 3, attention=2, layer_norm=2 * 2 + 1), [2, 3.3, [1.2, 0.4]]),
-    "tiny-wan": (dict(attention=4, patch_embed=1, rms_norm=8, layer_norm=7), [None, (2, 6, 10, 20), (3, 8, 8, 7)]),
+    "tiny-wan": (
+        dict(attention=4, patch_embed=1, rms_norm=8, layer_norm=2, modulate=5, residual=4, rotary=4),
+        [None, (2, 6, 10, 20), (3, 8, 8, 7)],
+    ),
 }
 
 

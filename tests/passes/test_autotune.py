@@ -60,7 +60,9 @@ def test_aten_is_kept_where_it_is_faster(tmp_path, monkeypatch):
 def test_amxopt_is_kept_where_it_is_faster(tmp_path, monkeypatch):
     monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: (1.0, 3.0))
     opt, _ = _optimize(_model(), tmp_path)
-    assert opt.report.counts() == dict(linear=3, attention=1, patch_embed=0, conv2d=0, layer_norm=1, rms_norm=1)
+    assert opt.report.counts() == dict(
+        linear=3, attention=1, patch_embed=0, conv2d=0, layer_norm=1, rms_norm=1, modulate=0, residual=0, rotary=0
+    )
     assert all(w == "amxopt" for w, _ in opt.report.choices)
     # Every rewritten node keeps its own decision and source, also when its consumer (the qkv Linear
     # reads the LayerNorm, the down projection the fused up projection) is rewritten after it.

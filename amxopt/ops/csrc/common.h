@@ -43,10 +43,17 @@ struct VecKernels {
   // out[0..kNB) = a[0..2*pairs) (fp32) x one VNNI column block: the small-M kernel of the fp32 tier.
   void (*gemv_vnni)(const float* a, const bf16* block, int64_t pairs, float* out);
   // LayerNorm (rms=false) or RMSNorm over rows of D, fp32 math; w/b fp32 or null; buf holds D floats.
+  // With scale (then shift too; fp32, D each, shared by these rows): y = norm(x) * (1 + scale) + shift.
   void (*norm_bf16)(const bf16* x, int64_t ldx, bf16* y, int64_t rows, int64_t D, const float* w, const float* b,
-                    float eps, bool rms, float* buf);
+                    const float* scale, const float* shift, float eps, bool rms, float* buf);
   void (*norm_f32)(const float* x, int64_t ldx, float* y, int64_t rows, int64_t D, const float* w, const float* b,
-                   float eps, bool rms, float* buf);
+                   const float* scale, const float* shift, float eps, bool rms, float* buf);
+  // One row: out = x + y * gate (gate fp32), fp32 math, rounded once.
+  void (*residual_bf16)(const bf16* x, const bf16* y, const float* gate, bf16* out, int64_t D);
+  void (*residual_f32)(const float* x, const float* y, const float* gate, float* out, int64_t D);
+  // One row of D = 2H rotated by cos/sin [H] (fp32); pairs (2i, 2i+1) if interleaved, else (i, i+H).
+  void (*rotary_bf16)(const bf16* x, bf16* out, int64_t D, const float* cos, const float* sin, bool interleaved);
+  void (*rotary_f32)(const float* x, float* out, int64_t D, const float* cos, const float* sin, bool interleaved);
 };
 extern const VecKernels kVecDefault;  // vec_default.cpp (any x86-64)
 extern const VecKernels kVecAvx2;     // vec_avx2.cpp (AVX2 + FMA)
@@ -87,8 +94,26 @@ at::Tensor varlen_attention_native(const at::Tensor& q, const at::Tensor& k, con
                                    const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale,
                                    bool causal, Tier tier);
 const char* attention_engine(Tier tier, const at::Tensor& q);
-// norm.cpp
+// norm.cpp; scale/shift (both or neither) broadcast to x: norm(x) * (1 + scale) + shift
 at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                       const std::optional<at::Tensor>& bias, double eps, bool rms);
+                       const std::optional<at::Tensor>& bias, double eps, bool rms,
+                       const std::optional<at::Tensor>& scale = std::nullopt,
+                       const std::optional<at::Tensor>& shift = std::nullopt);
+// glue.cpp: Wan's gated residual and rotary embedding; gate, cos and sin broadcast to x's rows.
+at::Tensor gated_residual_native(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gate);
+at::Tensor rotary_native(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
+
+// Row r of a [rows, D] view of x -> the element offset of the matching row of an fp32 operand
+// broadcast to x's leading dims (gate, scale, cos, ...): its row strides, 0 where it broadcasts.
+class BroadcastRows {
+ public:
+  // `p` broadcasts to x.sizes()[:-1] + [width]; it is held as a contiguous fp32 copy where needed.
+  BroadcastRows(const at::Tensor& p, at::IntArrayRef x_sizes, int64_t width);
+  const float* row(int64_t r) const;
+
+ private:
+  at::Tensor data_;
+  std::vector<int64_t> sizes_, strides_;  // x's leading dims, p's strides over them
+};
 
 }  // namespace amxopt

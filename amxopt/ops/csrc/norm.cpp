@@ -1,13 +1,15 @@
-// Driver of amxopt.layer_norm / amxopt.rms_norm: rows split across threads (at::parallel_for), each
-// row normalized by the CPU's VecKernels (vec_kernels.h: fp32 math, two passes over an fp32 copy of
-// the row held in a per-thread buffer, one write in the input dtype). Weight and bias are converted
-// to fp32 once per call: they are tiny next to the activations.
+// Driver of amxopt.layer_norm / amxopt.rms_norm (and their modulated form, norm_modulate): rows split
+// across threads (at::parallel_for), each row normalized by the CPU's VecKernels (vec_kernels.h: fp32
+// math, two passes over an fp32 copy of the row held in a per-thread buffer, one write in the input
+// dtype). Weight and bias are converted to fp32 once per call: they are tiny next to the activations;
+// scale and shift are read per row where they broadcast (Wan's [B, 1, D] against x [B, S, D]).
 #include "common.h"
 
 namespace amxopt {
 
 at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                       const std::optional<at::Tensor>& bias, double eps, bool rms) {
+                       const std::optional<at::Tensor>& bias, double eps, bool rms,
+                       const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift) {
   const int64_t D = x.size(-1);
   auto x2 = x.reshape({-1, D});
   if (D > 0 && x2.stride(1) != 1) x2 = x2.contiguous();
@@ -18,17 +20,25 @@ at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& wei
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   const float* w = w32.defined() ? w32.data_ptr<float>() : nullptr;
   const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
+  std::optional<BroadcastRows> sc, sh;
+  if (scale.has_value()) sc.emplace(*scale, x.sizes(), D), sh.emplace(*shift, x.sizes(), D);
   const auto& v = vec();
   const bool bf = x.scalar_type() == at::kBFloat16;
   const int64_t ld = x2.stride(0);
   at::parallel_for(0, x2.size(0), 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(D);
-    if (bf)
-      v.norm_bf16(x2.data_ptr<bf16>() + r0 * ld, ld, y.data_ptr<bf16>() + r0 * D, r1 - r0, D, w, b, float(eps), rms,
-                  buf.data());
-    else
-      v.norm_f32(x2.data_ptr<float>() + r0 * ld, ld, y.data_ptr<float>() + r0 * D, r1 - r0, D, w, b, float(eps), rms,
-                 buf.data());
+    // Unmodulated: the chunk at once; modulated: row by row, each with its scale and shift rows.
+    const int64_t step = sc ? 1 : r1 - r0;
+    for (int64_t r = r0; r < r1; r += step) {
+      const float* s = sc ? sc->row(r) : nullptr;
+      const float* t = sh ? sh->row(r) : nullptr;
+      if (bf)
+        v.norm_bf16(x2.data_ptr<bf16>() + r * ld, ld, y.data_ptr<bf16>() + r * D, step, D, w, b, s, t, float(eps),
+                    rms, buf.data());
+      else
+        v.norm_f32(x2.data_ptr<float>() + r * ld, ld, y.data_ptr<float>() + r * D, step, D, w, b, s, t, float(eps),
+                   rms, buf.data());
+    }
   });
   return y;
 }

@@ -280,6 +280,68 @@ at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& w, dou
   return norm_native(x, w, std::nullopt, eps, true);
 }
 
+// --- glue: modulated norm, gated residual, rotary embedding ------------------------------------------
+
+// `p` broadcasts to x's leading dims with a last dim of `width` (its own last dim must be `width`).
+void check_broadcast(const char* op, const char* name, const at::Tensor& p, const at::Tensor& x, int64_t width) {
+  check_float(op, name, p);
+  bool ok = p.dim() >= 1 && p.dim() <= x.dim() && p.size(-1) == width;
+  for (int64_t d = 2; ok && d <= p.dim(); ++d) ok = p.size(-d) == 1 || p.size(-d) == x.size(-d);
+  std::vector<int64_t> want(x.sizes().begin(), x.sizes().end());
+  want.back() = width;
+  AMX_CHECK(ok, op, name, " has shape ", shape(p.sizes()), ", which does not broadcast to ", shape(want), " for x ",
+            shape(x.sizes()));
+}
+
+at::Tensor norm_modulate(const at::Tensor& x, const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& b,
+                         const at::Tensor& scale, const at::Tensor& shift, double eps, bool rms,
+                         c10::string_view provider) {
+  const char* op = "norm_modulate";
+  if (use_reference(provider, op))
+    return reference_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
+                                   const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, double,
+                                   bool)>("amxopt::reference_norm_modulate")
+        .call(x, w, b, scale, shift, eps, rms);
+  check_norm(op, x, w, b);
+  AMX_CHECK(!(rms && b.has_value()), op, "an RMSNorm has no bias");
+  check_broadcast(op, "scale", scale, x, x.size(-1));
+  check_broadcast(op, "shift", shift, x, x.size(-1));
+  return norm_native(x, w, b, eps, rms, scale, shift);
+}
+
+at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gate,
+                          c10::string_view provider) {
+  const char* op = "gated_residual";
+  if (use_reference(provider, op))
+    return reference_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+               "amxopt::reference_gated_residual")
+        .call(x, y, gate);
+  AMX_CHECK(x.dim() >= 1, op, "x has shape ", shape(x.sizes()), "; it needs at least one dim");
+  check_float(op, "x", x);
+  AMX_CHECK(y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type(), op, "y must match x ",
+            dtype_name(x.scalar_type()), " ", shape(x.sizes()), ", got ", dtype_name(y.scalar_type()), " ",
+            shape(y.sizes()));
+  check_broadcast(op, "gate", gate, x, x.size(-1));
+  return gated_residual_native(x, y, gate);
+}
+
+at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                            c10::string_view provider) {
+  const char* op = "rotary_embedding";
+  if (use_reference(provider, op))
+    return reference_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>(
+               "amxopt::reference_rotary_embedding")
+        .call(x, cos, sin, interleaved);
+  AMX_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, op, "x ", shape(x.sizes()),
+            " must end in an even dim (pairs of values to rotate)");
+  check_float(op, "x", x);
+  AMX_CHECK(cos.sizes() == sin.sizes(), op, "cos ", shape(cos.sizes()), " and sin ", shape(sin.sizes()),
+            " must have the same shape");
+  check_broadcast(op, "cos", cos, x, x.size(-1) / 2);
+  check_broadcast(op, "sin", sin, x, x.size(-1) / 2);
+  return rotary_native(x, cos, sin, interleaved);
+}
+
 // --- what runs here (amxopt info, tests, benches) ---------------------------------------------------------
 
 std::string cpu_tier_name() { return tier_name(cpu_tier()); }
@@ -304,6 +366,9 @@ TORCH_LIBRARY_IMPL(amxopt, CPU, m) {
   m.impl("conv2d", &amxopt::conv2d);
   m.impl("layer_norm", &amxopt::layer_norm);
   m.impl("rms_norm", &amxopt::rms_norm);
+  m.impl("norm_modulate", &amxopt::norm_modulate);
+  m.impl("gated_residual", &amxopt::gated_residual);
+  m.impl("rotary_embedding", &amxopt::rotary_embedding);
 }
 
 TORCH_LIBRARY(amxopt_native, m) {

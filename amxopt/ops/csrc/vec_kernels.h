@@ -149,12 +149,24 @@ inline std::tuple<fVec, fVec> load2(const T* p) {
   }
 }
 
+// 2 * kF fp32 values stored as T (rounded once for bf16).
+template <typename T>
+inline void store2(T* p, fVec a, fVec c) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    at::vec::convert_from_float<bf16>(a, c).store(p);
+  } else {
+    a.store(p);
+    c.store(p + kF);
+  }
+}
+
 // Three fused passes per row, all but the first on an fp32 copy in L1: (1) load, convert, keep the
 // copy and sum (sum of squares for RMSNorm); (2) LayerNorm only: the centred sum of squares (two
-// passes, so no cancellation when |mean| >> std); (3) normalize, weight, bias, round and store.
+// passes, so no cancellation when |mean| >> std); (3) normalize, weight, bias, modulate
+// (v * (1 + scale) + shift, when scale is given), round and store.
 template <typename T>
-void norm_rows(const T* x, int64_t ldx, T* y, int64_t rows, int64_t D, const float* w, const float* b, float eps,
-               bool rms, float* f) {
+void norm_rows(const T* x, int64_t ldx, T* y, int64_t rows, int64_t D, const float* w, const float* b,
+               const float* scale, const float* shift, float eps, bool rms, float* f) {
   const int64_t Dv = D / (2 * kF) * (2 * kF);  // vector part; the rest is scalar
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * ldx;
@@ -194,25 +206,91 @@ void norm_rows(const T* x, int64_t ldx, T* y, int64_t rows, int64_t D, const flo
       fVec v0 = (fVec::loadu(f + i) - mu) * sc, v1 = (fVec::loadu(f + i + kF) - mu) * sc;
       if (w) v0 = v0 * fVec::loadu(w + i), v1 = v1 * fVec::loadu(w + i + kF);
       if (b) v0 = v0 + fVec::loadu(b + i), v1 = v1 + fVec::loadu(b + i + kF);
-      if constexpr (std::is_same_v<T, bf16>) {
-        at::vec::convert_from_float<bf16>(v0, v1).store(yr + i);
-      } else {
-        v0.store(yr + i);
-        v1.store(yr + i + kF);
+      if (scale) {
+        v0 = at::vec::fmadd(v0, fVec::loadu(scale + i) + fVec(1.f), fVec::loadu(shift + i));
+        v1 = at::vec::fmadd(v1, fVec::loadu(scale + i + kF) + fVec(1.f), fVec::loadu(shift + i + kF));
       }
+      store2(yr + i, v0, v1);
     }
-    for (int64_t i = Dv; i < D; ++i) yr[i] = T((f[i] - mean) * inv * (w ? w[i] : 1.f) + (b ? b[i] : 0.f));
+    for (int64_t i = Dv; i < D; ++i) {
+      float v = (f[i] - mean) * inv * (w ? w[i] : 1.f) + (b ? b[i] : 0.f);
+      yr[i] = T(scale ? v * (1.f + scale[i]) + shift[i] : v);
+    }
   }
 }
 
-void norm_bf16(const bf16* x, int64_t ldx, bf16* y, int64_t rows, int64_t D, const float* w, const float* b, float eps,
-               bool rms, float* buf) {
-  norm_rows<bf16>(x, ldx, y, rows, D, w, b, eps, rms, buf);
+void norm_bf16(const bf16* x, int64_t ldx, bf16* y, int64_t rows, int64_t D, const float* w, const float* b,
+               const float* scale, const float* shift, float eps, bool rms, float* buf) {
+  norm_rows<bf16>(x, ldx, y, rows, D, w, b, scale, shift, eps, rms, buf);
 }
 
 void norm_f32(const float* x, int64_t ldx, float* y, int64_t rows, int64_t D, const float* w, const float* b,
-              float eps, bool rms, float* buf) {
-  norm_rows<float>(x, ldx, y, rows, D, w, b, eps, rms, buf);
+              const float* scale, const float* shift, float eps, bool rms, float* buf) {
+  norm_rows<float>(x, ldx, y, rows, D, w, b, scale, shift, eps, rms, buf);
+}
+
+// out = x + y * gate over one row of D, in fp32, rounded once (Wan's gated residual).
+template <typename T>
+void residual_row(const T* x, const T* y, const float* gate, T* out, int64_t D) {
+  int64_t i = 0;
+  for (; i + 2 * kF <= D; i += 2 * kF) {
+    const auto [x0, x1] = load2(x + i);
+    const auto [y0, y1] = load2(y + i);
+    store2(out + i, at::vec::fmadd(y0, fVec::loadu(gate + i), x0), at::vec::fmadd(y1, fVec::loadu(gate + i + kF), x1));
+  }
+  for (; i < D; ++i) out[i] = T(float(x[i]) + float(y[i]) * gate[i]);
+}
+
+void residual_bf16(const bf16* x, const bf16* y, const float* gate, bf16* out, int64_t D) {
+  residual_row<bf16>(x, y, gate, out, D);
+}
+
+void residual_f32(const float* x, const float* y, const float* gate, float* out, int64_t D) {
+  residual_row<float>(x, y, gate, out, D);
+}
+
+// One row of D = 2 * H rotated by angles with cos/sin [H] (fp32), rounded once. interleaved: the
+// pairs are (x[2i], x[2i+1]) (Wan); else (x[i], x[i + H]) (rotate_half).
+template <typename T>
+void rotary_row(const T* x, T* out, int64_t D, const float* cos, const float* sin, bool interleaved) {
+  const int64_t H = D / 2;
+  int64_t i = 0;  // pair index
+  if (interleaved) {
+    for (; i + kF <= H; i += kF) {  // 2 * kF values of x: kF pairs
+      const auto [a, c] = load2(x + 2 * i);
+      const auto [x1, x2] = at::vec::deinterleave2(a, c);
+      const fVec cs = fVec::loadu(cos + i), sn = fVec::loadu(sin + i);
+      const auto [o0, o1] = at::vec::interleave2(x1 * cs - x2 * sn, x1 * sn + x2 * cs);
+      store2(out + 2 * i, o0, o1);
+    }
+    for (; i < H; ++i) {
+      const float x1 = float(x[2 * i]), x2 = float(x[2 * i + 1]);
+      out[2 * i] = T(x1 * cos[i] - x2 * sin[i]);
+      out[2 * i + 1] = T(x1 * sin[i] + x2 * cos[i]);
+    }
+  } else {
+    for (; i + 2 * kF <= H; i += 2 * kF) {
+      const auto [a0, a1] = load2(x + i);
+      const auto [b0, b1] = load2(x + H + i);
+      const fVec c0 = fVec::loadu(cos + i), c1 = fVec::loadu(cos + i + kF);
+      const fVec s0 = fVec::loadu(sin + i), s1 = fVec::loadu(sin + i + kF);
+      store2(out + i, a0 * c0 - b0 * s0, a1 * c1 - b1 * s1);
+      store2(out + H + i, a0 * s0 + b0 * c0, a1 * s1 + b1 * c1);
+    }
+    for (; i < H; ++i) {
+      const float x1 = float(x[i]), x2 = float(x[H + i]);
+      out[i] = T(x1 * cos[i] - x2 * sin[i]);
+      out[H + i] = T(x1 * sin[i] + x2 * cos[i]);
+    }
+  }
+}
+
+void rotary_bf16(const bf16* x, bf16* out, int64_t D, const float* cos, const float* sin, bool interleaved) {
+  rotary_row<bf16>(x, out, D, cos, sin, interleaved);
+}
+
+void rotary_f32(const float* x, float* out, int64_t D, const float* cos, const float* sin, bool interleaved) {
+  rotary_row<float>(x, out, D, cos, sin, interleaved);
 }
 
 }  // namespace
@@ -220,6 +298,6 @@ void norm_f32(const float* x, int64_t ldx, float* y, int64_t rows, int64_t D, co
 
 #define AMXOPT_VEC_TABLE(name, isa_name)                                                                     \
   namespace amxopt {                                                                                         \
-  const VecKernels name = {isa_name,   epilogue_bf16, epilogue_f32, bf16_to_f32, unpack_vnni, gemv_vnni, \
-                           norm_bf16, norm_f32};                                                             \
+  const VecKernels name = {isa_name,  epilogue_bf16, epilogue_f32,  bf16_to_f32,  unpack_vnni, gemv_vnni,   \
+                           norm_bf16, norm_f32,      residual_bf16, residual_f32, rotary_bf16, rotary_f32}; \
   }

@@ -1,0 +1,278 @@
+"""Rules: the elementwise glue between Wan's GEMMs -> ``amxopt.norm_modulate``, ``gated_residual``,
+``rotary_embedding``.
+
+Once the GEMMs are fast these chains dominate what is left: each is 4 to 14 ATen ops with fp32
+intermediates written to memory, and each becomes one pass over the activations. The patterns are
+diffusers' ``WanTransformerBlock`` and ``WanAttnProcessor`` as export records them:
+
+* modulate: ``(norm(x.float()) * (1 + scale) + shift).type_as(x)`` (LayerNorm or RMSNorm, with or
+  without weights; the norm is ``FP32LayerNorm`` in Wan);
+* gated residual: ``(x.float() + y * gate).type_as(x)``, and ``(x.float() + y.float() * gate).type_as(x)``;
+* rotary: ``apply_rotary_emb``'s interleaved pairs, ``x1 * cos - x2 * sin`` and ``x1 * sin + x2 * cos``
+  written into an ``empty_like`` through strided slices.
+
+Refusals: dtypes without a kernel, a ``y`` of another shape or dtype than ``x``, an operand that does
+not broadcast to ``x`` along its last dim (a per-channel operand is the only kind the kernels read),
+norms over more than the last dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from amxopt.passes import _autotune
+from amxopt.passes._graph import dtype_of, val
+from amxopt.patterns import (
+    DTYPES,
+    Match,
+    Rule,
+    gated_residual_replacement,
+    layer_norm_modulate_replacement,
+    rms_norm_modulate_replacement,
+    rotary_replacement,
+)
+
+aten = torch.ops.aten
+_END = sys.maxsize  # export's open slice end
+
+
+def _to_dtype(x, dtype):
+    return aten.to.dtype(x, dtype)
+
+
+def _to_copy(x, dtype):
+    return aten._to_copy.default(x, dtype=dtype)
+
+
+_CASTS = (_to_dtype, _to_copy)
+
+
+def _modulated(y, x, scale, shift, back):
+    # FP32LayerNorm casts its output back to its input's dtype: fp32 again, a node export keeps.
+    y = back(y, torch.float32) if back is not None else y
+    return aten.type_as.default(aten.add.Tensor(aten.mul.Tensor(y, aten.add.Tensor(scale, 1)), shift), x)
+
+
+# The norm reads ``xf``: ``x`` cast up to fp32 once or more (Wan's block casts, then FP32LayerNorm
+# casts again); ``_upcast_of`` checks that chain, so the patterns need not spell each length. Where
+# the casts are no-ops (an fp32 model) export keeps one node for both: the ``x``-only patterns.
+def _modulate_layer_norm(back, upcast: bool):
+    def pattern(xf, x, shape, weight, bias, eps, cudnn, scale, shift):
+        return _modulated(aten.layer_norm.default(xf, shape, weight, bias, eps, cudnn), x, scale, shift, back)
+
+    def direct(x, shape, weight, bias, eps, cudnn, scale, shift):
+        return _modulated(aten.layer_norm.default(x, shape, weight, bias, eps, cudnn), x, scale, shift, back)
+
+    return pattern if upcast else direct
+
+
+def _modulate_rms_norm(back, upcast: bool):
+    def pattern(xf, x, shape, weight, eps, scale, shift):
+        return _modulated(aten.rms_norm.default(xf, shape, weight, eps), x, scale, shift, back)
+
+    def direct(x, shape, weight, eps, scale, shift):
+        return _modulated(aten.rms_norm.default(x, shape, weight, eps), x, scale, shift, back)
+
+    return pattern if upcast else direct
+
+
+_FP32_CASTS = (aten.to.dtype, aten._to_copy.default)
+
+
+def _upcast_of(match: Match, config) -> bool:
+    """The norm's input is ``x`` itself or ``x`` cast to fp32 (each cast exact: to fp32 only)."""
+    if "xf" not in match.values:
+        return True
+    node, x = match["xf"], match["x"]
+    while node is not x:
+        if not isinstance(node, fx.Node) or node.target not in _FP32_CASTS or dtype_of(node) != torch.float32:
+            return False
+        node = node.args[0]
+    return True
+
+
+def _gated_residual(x_cast, y_cast):
+    # Each operand's cast to fp32 is optional: export drops it where the tensor is fp32 already.
+    def up(cast, t):
+        return cast(t, torch.float32) if cast is not None else t
+
+    def pattern(x, y, gate):
+        return aten.type_as.default(aten.add.Tensor(up(x_cast, x), aten.mul.Tensor(up(y_cast, y), gate)), x)
+
+    return pattern
+
+
+def _rotary_interleaved(x, freqs_cos, freqs_sin, dim):
+    # diffusers' WanAttnProcessor.apply_rotary_emb; ``dim`` is the last dim, as export normalizes it.
+    pairs = aten.unbind.int(aten.unflatten.int(x, -1, [-1, 2]), -1)
+    x1, x2 = pairs[0], pairs[1]
+    cos = aten.slice.Tensor(freqs_cos, dim, 0, _END, 2)
+    sin = aten.slice.Tensor(freqs_sin, dim, 1, _END, 2)
+    out = aten.empty_like.default(x, pin_memory=False)
+    even = aten.copy_.default(
+        aten.slice.Tensor(out, dim, 0, _END, 2), aten.sub.Tensor(aten.mul.Tensor(x1, cos), aten.mul.Tensor(x2, sin))
+    )
+    odd = aten.copy_.default(
+        aten.slice.Tensor(out, dim, 1, _END, 2), aten.add.Tensor(aten.mul.Tensor(x1, sin), aten.mul.Tensor(x2, cos))
+    )
+    # The copies are outputs too, so that the match holds them (nothing else reads them).
+    return aten.type_as.default(out, x), even, odd
+
+
+# --- guards -------------------------------------------------------------------------------------------
+
+
+def _broadcasts(p, x, width) -> bool:
+    """``p`` broadcasts to ``x``'s leading dims with ``width`` as its own last dim, for every size of
+    a dynamic capture (sizes are compared symbolically)."""
+    pv, xv = val(p), val(x)
+    if not isinstance(pv, torch.Tensor) or not 1 <= pv.dim() <= xv.dim():
+        return False
+    if not statically_known_true(pv.shape[-1] == width):
+        return False
+    return all(
+        statically_known_true(a == 1) or statically_known_true(a == b)
+        for a, b in zip(reversed(pv.shape[:-1]), reversed(xv.shape[:-1]))
+    )
+
+
+def _shape(p) -> str:
+    v = val(p)
+    return str(tuple(v.shape)) if isinstance(v, torch.Tensor) else repr(p)
+
+
+def _dtype_refusal(match: Match, operands: tuple[str, ...]) -> str | None:
+    dtypes = {name: dtype_of(match[name]) for name in ("x", *operands) if match[name] is not None}
+    if any(d not in DTYPES for d in dtypes.values()):
+        return f"dtypes {dtypes} have no kernel (fp32 or bf16 only)"
+    return None
+
+
+def _broadcast_refusal(match: Match, operands: tuple[str, ...], width) -> str | None:
+    for name in operands:
+        if not _broadcasts(match[name], match["x"], width):
+            return f"{name} {_shape(match[name])} does not broadcast along the last dim to x {_shape(match['x'])}"
+    return None
+
+
+def _modulate_refusal(match: Match) -> str | None:
+    x, shape = match["x"], match["shape"]
+    d = val(x).shape[-1]
+    if len(shape) != 1 or not statically_known_true(shape[0] == d):
+        return f"normalizes over {list(shape)}, not just the last dim of {_shape(x)}"
+    params = tuple(p for p in ("weight", "bias") if p in match.values)
+    return _dtype_refusal(match, (*params, "scale", "shift")) or _broadcast_refusal(match, ("scale", "shift"), d)
+
+
+def _residual_refusal(match: Match) -> str | None:
+    x, y = val(match["x"]), val(match["y"])
+    if y.dtype != x.dtype or y.dim() != x.dim() or not all(statically_known_true(a == b) for a, b in zip(y.shape, x.shape)):
+        return f"y {y.dtype} {tuple(y.shape)} differs from x {x.dtype} {tuple(x.shape)} (the sum would broadcast or cast)"
+    return _dtype_refusal(match, ("gate",)) or _broadcast_refusal(match, ("gate",), x.shape[-1])
+
+
+def _rotary_refusal(match: Match) -> str | None:
+    xv = val(match["x"])
+    if match["dim"] != xv.dim() - 1:
+        return f"slices dim {match['dim']}, not the last of x {tuple(xv.shape)}"
+    reason = _dtype_refusal(match, ("freqs_cos", "freqs_sin"))
+    return reason or _broadcast_refusal(match, ("freqs_cos", "freqs_sin"), xv.shape[-1])
+
+
+# --- timing: the amxopt op against the matched ATen ops themselves ----------------------------------
+
+
+def _timing(kind: str, pattern, match: Match, fn, config) -> _autotune.Timing | None:
+    real = {name: _autotune.materialize(val(v)) for name, v in match.values.items()}
+    tensors = [t for t in real.values() if isinstance(t, torch.Tensor)]
+    args = [real[name] for name in _INPUTS[kind]]
+    return _autotune.compare(
+        f"{kind} [{_autotune.describe(*tensors)}]", config, lambda: fn(*args), lambda: pattern(**real)
+    )
+
+
+# --- the rules ------------------------------------------------------------------------------------------
+
+_INPUTS = {
+    "modulate layer_norm": ("x", "weight", "bias", "scale", "shift"),
+    "modulate rms_norm": ("x", "weight", "scale", "shift"),
+    "residual": ("x", "y", "gate"),
+    "rotary": ("x", "freqs_cos", "freqs_sin"),
+}
+
+
+def _modulate_options(match: Match, config) -> dict:
+    eps = match["eps"]
+    if eps is None:  # aten.rms_norm's default: the epsilon of its (fp32, upcast) input
+        eps = torch.finfo(torch.float32).eps
+    return {"eps": float(eps), "provider": config.provider}
+
+
+def _rule(name, kind, inputs_key, pattern, replacement, guard, root, options=None, applies=None) -> Rule:
+    return Rule(
+        name=name,
+        kind=kind,
+        pattern=pattern,
+        replacement=replacement,
+        inputs=_INPUTS[inputs_key],
+        options=options or (lambda match, config: {"provider": config.provider}),
+        guard=guard,
+        timing=functools.partial(_timing, inputs_key, pattern),
+        root=root,
+        applies=applies or (lambda match, config: True),
+    )
+
+
+_MODULATED = {
+    "layer_norm": (_modulate_layer_norm, layer_norm_modulate_replacement, aten.layer_norm.default),
+    "rms_norm": (_modulate_rms_norm, rms_norm_modulate_replacement, aten.rms_norm.default),
+}
+
+
+@functools.cache
+def rules() -> tuple[Rule, ...]:
+    modulate = tuple(
+        _rule(
+            f"aten.{norm} * (1 + scale) + shift",
+            "modulate",
+            f"modulate {norm}",
+            make(back, upcast),
+            replacement,
+            _modulate_refusal,
+            (norm_op,),
+            _modulate_options,
+            applies=_upcast_of,
+        )
+        for norm, (make, replacement, norm_op) in _MODULATED.items()
+        for back in (*_CASTS, None)  # with FP32LayerNorm's cast back first: the longer pattern
+        for upcast in (True, False)
+    )
+    # Longer patterns first: y's own cast, then x's.
+    residual = tuple(
+        _rule(
+            "x + y * gate",
+            "residual",
+            "residual",
+            _gated_residual(x_cast, y_cast),
+            gated_residual_replacement,
+            _residual_refusal,
+            (aten.add.Tensor,),
+        )
+        for y_cast in (*_CASTS, None)
+        for x_cast in (*_CASTS, None)
+    )
+    rotary = _rule(
+        "interleaved rotary (x1 cos - x2 sin, x1 sin + x2 cos)",
+        "rotary",
+        "rotary",
+        _rotary_interleaved,
+        rotary_replacement,
+        _rotary_refusal,
+        (aten.empty_like.default,),
+    )
+    return (*modulate, *residual, rotary)

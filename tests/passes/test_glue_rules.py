@@ -1,0 +1,95 @@
+"""replace_glue on diffusers' own WanTransformerBlock (tiny dims): every modulate, gated residual and
+rotary chain becomes one amxopt op; a chain the kernels cannot take is left, with its reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, WanTransformerBlock
+from torch import nn
+
+from amxopt.passes import DEFAULT_PASSES, replace_glue
+from amxopt.passes._graph import LEFT
+from tests.helpers import CONFIG, captured, count
+
+aten = torch.ops.aten
+amx = torch.ops.amxopt
+_DIM, _HEADS = 64, 2
+
+
+class Block(nn.Module):
+    """One Wan block fed as WanTransformer3DModel feeds it: fp32 modulation, per-token rotary angles."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.block = WanTransformerBlock(_DIM, 128, _HEADS, cross_attn_norm=True).to(dtype)
+        self.block.scale_shift_table.data = self.block.scale_shift_table.data.float()  # kept fp32, as in Wan
+        self.rope = WanRotaryPosEmbed(_DIM // _HEADS, (1, 2, 2), 64)
+
+    def forward(self, hidden_states, latents, encoder_hidden_states, temb):
+        return self.block(hidden_states, encoder_hidden_states, temb, self.rope(latents))
+
+
+def _inputs(dtype, frames=2, side=4, text=5, batch=1):
+    g = torch.Generator().manual_seed(0)
+    tokens = frames * (side // 2) ** 2
+    return {
+        "hidden_states": torch.randn(batch, tokens, _DIM, generator=g).to(dtype),
+        "latents": torch.zeros(batch, 4, frames, side, side),
+        "encoder_hidden_states": torch.randn(batch, text, _DIM, generator=g).to(dtype),
+        "temb": torch.randn(batch, 6, _DIM, generator=g),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replace_glue_on_wan_block(dtype):
+    model = Block(dtype).eval()
+    inputs = _inputs(dtype)
+    gm, gi = captured(model, inputs)
+    assert replace_glue(gm, CONFIG).modified
+    assert count(gm, amx.norm_modulate.default) == 2  # before self-attention and before the FFN
+    assert count(gm, amx.gated_residual.default) == 2  # after each
+    assert count(gm, amx.rotary_embedding.default) == 2  # q and k
+    assert count(gm, aten.empty_like.default) == count(gm, aten.copy_.default) == 0
+    assert not replace_glue(gm, CONFIG).modified
+    with torch.no_grad():
+        expected, actual = model(**inputs), gm(**gi)
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected)
+    else:  # one rounding where eager rounds some intermediates: within a bf16 ulp or two
+        torch.testing.assert_close(actual.float(), expected.float(), atol=0.05, rtol=0.02)
+
+
+def test_replace_glue_runs_before_norms():
+    names = [p.__name__ for p in DEFAULT_PASSES]
+    assert names.index("replace_glue") < names.index("replace_norms")
+
+
+class ChannelGate(nn.Module):
+    """A gate with one value per token ([B, S, 1]): it does not broadcast along the last dim."""
+
+    def forward(self, x, y, gate):
+        return (x.float() + y * gate).type_as(x)
+
+
+def test_replace_glue_leaves_scalar_gate_with_reason():
+    inputs = {"x": torch.randn(2, 6, 16), "y": torch.randn(2, 6, 16), "gate": torch.randn(2, 6, 1)}
+    model = ChannelGate().eval()
+    gm, gi = captured(model, inputs)
+    assert not replace_glue(gm, CONFIG).modified
+    reasons = [n.meta[LEFT] for n in gm.graph.nodes if LEFT in n.meta]
+    assert reasons and "gate" in reasons[0] and "does not broadcast along the last dim" in reasons[0], reasons
+    with torch.no_grad():
+        torch.testing.assert_close(gm(**gi), model(**inputs))
+
+
+def test_replace_glue_leaves_mixed_dtype_residual():
+    # y in fp32 under a bf16 x: the op adds y in x's dtype, so this sum is not its to take.
+    inputs = {
+        "x": torch.randn(2, 6, 16, dtype=torch.bfloat16),
+        "y": torch.randn(2, 6, 16),
+        "gate": torch.randn(2, 1, 16),
+    }
+    gm, _ = captured(ChannelGate().eval(), inputs)
+    assert not replace_glue(gm, CONFIG).modified
+    assert any("differs from x" in n.meta.get(LEFT, "") for n in gm.graph.nodes)
