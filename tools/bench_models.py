@@ -29,6 +29,7 @@ import torch
 import amxopt
 from amxopt import models, pipelines
 from amxopt.ops import native
+from amxopt.passes import DEFAULT_PASSES
 from amxopt.runtime import max_abs_error
 
 # model -> (input size, what it is)
@@ -106,7 +107,7 @@ def timed(fn, inputs) -> tuple[object, float]:
     return out, time.perf_counter() - t
 
 
-def bench_model(name: str, size, repeats: int, with_compile: bool = True) -> dict:
+def bench_model(name: str, size, repeats: int, with_compile: bool = True, without: tuple[str, ...] = ()) -> dict:
     print(f"\n## {name}: {DEFAULT_MODELS.get(name, (None, ''))[1]}", flush=True)
     fp32 = models.build_model(name, torch.float32)
     bf16 = models.build_model(name, torch.bfloat16)
@@ -127,6 +128,10 @@ def bench_model(name: str, size, repeats: int, with_compile: bool = True) -> dic
         }
         if not with_compile:
             del variants["torch.compile bf16"]
+        if without:  # the same optimize() minus these passes: what they add, measured in this run
+            passes = [p.__name__ for p in DEFAULT_PASSES if p.__name__ not in without]
+            ablated = amxopt.optimize(bf16, x16, amxopt.AmxConfig(keep_source=True, passes=passes))
+            variants[f"amxopt bf16 without {'+'.join(without)}"] = (ablated, x16)
         outputs = {}
         for label, (fn, inputs) in variants.items():  # warm-up (and torch.compile's compilation)
             outputs[label], secs = timed(fn, inputs)
@@ -171,12 +176,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
     parser.add_argument(
+        "--without",
+        default="",
+        help="also run amxopt with these passes (comma-separated, e.g. replace_glue) left out, interleaved",
+    )
+    parser.add_argument(
         "--no-compile",
         dest="with_compile",
         action="store_false",
         help="skip torch.compile (its first call takes minutes where bf16 is emulated, e.g. AMD Zen 3)",
     )
     args = parser.parse_args()
+    without = tuple(p for p in args.without.split(",") if p)
+    unknown = [p for p in without if p not in {q.__name__ for q in DEFAULT_PASSES}]
+    if unknown:
+        parser.error(f"--without: unknown passes {unknown}")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {native.cpu_model()}, "
         f"amxopt tier {native.active_tier()}"
@@ -184,7 +198,7 @@ def main() -> None:
     results = [
         bench_e2e(n, args.repeats)
         if n in E2E
-        else bench_model(n, DEFAULT_MODELS.get(n, (None,))[0], args.repeats, args.with_compile)
+        else bench_model(n, DEFAULT_MODELS.get(n, (None,))[0], args.repeats, args.with_compile, without)
         for n in args.models.split(",")
     ]
     if args.json:
