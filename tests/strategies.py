@@ -200,7 +200,9 @@ def glue_cases(draw, dtypes=DTYPES) -> Case:
     gen = torch.Generator().manual_seed(draw(_seeds()))
     angles = _randn(gen, (*rot_lead, d // 2), torch.float32, scale=3.0)
     return Case(
-        x=_randn(gen, (*lead, d), dtype, scale=draw(st.sampled_from([1.0, 10.0])), shift=draw(st.sampled_from([0.0, 2.0]))),
+        x=_randn(
+            gen, (*lead, d), dtype, scale=draw(st.sampled_from([1.0, 10.0])), shift=draw(st.sampled_from([0.0, 2.0]))
+        ),
         y=_randn(gen, (*lead, d), dtype),
         weight=_randn(gen, (d,), op_dtype, scale=0.5, shift=1.0) if draw(st.booleans()) else None,
         bias=_randn(gen, (d,), op_dtype, scale=0.5) if draw(st.booleans()) else None,

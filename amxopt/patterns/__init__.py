@@ -115,6 +115,24 @@ AMX_KINDS = {
 }
 
 
+_FP32_CASTS = (aten.to.dtype, aten._to_copy.default)
+
+
+def upcast_of(xf: Any, x: Any) -> bool:
+    """``xf`` is ``x`` itself or ``x`` cast to fp32, once or more (each cast exact: to fp32 only).
+
+    Wan casts a block's input up, then ``FP32LayerNorm`` casts it again: a pattern binds the norm's
+    input and ``x`` to two wildcards and checks the chain here, rather than spelling each length.
+    """
+    while xf is not x:
+        if getattr(xf, "op", None) != "call_function" or xf.target not in _FP32_CASTS:
+            return False
+        if getattr(xf.meta.get("val"), "dtype", None) != torch.float32:
+            return False
+        xf = xf.args[0]
+    return True
+
+
 def linear_replacement(x, weight, bias, *, activation: str, provider: str):
     packed = amx.pack_linear_weight(weight, provider)
     return amx.linear(x, packed, bias, activation, weight.shape[0], provider)

@@ -22,7 +22,6 @@ import functools
 import sys
 
 import torch
-from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from amxopt.passes import _autotune
@@ -35,6 +34,7 @@ from amxopt.patterns import (
     layer_norm_modulate_replacement,
     rms_norm_modulate_replacement,
     rotary_replacement,
+    upcast_of,
 )
 
 aten = torch.ops.aten
@@ -81,19 +81,8 @@ def _modulate_rms_norm(back, upcast: bool):
     return pattern if upcast else direct
 
 
-_FP32_CASTS = (aten.to.dtype, aten._to_copy.default)
-
-
 def _upcast_of(match: Match, config) -> bool:
-    """The norm's input is ``x`` itself or ``x`` cast to fp32 (each cast exact: to fp32 only)."""
-    if "xf" not in match.values:
-        return True
-    node, x = match["xf"], match["x"]
-    while node is not x:
-        if not isinstance(node, fx.Node) or node.target not in _FP32_CASTS or dtype_of(node) != torch.float32:
-            return False
-        node = node.args[0]
-    return True
+    return "xf" not in match.values or upcast_of(match["xf"], match["x"])
 
 
 def _gated_residual(x_cast, y_cast):
@@ -171,8 +160,14 @@ def _modulate_refusal(match: Match) -> str | None:
 
 def _residual_refusal(match: Match) -> str | None:
     x, y = val(match["x"]), val(match["y"])
-    if y.dtype != x.dtype or y.dim() != x.dim() or not all(statically_known_true(a == b) for a, b in zip(y.shape, x.shape)):
-        return f"y {y.dtype} {tuple(y.shape)} differs from x {x.dtype} {tuple(x.shape)} (the sum would broadcast or cast)"
+    if (
+        y.dtype != x.dtype
+        or y.dim() != x.dim()
+        or not all(statically_known_true(a == b) for a, b in zip(y.shape, x.shape))
+    ):
+        return (
+            f"y {y.dtype} {tuple(y.shape)} differs from x {x.dtype} {tuple(x.shape)} (the sum would broadcast or cast)"
+        )
     return _dtype_refusal(match, ("gate",)) or _broadcast_refusal(match, ("gate",), x.shape[-1])
 
 

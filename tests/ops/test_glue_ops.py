@@ -113,13 +113,13 @@ def test_noncontiguous_inputs(provider):
     gate = torch.randn(2, 1, 32, generator=g)
     freqs = torch.randn(1, 9, 1, 32, generator=g)
     q = torch.randn(2, 9, 3, 32, generator=g).transpose(0, 1).contiguous().transpose(0, 1)
-    assert_close_dtype(
-        ops.gated_residual(x, y, gate, provider), gated_residual_oracle(x, y, gate), torch.float32
-    )
+    assert_close_dtype(ops.gated_residual(x, y, gate, provider), gated_residual_oracle(x, y, gate), torch.float32)
     out = ops.norm_modulate(x, None, None, gate, gate[..., :1].expand(2, 1, 32), 1e-6, False, provider)
     assert_close_dtype(out, norm_modulate_oracle(x, None, None, gate, gate[..., :1], 1e-6, False), torch.float32)
     cos, sin = freqs[..., 0::2], freqs[..., 1::2]
-    assert_close_dtype(ops.rotary_embedding(q, cos, sin, True, provider), rotary_oracle(q, cos, sin, True), torch.float32)
+    assert_close_dtype(
+        ops.rotary_embedding(q, cos, sin, True, provider), rotary_oracle(q, cos, sin, True), torch.float32
+    )
 
 
 _GX = torch.randn(2, 5, 8)
