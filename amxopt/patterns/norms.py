@@ -2,19 +2,21 @@
 
 The upcast rules come first: ``to(x, f32) -> norm -> to(x.dtype)`` (diffusers' ``FP32LayerNorm``,
 Wan) is one amxopt norm on ``x``, since the kernels accumulate in fp32 whatever the input dtype.
-One rule per cast op (``aten.to.dtype``, ``aten._to_copy``) and norm. Refusals: norms over more
+One rule per cast op (``aten.to.dtype``, ``aten._to_copy``) and norm. The ``type_as`` window
+(``FP32LayerNorm(x.float()).type_as(x)``, Wan's norm2) comes before them: it is the longer match. Refusals: norms over more
 than the last dim, dtypes without a kernel, an output dtype other than the input's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
 from amxopt.passes import _autotune
 from amxopt.passes._graph import dtype_of, val
-from amxopt.patterns import DTYPES, Match, Rule, layer_norm_replacement, rms_norm_replacement
+from amxopt.patterns import DTYPES, Match, Rule, layer_norm_replacement, rms_norm_replacement, upcast_of
 
 aten = torch.ops.aten
 
@@ -45,6 +47,18 @@ def _upcast_layer_norm(cast):
 def _upcast_rms_norm(cast):
     def pattern(x, dtype, shape, weight, eps):
         return cast(_rms_norm(cast(x, torch.float32), shape, weight, eps), dtype)
+
+    return pattern
+
+
+def _type_as_layer_norm(back):
+    """diffusers' ``FP32LayerNorm(x.float()).type_as(x)`` (Wan's norm2): the norm reads ``xf``, ``x``
+    cast up once or more; its output is cast back to fp32 (a node export keeps), then to ``x``'s
+    dtype by ``type_as``. ``upcast_of`` checks the chain from ``x`` to ``xf``."""
+
+    def pattern(xf, x, shape, weight, bias, eps, cudnn):
+        y = _layer_norm(xf, shape, weight, bias, eps, cudnn)
+        return aten.type_as.default(back(y, torch.float32) if back is not None else y, x)
 
     return pattern
 
@@ -121,7 +135,19 @@ def _rule(kind: str, pattern, upcast: bool) -> Rule:
     )
 
 
+def _type_as_window(match: Match, config) -> bool:
+    return upcast_of(match["xf"], match["x"]) and _same_dtype_window(match, config)
+
+
 @functools.cache
 def rules() -> tuple[Rule, ...]:
     upcast = tuple(_rule(kind, make(cast), True) for kind, (_, make, _, _) in _NORMS.items() for cast in _CASTS)
-    return (*upcast, *(_rule(kind, norm, False) for kind, (norm, _, _, _) in _NORMS.items()))
+    type_as = tuple(
+        dataclasses.replace(
+            _rule("layer_norm", _type_as_layer_norm(back), True),
+            name="aten.layer_norm (fp32 upcast, type_as)",
+            applies=_type_as_window,
+        )
+        for back in (*_CASTS, None)
+    )
+    return (*type_as, *upcast, *(_rule(kind, norm, False) for kind, (norm, _, _, _) in _NORMS.items()))

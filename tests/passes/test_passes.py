@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from diffusers.models.normalization import FP32LayerNorm
 from torch import nn
 
 from amxopt.passes import (
@@ -289,6 +290,32 @@ def test_replace_norms_folds_upcast_in_bf16():
     )
     ln = next(n for n in gm.graph.nodes if n.target == amx.layer_norm.default)
     assert ln.args[0].meta["val"].dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(gm(**gi), model(x), atol=0, rtol=0)
+
+
+class TypeAsNorm(nn.Module):
+    """Wan's norm2: ``FP32LayerNorm(x.float()).type_as(x)``, its parameters kept fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = FP32LayerNorm(32, 1e-6, elementwise_affine=True)
+
+    def forward(self, x):
+        return self.norm(x.float()).type_as(x)
+
+
+def test_replace_norms_folds_type_as_window_in_bf16():
+    model = TypeAsNorm().eval()
+    with torch.no_grad():
+        model.norm.weight.normal_(1.0, 0.2), model.norm.bias.normal_(0.0, 0.2)
+    x = torch.randn(3, 7, 32, dtype=torch.bfloat16)
+    gm, gi = captured(model, {"x": x})
+    assert run(replace_norms, gm)
+    ln = next(n for n in gm.graph.nodes if n.target == amx.layer_norm.default)
+    assert ln.args[0].meta["val"].dtype == torch.bfloat16  # reads x: no fp32 copy, no cast back
+    assert count(gm, aten.type_as.default) == 0
+    assert not run(replace_norms, gm)
     with torch.no_grad():
         torch.testing.assert_close(gm(**gi), model(x), atol=0, rtol=0)
 
