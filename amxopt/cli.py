@@ -64,6 +64,10 @@ def _cmd_info(args) -> int:
         f"fp32: {native.attention_engine(tier, False)}"
     )
     print(f"  amxopt.layer_norm/rms_norm -> {native.vec_isa()} row kernel, fp32 accumulation")
+    print(
+        f"  amxopt.norm_modulate/gated_residual/rotary_embedding -> {native.vec_isa()} row kernel, fp32 math, "
+        "one rounding"
+    )
     return 0
 
 
