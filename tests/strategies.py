@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from amxopt.ops import ACTIVATIONS
+from amxopt.ops import ACTIVATIONS, DTYPES
 
 # --- tolerances: stated once per dtype ----------------------------------------------------------
 
@@ -23,7 +23,6 @@ TOLERANCES = {
     torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
 }
 
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 def assert_close_dtype(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

@@ -19,8 +19,10 @@ import torch
 
 from amxopt.ops import native, reference
 
-ACTIVATIONS = ("none", "gelu", "gelu_tanh", "silu")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+# The vocabulary every layer reads (patterns, passes, report, CLI): the dtypes amxopt's kernels take,
+# and the activations a GEMM's epilogue fuses (defined by the reference implementations).
+DTYPES = (torch.float32, torch.bfloat16)
+ACTIVATIONS = tuple(reference.ACTIVATIONS)
 _NB = 32  # packed weight: output columns per VNNI block (csrc/common.h kNB)
 
 _lib = torch.library.Library("amxopt", "DEF")
@@ -68,7 +70,7 @@ def _check(cond: bool, op: str, msg: str) -> None:
 
 
 def _check_float(op: str, name: str, t: torch.Tensor) -> None:
-    _check(t.dtype in _FLOAT_DTYPES, op, f"{name} must be float32 or bfloat16, got {t.dtype}")
+    _check(t.dtype in DTYPES, op, f"{name} must be float32 or bfloat16, got {t.dtype}")
 
 
 def resolve_provider(provider: str) -> str:

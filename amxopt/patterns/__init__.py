@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
+from amxopt.ops.library import DTYPES  # noqa: F401 - the rule tables' dtypes, re-exported
+
 aten = torch.ops.aten
 amx = torch.ops.amxopt
 
 
-# dtypes amxopt's kernels take (activations and weights alike).
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from amxopt.config import AmxConfig
-from amxopt.ops import native, packed
+from amxopt.ops import DTYPES, native, packed
 from amxopt.ops.providers import resolve
 from amxopt.runtime import graph_store
 from amxopt.runtime.weights import guard, placeholder
@@ -357,7 +357,7 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
             key = stored[name]
             value = _convert(key, files[key].tensors.pop(key), like, str(path))
             module, attr = _owner(model, name)
-            if packable(module, attr) and like.dtype in (torch.float32, torch.bfloat16):
+            if packable(module, attr) and like.dtype in DTYPES:
                 with torch.no_grad():
                     flat = torch.ops.amxopt.pack_linear_weight(value.reshape(like.shape[0], -1), provider)
                 done[id(like)] = placeholder(like, {provider: flat})
