@@ -24,8 +24,6 @@ aten = torch.ops.aten
 amx = torch.ops.amxopt
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class Match:
     """One match of a rule: each pattern parameter's value (a node or a literal), the node of the
@@ -115,6 +113,16 @@ AMX_KINDS = {
 }
 
 
+def _to_dtype(x, dtype):
+    return aten.to.dtype(x, dtype)
+
+
+def _to_copy(x, dtype):
+    return aten._to_copy.default(x, dtype=dtype)
+
+
+# The two ways export records a cast, as pattern pieces (one rule per form), and as targets.
+CASTS = (_to_dtype, _to_copy)
 _FP32_CASTS = (aten.to.dtype, aten._to_copy.default)
 
 

@@ -27,6 +27,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from amxopt.passes import _autotune
 from amxopt.passes._graph import dtype_of, val
 from amxopt.patterns import (
+    CASTS,
     DTYPES,
     Match,
     Rule,
@@ -39,17 +40,6 @@ from amxopt.patterns import (
 
 aten = torch.ops.aten
 _END = sys.maxsize  # export's open slice end
-
-
-def _to_dtype(x, dtype):
-    return aten.to.dtype(x, dtype)
-
-
-def _to_copy(x, dtype):
-    return aten._to_copy.default(x, dtype=dtype)
-
-
-_CASTS = (_to_dtype, _to_copy)
 
 
 def _modulated(y, x, scale, shift, back):
@@ -244,7 +234,7 @@ def rules() -> tuple[Rule, ...]:
             applies=_upcast_of,
         )
         for norm, (make, replacement, norm_op) in _MODULATED.items()
-        for back in (*_CASTS, None)  # with FP32LayerNorm's cast back first: the longer pattern
+        for back in (*CASTS, None)  # with FP32LayerNorm's cast back first: the longer pattern
         for upcast in (True, False)
     )
     # Longer patterns first: y's own cast, then x's.
@@ -258,8 +248,8 @@ def rules() -> tuple[Rule, ...]:
             _residual_refusal,
             (aten.add.Tensor,),
         )
-        for y_cast in (*_CASTS, None)
-        for x_cast in (*_CASTS, None)
+        for y_cast in (*CASTS, None)
+        for x_cast in (*CASTS, None)
     )
     rotary = _rule(
         "interleaved rotary (x1 cos - x2 sin, x1 sin + x2 cos)",

@@ -16,7 +16,7 @@ import torch
 
 from amxopt.passes import _autotune
 from amxopt.passes._graph import dtype_of, val
-from amxopt.patterns import DTYPES, Match, Rule, layer_norm_replacement, rms_norm_replacement, upcast_of
+from amxopt.patterns import CASTS, DTYPES, Match, Rule, layer_norm_replacement, rms_norm_replacement, upcast_of
 
 aten = torch.ops.aten
 
@@ -27,14 +27,6 @@ def _layer_norm(x, shape, weight, bias, eps, cudnn):
 
 def _rms_norm(x, shape, weight, eps):
     return aten.rms_norm.default(x, shape, weight, eps)
-
-
-def _to_dtype(x, dtype):
-    return aten.to.dtype(x, dtype)
-
-
-def _to_copy(x, dtype):
-    return aten._to_copy.default(x, dtype=dtype)
 
 
 def _upcast_layer_norm(cast):
@@ -68,7 +60,6 @@ _NORMS = {
     "layer_norm": (_layer_norm, _upcast_layer_norm, layer_norm_replacement, ("weight", "bias")),
     "rms_norm": (_rms_norm, _upcast_rms_norm, rms_norm_replacement, ("weight",)),
 }
-_CASTS = (_to_dtype, _to_copy)
 
 
 def _refusal(match: Match) -> str | None:
@@ -141,13 +132,13 @@ def _type_as_window(match: Match, config) -> bool:
 
 @functools.cache
 def rules() -> tuple[Rule, ...]:
-    upcast = tuple(_rule(kind, make(cast), True) for kind, (_, make, _, _) in _NORMS.items() for cast in _CASTS)
+    upcast = tuple(_rule(kind, make(cast), True) for kind, (_, make, _, _) in _NORMS.items() for cast in CASTS)
     type_as = tuple(
         dataclasses.replace(
             _rule("layer_norm", _type_as_layer_norm(back), True),
             name="aten.layer_norm (fp32 upcast, type_as)",
             applies=_type_as_window,
         )
-        for back in (*_CASTS, None)
+        for back in (*CASTS, None)
     )
     return (*type_as, *upcast, *(_rule(kind, norm, False) for kind, (norm, _, _, _) in _NORMS.items()))
