@@ -79,12 +79,19 @@ class QwenVisionAdapter(_QwenAdapter):
             align_corners=self.align_corners,
             spatial_merge_size=self.merge,
         )
+        # Per-patch rows go in grouped by merge window, [T / merge**2, merge**2, ...], and the graph
+        # flattens them back: the patch count is then merge**2 * k by construction. With a bare T,
+        # the mergers' view(-1, hidden * merge**2) leaves export to prove T divisible, and the
+        # FloorDiv expressions it carries from there cost ~0.5 s of sympy per merger stack.
+        def windows(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(-1, self.merge**2, *t.shape[1:])
+
         return {
-            "hidden_states": x,
+            "hidden_states": windows(x),
             "cu_seqlens": get_vision_cu_seqlens(grid),
-            "position_ids": get_vision_position_ids(grid, self.merge),
-            "interp_indices": indices,
-            "interp_weights": weights,
+            "position_ids": windows(get_vision_position_ids(grid, self.merge)),
+            "interp_indices": windows(indices),
+            "interp_weights": windows(weights),
         }
 
     def _validate(self, x, grid) -> None:
@@ -124,13 +131,14 @@ class _VisionGraph(nn.Module):
     def forward(self, hidden_states, cu_seqlens, position_ids, interp_indices, interp_weights):
         # grid_thw is only read by the metadata helpers, all of which get their result precomputed;
         # max_seqlen=0 means "unknown" to amxopt.varlen_attention (kernels read cu_seqlens).
+        # The per-patch inputs come grouped by merge window (QwenVisionAdapter.graph_inputs).
         return self.model(
-            hidden_states,
+            hidden_states.flatten(0, 1),
             grid_thw=None,
             cu_seqlens=cu_seqlens,
-            position_ids=position_ids,
-            interp_indices=interp_indices,
-            interp_weights=interp_weights,
+            position_ids=position_ids.flatten(0, 1),
+            interp_indices=interp_indices.flatten(0, 1),
+            interp_weights=interp_weights.flatten(0, 1),
             max_seqlen=0,
         )
 
