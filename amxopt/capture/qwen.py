@@ -79,6 +79,7 @@ class QwenVisionAdapter(_QwenAdapter):
             align_corners=self.align_corners,
             spatial_merge_size=self.merge,
         )
+
         # Per-patch rows go in grouped by merge window, [T / merge**2, merge**2, ...], and the graph
         # flattens them back: the patch count is then merge**2 * k by construction. With a bare T,
         # the mergers' view(-1, hidden * merge**2) leaves export to prove T divisible, and the
