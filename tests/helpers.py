@@ -11,6 +11,7 @@ from torch import fx
 import amxopt
 from amxopt.capture import prepare, split_inputs
 from amxopt.capture.base import export
+from amxopt.ops import providers
 from amxopt.runtime import max_abs_error  # noqa: F401 - re-exported for the tests
 
 # autotune: tests/passes/test_autotune.py; keep_source: the tests compare against the original model
@@ -31,6 +32,17 @@ def count(gm: fx.GraphModule, target) -> int:
     return targets(gm).count(target)
 
 
+def providers_of(gm: fx.GraphModule) -> set[str]:
+    """The provider argument of every amxopt op in ``gm``."""
+    found = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "amxopt":
+            names = [a.name for a in node.target._schema.arguments]
+            i = names.index("provider")
+            found.add(node.args[i] if len(node.args) > i else node.kwargs.get("provider", "auto"))
+    return found
+
+
 def check_rewrite(model, inputs, expected_counts: dict[str, int], config: amxopt.AmxConfig = CONFIG, **optimize_kw):
     """Optimize ``model``, check the replaced-node counts, that nothing was left, and fp32 equality.
 
@@ -41,6 +53,8 @@ def check_rewrite(model, inputs, expected_counts: dict[str, int], config: amxopt
     for kind, n in expected_counts.items():
         assert counts[kind] == n, f"{kind}: {counts[kind]} replaced, expected {n}\n{opt.report}"
     assert not opt.report.left, str(opt.report)
+    want = providers.resolve(dataclasses.replace(config, **optimize_kw).provider)
+    assert providers_of(opt.graph_module) <= {want}, f"ops not on provider {want!r}:\n{opt.report}"
     args, kwargs = split_inputs(inputs)
     with torch.no_grad():
         expected = model(*args, **kwargs)

@@ -67,6 +67,12 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, provider):
     return amx.varlen_attention.default(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, provider)
 
 
+def _varlen_self(q, k, v, cu, max_q, max_k, scale, causal, provider):
+    # Self-attention passes one bounds tensor twice; torch.fx's SubgraphMatcher binds two wildcards
+    # to two distinct nodes only, so _varlen never matches it.
+    return amx.varlen_attention.default(q, k, v, cu, cu, max_q, max_k, scale, causal, provider)
+
+
 def _retarget(q, k, v, cu_q, cu_k, *, max_q, max_k, scale, causal, provider):
     return amx.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, provider)
 
@@ -74,21 +80,23 @@ def _retarget(q, k, v, cu_q, cu_k, *, max_q, max_k, scale, causal, provider):
 @functools.cache
 def rules() -> tuple[Rule, ...]:
     # Adapter-routed attention replaces the model's per-segment Python loop: nothing to time.
-    retarget = Rule(
-        name=ADAPTER_ROUTED,
-        kind="attention",
-        pattern=_varlen,
-        replacement=_retarget,
-        inputs=("q", "k", "v", "cu_q", "cu_k"),
-        options=lambda match, config: {
-            "max_q": match["max_q"],
-            "max_k": match["max_k"],
-            "scale": match["scale"],
-            "causal": match["causal"],
-            "provider": config.provider,
-        },
-        applies=lambda match, config: match["provider"] != config.provider,
-    )
+    def retarget(pattern, inputs):
+        return Rule(
+            name=ADAPTER_ROUTED,
+            kind="attention",
+            pattern=pattern,
+            replacement=_retarget,
+            inputs=inputs,
+            options=lambda match, config: {
+                "max_q": match["max_q"],
+                "max_k": match["max_k"],
+                "scale": match["scale"],
+                "causal": match["causal"],
+                "provider": config.provider,
+            },
+            applies=lambda match, config: match["provider"] != config.provider,
+        )
+
     sdpa = Rule(
         name="aten.scaled_dot_product_attention",
         kind="attention",
@@ -103,4 +111,8 @@ def rules() -> tuple[Rule, ...]:
         guard=_sdpa_refusal,
         timing=_sdpa_timing,
     )
-    return retarget, sdpa
+    return (
+        retarget(_varlen_self, ("q", "k", "v", "cu", "cu")),
+        retarget(_varlen, ("q", "k", "v", "cu_q", "cu_k")),
+        sdpa,
+    )
