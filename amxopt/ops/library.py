@@ -4,7 +4,7 @@ The schemas live here; the CPU kernels are registered in C++ (``csrc/ops.cpp``),
 goes through the dispatcher with no Python in between. Every op ends with ``provider='auto'``:
 ``auto``/``native`` run amxopt's kernels on the best tier this CPU has, ``reference`` runs the plain
 ATen definition in ``amxopt.ops.reference`` (the C++ kernel forwards to ``amxopt::reference_<op>``,
-defined below). Where the C++ library cannot be built or loaded, Python registers the CPU kernels
+defined below), ``sgl_kernel`` SGLang's CPU kernels where installed (``amxopt.ops.sgl``). Where the C++ library cannot be built or loaded, Python registers the CPU kernels
 instead and every provider runs the reference.
 
 Shape checks are written once here and run by the fakes (so tracing a bad call fails with the same
@@ -77,8 +77,8 @@ def resolve_provider(provider: str) -> str:
     """``auto`` -> ``native`` where amxopt's C++ kernels are loaded, else ``reference``."""
     if provider == "auto":
         return "native" if native.available()[0] else "reference"
-    if provider not in ("native", "reference"):
-        raise AmxOpError(f"amxopt: unknown provider {provider!r}; known: auto, native, reference")
+    if provider not in ("native", "reference", "sgl_kernel"):
+        raise AmxOpError(f"amxopt: unknown provider {provider!r}; known: auto, native, reference, sgl_kernel")
     return provider
 
 
@@ -416,6 +416,14 @@ def _python_kernel(fn):
 
     return run
 
+
+# The sgl_kernel provider's ops (amxopt/ops/sgl.py; they read the checks above): the C++ kernels
+# call amxopt::sgl_<op> for provider="sgl_kernel".
+from amxopt.ops import sgl  # noqa: E402
+
+for _name, _fn in sgl.OPS.items():
+    _lib.define(f"sgl_{_name}" + _SCHEMAS[_name].format(provider=""))
+    _lib.impl(f"sgl_{_name}", _fn, "CPU")
 
 # The C++ kernels, or (where they cannot be loaded) the reference behind every provider.
 if not native.load()[0]:

@@ -2,7 +2,9 @@
 
 ``native`` is amxopt's C++ library (``amxopt/ops/csrc``), usable wherever it builds and loads (every
 x86-64 Linux CPU); within it each op runs on the best tier the CPU has (``amxopt.ops.native``).
-``reference`` is plain ATen (``amxopt.ops.reference``), the test oracle, usable everywhere. The
+``reference`` is plain ATen (``amxopt.ops.reference``), the test oracle, usable everywhere.
+``sgl_kernel`` is SGLang's CPU kernels (``amxopt.ops.sgl``), usable where that package is installed
+and the CPU has AMX; only on request (never ``auto``), to compare against. The
 graph records the provider on every op, so passes never depend on which kernels exist.
 """
 
@@ -10,16 +12,20 @@ from __future__ import annotations
 
 import logging
 
-from amxopt.ops import library, native
+from amxopt.ops import library, native, sgl
 
 logger = logging.getLogger(__name__)
 
-PROVIDERS = ("native", "reference")  # preference order for "auto"
+PROVIDERS = ("native", "reference", "sgl_kernel")  # "auto" picks the first usable of the first two
 
 
 def available_providers() -> dict[str, tuple[bool, str]]:
     """Every known provider with (usable here?, why)."""
-    return {"native": native.available(), "reference": (True, "plain ATen, runs on any CPU")}
+    return {
+        "native": native.available(),
+        "reference": (True, "plain ATen, runs on any CPU"),
+        "sgl_kernel": sgl.available(),
+    }
 
 
 def resolve(requested: str) -> str:

@@ -425,7 +425,7 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         "amxopt_version": _version(),
         "layout_version": LAYOUT_VERSION,
         "provider": provider,
-        "tier": native.active_tier() if provider == "native" else "reference",
+        "tier": native.active_tier() if provider == "native" else provider,
         "torch_version": torch.__version__,
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "config": config_values,
@@ -505,7 +505,7 @@ def _restore(entry: dict, module: nn.Module, provider: str, tensors: dict, direc
 
 
 def _check_manifest(manifest: dict, config: AmxConfig, directory: pathlib.Path) -> None:
-    here = native.active_tier() if config.provider == "native" else "reference"
+    here = native.active_tier() if config.provider == "native" else config.provider
     problems = []
     if manifest.get("layout_version") != LAYOUT_VERSION:
         problems.append(f"packed layout version {manifest.get('layout_version')} (this amxopt reads {LAYOUT_VERSION})")

@@ -3,13 +3,16 @@
 // The schemas (and their fakes) are defined in Python (amxopt/ops/library.py); registering the CPU
 // kernels here means a call from a graph goes through the C++ dispatcher only, with no Python in
 // between. provider "auto" and "native" run amxopt's kernels on the active tier (cpu.cpp);
-// "reference" calls the Python reference op of the same name (amxopt::reference_<op>), the oracle.
+// "reference" calls the Python reference op of the same name (amxopt::reference_<op>), the oracle;
+// "sgl_kernel" calls amxopt::sgl_<op> (SGLang's CPU kernels) for the ops it maps, see delegate().
 // Every check raises ValueError naming the op and the offending shape or value.
 #include <ATen/native/CPUBlas.h>
 #include <c10/core/DispatchKeySet.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
+#include <string>
 
 #include "common.h"
 
@@ -54,15 +57,19 @@ std::string dtype_name(at::ScalarType t) {
   }
 }
 
-bool use_reference(c10::string_view provider, const char* op) {
-  if (provider == "auto" || provider == "native") return false;
-  if (provider == "reference") return true;
-  AMX_CHECK(false, op, "unknown provider '", std::string(provider), "'; known: auto, native, reference");
+// Which Python-defined op runs instead of amxopt's kernels, if any: "reference" runs the oracle
+// (amxopt::reference_<op>); "sgl_kernel" runs the op mapped onto SGLang's CPU kernels
+// (amxopt::sgl_<op>, amxopt/ops/sgl.py) where one exists (`sgl_maps`), else amxopt's own kernels.
+std::optional<std::string> delegate(c10::string_view provider, const char* op, bool sgl_maps) {
+  if (provider == "auto" || provider == "native") return std::nullopt;
+  if (provider == "reference") return std::string("amxopt::reference_") + op;
+  if (provider == "sgl_kernel") return sgl_maps ? std::optional<std::string>(std::string("amxopt::sgl_") + op) : std::nullopt;
+  AMX_CHECK(false, op, "unknown provider '", std::string(provider), "'; known: auto, native, reference, sgl_kernel");
 }
 
 template <typename Sig>
-c10::TypedOperatorHandle<Sig> reference_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+c10::TypedOperatorHandle<Sig> python_op(const std::string& name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<Sig>();
 }
 
 Act parse_act(c10::string_view a, const char* op) {
@@ -105,8 +112,8 @@ at::Tensor check_gemm(const char* op, const std::string& x_desc, int64_t K, at::
 
 at::Tensor pack_linear_weight(const at::Tensor& w, c10::string_view provider) {
   const char* op = "pack_linear_weight";
-  if (use_reference(provider, op))
-    return reference_op<at::Tensor(const at::Tensor&)>("amxopt::reference_pack_linear_weight").call(w);
+  if (auto impl = delegate(provider, op, true))
+    return python_op<at::Tensor(const at::Tensor&)>(*impl).call(w);
   AMX_CHECK(w.dim() == 2, op, "weight must be [N, K], got ", shape(w.sizes()));
   check_float(op, "weight", w);
   if (packed_shape(w.size(0), w.size(1), w.scalar_type()).size() == 1) return pack_vnni(w.detach());
@@ -116,9 +123,9 @@ at::Tensor pack_linear_weight(const at::Tensor& w, c10::string_view provider) {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                   c10::string_view activation, int64_t out_features, c10::string_view provider) {
   const char* op = "linear";
-  if (use_reference(provider, op))
-    return reference_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                   c10::string_view, int64_t)>("amxopt::reference_linear")
+  if (auto impl = delegate(provider, op, true))
+    return python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                   c10::string_view, int64_t)>(*impl)
         .call(x, packed, bias, activation, out_features);
   const Act act = parse_act(activation, op);
   check_float(op, "x", x);
@@ -138,9 +145,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
 at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                        at::IntArrayRef kernel, int64_t out_channels, c10::string_view provider) {
   const char* op = "patch_embed";
-  if (use_reference(provider, op))
-    return reference_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                   at::IntArrayRef, int64_t)>("amxopt::reference_patch_embed")
+  if (auto impl = delegate(provider, op, true))
+    return python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                   at::IntArrayRef, int64_t)>(*impl)
         .call(x, packed, bias, kernel, out_channels);
   AMX_CHECK(x.dim() == 5, op, "x must be [B, C, T, H, W], got ", shape(x.sizes()));
   AMX_CHECK(kernel.size() == 3, op, "kernel_size must have 3 entries, got ", list(kernel.vec()));
@@ -169,10 +176,9 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<
                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                   c10::string_view provider) {
   const char* op = "conv2d";
-  if (use_reference(provider, op))
-    return reference_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                   at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, int64_t)>(
-               "amxopt::reference_conv2d")
+  if (auto impl = delegate(provider, op, false))
+    return python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                   at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, int64_t)>(*impl)
         .call(x, w, bias, stride, padding, dilation, groups);
   AMX_CHECK(x.dim() == 4, op, "x must be [B, C, H, W], got ", shape(x.sizes()));
   check_float(op, "x", x);
@@ -222,10 +228,9 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& cu_k, int64_t max_q, int64_t max_k, double scale, bool causal,
                             c10::string_view provider) {
   const char* op = "varlen_attention";
-  if (use_reference(provider, op))
-    return reference_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const at::Tensor&, int64_t, int64_t, double, bool)>(
-               "amxopt::reference_varlen_attention")
+  if (auto impl = delegate(provider, op, true))
+    return python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, int64_t, int64_t, double, bool)>(*impl)
         .call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal);
   for (auto [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
     AMX_CHECK(t.dim() == 3, op, name, " must be packed [T, H, D], got ", shape(t.sizes()));
@@ -262,9 +267,9 @@ void check_norm(const char* op, const at::Tensor& x, const std::optional<at::Ten
 at::Tensor layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& b,
                       double eps, c10::string_view provider) {
   const char* op = "layer_norm";
-  if (use_reference(provider, op))
-    return reference_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
-                                   const std::optional<at::Tensor>&, double)>("amxopt::reference_layer_norm")
+  if (auto impl = delegate(provider, op, true))
+    return python_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
+                                   const std::optional<at::Tensor>&, double)>(*impl)
         .call(x, w, b, eps);
   check_norm(op, x, w, b);
   return norm_native(x, w, b, eps, false);
@@ -272,9 +277,8 @@ at::Tensor layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& w, c
 
 at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& w, double eps, c10::string_view provider) {
   const char* op = "rms_norm";
-  if (use_reference(provider, op))
-    return reference_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, double)>(
-               "amxopt::reference_rms_norm")
+  if (auto impl = delegate(provider, op, true))
+    return python_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, double)>(*impl)
         .call(x, w, eps);
   check_norm(op, x, w, std::nullopt);
   return norm_native(x, w, std::nullopt, eps, true);
@@ -297,10 +301,10 @@ at::Tensor norm_modulate(const at::Tensor& x, const std::optional<at::Tensor>& w
                          const at::Tensor& scale, const at::Tensor& shift, double eps, bool rms,
                          c10::string_view provider) {
   const char* op = "norm_modulate";
-  if (use_reference(provider, op))
-    return reference_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
+  if (auto impl = delegate(provider, op, false))
+    return python_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
                                    const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, double,
-                                   bool)>("amxopt::reference_norm_modulate")
+                                   bool)>(*impl)
         .call(x, w, b, scale, shift, eps, rms);
   check_norm(op, x, w, b);
   AMX_CHECK(!(rms && b.has_value()), op, "an RMSNorm has no bias");
@@ -312,9 +316,8 @@ at::Tensor norm_modulate(const at::Tensor& x, const std::optional<at::Tensor>& w
 at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gate,
                           c10::string_view provider) {
   const char* op = "gated_residual";
-  if (use_reference(provider, op))
-    return reference_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-               "amxopt::reference_gated_residual")
+  if (auto impl = delegate(provider, op, false))
+    return python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(*impl)
         .call(x, y, gate);
   AMX_CHECK(x.dim() >= 1, op, "x has shape ", shape(x.sizes()), "; it needs at least one dim");
   check_float(op, "x", x);
@@ -328,9 +331,8 @@ at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& y, const at::Te
 at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
                             c10::string_view provider) {
   const char* op = "rotary_embedding";
-  if (use_reference(provider, op))
-    return reference_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>(
-               "amxopt::reference_rotary_embedding")
+  if (auto impl = delegate(provider, op, false))
+    return python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>(*impl)
         .call(x, cos, sin, interleaved);
   AMX_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, op, "x ", shape(x.sizes()),
             " must end in an even dim (pairs of values to rotate)");
