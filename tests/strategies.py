@@ -24,7 +24,6 @@ TOLERANCES = {
 }
 
 
-
 def assert_close_dtype(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     """``actual`` (an op output of ``dtype``) matches ``expected`` (an oracle, any float dtype)."""
     assert actual.dtype == dtype, f"output dtype {actual.dtype}, expected {dtype}"
