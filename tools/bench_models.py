@@ -29,6 +29,7 @@ import torch
 import amxopt
 from amxopt import models, pipelines
 from amxopt.ops import native
+from amxopt.ops.providers import available_providers
 from amxopt.passes import DEFAULT_PASSES
 from amxopt.runtime import max_abs_error
 
@@ -128,6 +129,9 @@ def bench_model(name: str, size, repeats: int, with_compile: bool = True, withou
         }
         if not with_compile:
             del variants["torch.compile bf16"]
+        if available_providers()["sgl_kernel"][0]:  # SGLang's CPU kernels behind the same graph
+            sgl = amxopt.optimize(bf16, x16, amxopt.AmxConfig(keep_source=True, provider="sgl_kernel"))
+            variants["amxopt[sgl_kernel] bf16"] = (sgl, x16)
         if without:  # the same optimize() minus these passes: what they add, measured in this run
             passes = [p.__name__ for p in DEFAULT_PASSES if p.__name__ not in without]
             ablated = amxopt.optimize(bf16, x16, amxopt.AmxConfig(keep_source=True, passes=passes))

@@ -61,10 +61,13 @@ def avx512_bf16_peak() -> float | None:
 
 
 def variants() -> list[str]:
-    """What runs against eager: the reference, and native at every tier this CPU runs (``native[fp32]``)."""
+    """What runs against eager: the reference, native at every tier this CPU runs (``native[fp32]``), and
+    SGLang's kernels where the ``sgl_kernel`` provider is usable."""
     labels = ["reference"]
     if available_providers()["native"][0]:
         labels += [f"native[{t}]" for t in native.TIERS if native.tier_supported(t)[0]]
+    if available_providers()["sgl_kernel"][0]:
+        labels.append("sgl_kernel")
     return labels
 
 
