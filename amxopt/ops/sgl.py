@@ -85,6 +85,8 @@ def linear(x, packed_weight, bias, activation, out_features):
     k = x.shape[-1]
     if not packs(out_features, k, x.dtype):
         return reference.linear(x, packed_weight, bias, activation, out_features)
+    if x.numel() == 0:
+        return x.new_empty((*x.shape[:-1], out_features))
     ops = _ops()
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
