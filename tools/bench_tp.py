@@ -99,7 +99,9 @@ def main() -> None:
     from amxopt.ops import native
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {native.cpu_model()}, tier {native.active_tier()}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {native.cpu_model()}, tier {native.active_tier()}"
+    )
     model = models.build_model(args.model, dtype)
     inputs = models.example_inputs(args.model, dtype)
     config = amxopt.AmxConfig(keep_source=True, autotune=False, graph_cache=False)
