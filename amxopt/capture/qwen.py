@@ -83,7 +83,7 @@ class QwenVisionAdapter(_QwenAdapter):
         # Per-patch rows go in grouped by merge window, [T / merge**2, merge**2, ...], and the graph
         # flattens them back: the patch count is then merge**2 * k by construction. With a bare T,
         # the mergers' view(-1, hidden * merge**2) leaves export to prove T divisible, and the
-        # FloorDiv expressions it carries from there cost ~0.5 s of sympy per merger stack.
+        # FloorDiv expressions it carries from there cost ~0.4 s of sympy in a cold capture.
         def windows(t: torch.Tensor) -> torch.Tensor:
             return t.reshape(-1, self.merge**2, *t.shape[1:])
 

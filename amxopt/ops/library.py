@@ -4,8 +4,9 @@ The schemas live here; the CPU kernels are registered in C++ (``csrc/ops.cpp``),
 goes through the dispatcher with no Python in between. Every op ends with ``provider='auto'``:
 ``auto``/``native`` run amxopt's kernels on the best tier this CPU has, ``reference`` runs the plain
 ATen definition in ``amxopt.ops.reference`` (the C++ kernel forwards to ``amxopt::reference_<op>``,
-defined below), ``sgl_kernel`` SGLang's CPU kernels where installed (``amxopt.ops.sgl``). Where the C++ library cannot be built or loaded, Python registers the CPU kernels
-instead and every provider runs the reference.
+defined below), ``sgl_kernel`` SGLang's CPU kernels where installed (``amxopt.ops.sgl``). Where the
+C++ library cannot be built or loaded, Python registers the CPU kernels instead and every provider
+runs the reference.
 
 Shape checks are written once here and run by the fakes (so tracing a bad call fails with the same
 message) and by the reference ops; the C++ kernels repeat them in C++ (they must stand on their own).
