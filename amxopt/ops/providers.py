@@ -19,27 +19,31 @@ logger = logging.getLogger(__name__)
 PROVIDERS = ("native", "reference", "sgl_kernel")  # "auto" picks the first usable of the first two
 
 
+# Each provider's check, run only when asked: sgl_kernel's imports a large optional extension, which
+# resolving another provider (every optimize()) must not pay for.
+_CHECKS = {  # looked up at call time (tests stand in for a module's check)
+    "native": lambda: native.available(),
+    "reference": lambda: (True, "plain ATen, runs on any CPU"),
+    "sgl_kernel": lambda: sgl.available(),
+}
+
+
 def available_providers() -> dict[str, tuple[bool, str]]:
     """Every known provider with (usable here?, why)."""
-    return {
-        "native": native.available(),
-        "reference": (True, "plain ATen, runs on any CPU"),
-        "sgl_kernel": sgl.available(),
-    }
+    return {name: check() for name, check in _CHECKS.items()}
 
 
 def resolve(requested: str) -> str:
     """Turn ``AmxConfig.provider`` into a concrete, usable provider name."""
-    usable = available_providers()
     if requested != "auto":
-        if requested not in usable:
+        if requested not in _CHECKS:
             raise ValueError(f"amxopt: unknown provider {requested!r}; known: {list(PROVIDERS)}")
-        ok, why = usable[requested]
+        ok, why = _CHECKS[requested]()
         if not ok:
             raise ValueError(f"amxopt: provider {requested!r} is not usable here: {why}")
         return requested
     name = library.resolve_provider("auto")
-    logger.info("amxopt: using provider %r (%s)", name, usable[name][1])
+    logger.info("amxopt: using provider %r (%s)", name, _CHECKS[name]()[1])
     return name
 
 
