@@ -23,7 +23,6 @@ import shutil
 import subprocess
 
 import torch
-from torch.utils import cpp_extension
 
 logger = logging.getLogger(__name__)
 
@@ -57,42 +56,47 @@ def _cxx() -> str:
     return os.environ.get("CXX", "g++")
 
 
-def _common_flags() -> list[str]:
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+def _torch_paths() -> tuple[list[str], list[str]]:
+    """torch's include and library directories. cpp_extension is imported here, only for a build:
+    it imports setuptools, about 5 MB of RSS in every process that imports amxopt."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.include_paths(), cpp_extension.library_paths()
+
+
+def _flags() -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # at::parallel_for is OpenMP in these wheels: -fopenmp links the libgomp torch already loaded,
     # so there is one thread pool, sized by torch.set_num_threads.
-    return ["-std=c++20", "-O3", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes]
+    return ["-std=c++20", "-O3", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+
+
+_LIBS = ["-lc10", "-ltorch_cpu", "-ltorch"]
 
 
 def _link_flags() -> list[str]:
-    libdirs = cpp_extension.library_paths()
-    return [
-        "-shared",
-        "-fopenmp",
-        *[f"-L{d}" for d in libdirs],
-        *[f"-Wl,-rpath,{d}" for d in libdirs],
-        "-lc10",
-        "-ltorch_cpu",
-        "-ltorch",
-    ]
+    libdirs = _torch_paths()[1]
+    return ["-shared", "-fopenmp", *[f"-L{d}" for d in libdirs], *[f"-Wl,-rpath,{d}" for d in libdirs], *_LIBS]
 
 
 @functools.cache
 def _fingerprint() -> str:
+    # torch's directory stands for its include and library paths (which name it), without the import.
     h = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     compiler = subprocess.run([_cxx(), "--version"], capture_output=True, text=True, check=True).stdout
-    for part in (repr(SOURCES), repr(_common_flags()), repr(_link_flags()), compiler, torch.__version__):
+    torch_dir = str(pathlib.Path(torch.__file__).parent)
+    for part in (repr(SOURCES), repr(_flags()), repr(_LIBS), torch_dir, compiler, torch.__version__):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
 
 def _compile(source: str, flags: tuple[str, ...], out_dir: pathlib.Path) -> pathlib.Path:
     obj = out_dir / (source.removesuffix(".cpp") + ".o")
-    cmd = [_cxx(), *_common_flags(), *flags, "-c", str(CSRC / source), "-o", str(obj)]
+    includes = [f"-I{p}" for p in _torch_paths()[0]]
+    cmd = [_cxx(), *_flags(), *includes, *flags, "-c", str(CSRC / source), "-o", str(obj)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"amxopt: compiling {source} failed:\n{' '.join(cmd)}\n{result.stderr[-4000:]}")
