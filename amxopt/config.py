@@ -36,6 +36,10 @@ class AmxConfig:
             library versions, the CPU, the model's structure (not its weight values), the call's
             structure and these options: a later optimize() of the same model restores the graph
             instead of capturing and rewriting it again. Not used with tensor parallelism.
+        isolate_capture: capture and rewrite in a forked child process, which sends the graph back
+            (``amxopt/runtime/isolated.py``): torch.export's imports and leftovers (tens of MB) never
+            enter this process, and the weights are packed here meanwhile. Linux only; not with
+            tensor parallelism. A capture the child cannot finish runs in this process instead.
         tp: tensor-parallel ranks. ``1``: none. ``"env"``: this process is one rank of a
             ``torchrun`` job (torch.distributed from the environment, gloo, or oneCCL when installed).
             ``N > 1``: optimize() starts N-1 worker processes and returns a module that runs all N
@@ -61,6 +65,7 @@ class AmxConfig:
     autotune: bool = True
     autotune_cache: str | None = None
     graph_cache: bool = True
+    isolate_capture: bool = True
     tp: int | str = 1
     cpu_bind: str | tuple | None = None
     tp_timeout_s: float = 300.0

@@ -104,6 +104,11 @@ def _load(path: pathlib.Path) -> dict:
         return {}
 
 
+def reload() -> None:
+    """Read the decisions from disk again at the next lookup (another process may have added some)."""
+    _load.cache_clear()
+
+
 def _store(path: pathlib.Path, table: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ from amxopt.config import AmxConfig
 from amxopt.ops import DTYPES, native, packed
 from amxopt.ops.providers import resolve
 from amxopt.runtime import graph_store
-from amxopt.runtime.weights import guard, placeholder
+from amxopt.runtime.weights import guard, pack, packable, placeholder
 
 logger = logging.getLogger(__name__)
 
@@ -226,23 +226,6 @@ def _set(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[attr] = tensor
 
 
-def packable(module: nn.Module, attr: str) -> bool:
-    """A weight amxopt's passes turn into a packed GEMM operand: a Linear's, or a patch embedding's."""
-    if attr != "weight":
-        return False
-    if isinstance(module, nn.Linear):
-        return True
-    if isinstance(module, (nn.Conv2d, nn.Conv3d)):
-        padding_free = module.padding == "valid" or not any(module.padding)
-        return (
-            list(module.stride) == list(module.kernel_size)
-            and padding_free
-            and all(d == 1 for d in module.dilation)
-            and module.groups == 1
-        )
-    return False
-
-
 def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
     """What a checkpoint must hold: parameters and persistent buffers by name (tied names share a tensor)."""
     return dict(model.state_dict(keep_vars=True))
@@ -358,9 +341,7 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
             value = _convert(key, files[key].tensors.pop(key), like, str(path))
             module, attr = _owner(model, name)
             if packable(module, attr) and like.dtype in DTYPES:
-                with torch.no_grad():
-                    flat = torch.ops.amxopt.pack_linear_weight(value.reshape(like.shape[0], -1), provider)
-                done[id(like)] = placeholder(like, {provider: flat})
+                done[id(like)] = placeholder(like, {provider: pack(value, provider)})
             else:
                 # A copy: the model must not keep the checkpoint's memory map (or its file) alive.
                 done[id(like)] = value.clone() if value.dtype == like.dtype else value

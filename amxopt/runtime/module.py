@@ -23,7 +23,7 @@ from amxopt.config import AmxConfig
 from amxopt.ops import packed
 from amxopt.passes import run_passes
 from amxopt.passes._graph import fetch
-from amxopt.runtime import graph_store, weights
+from amxopt.runtime import graph_store, isolated, weights
 from amxopt.runtime.graph_store import GraphEntry
 from amxopt.runtime.report import Report
 
@@ -37,7 +37,8 @@ def build_graph(
 
     With ``config.graph_cache``, a graph stored on disk for this model structure, call structure
     and options is restored instead (when its guards accept ``graph_inputs``), and a new graph is
-    stored. ``keep_text`` (the CLI's dumps) always captures.
+    stored. ``keep_text`` (the CLI's dumps) always captures. A capture runs in a forked child where
+    it can (``AmxConfig.isolate_capture``, ``amxopt/runtime/isolated.py``).
     """
     module = adapter.export_module(model)
     key = None
@@ -48,14 +49,26 @@ def build_graph(
         if restored is not None and _accepts(restored, graph_inputs):
             logger.info("amxopt: %s restored from the graph cache (%s)", adapter.model_name, key)
             return restored
-    graph = _capture_and_rewrite(model, adapter, graph_inputs, config, keep_text)
+    if isolated.usable(config, keep_text):
+        graph = isolated.capture(
+            lambda: _capture_and_rewrite(model, adapter, graph_inputs, config, False),
+            module,
+            adapter.model_name,
+            config,
+        )
+    else:
+        graph = _capture_and_rewrite(model, adapter, graph_inputs, config, keep_text)
     if key is not None:
         graph_store.write_cache(key, graph, module, config)
     return graph
 
 
 def _capture_and_rewrite(
-    model: nn.Module, adapter: Adapter, graph_inputs: dict, config: AmxConfig, keep_text: bool
+    model: nn.Module,
+    adapter: Adapter,
+    graph_inputs: dict,
+    config: AmxConfig,
+    keep_text: bool,
 ) -> GraphEntry:
     with weights.exportable(model):
         captured = export(model, adapter, graph_inputs, config.dynamic, config.stamp_blocks)

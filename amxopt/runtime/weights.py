@@ -19,7 +19,52 @@ import ctypes
 import torch
 from torch import nn
 
-from amxopt.ops.packed import RELEASED_ATTR, is_released, is_sharded, packings, remember, transfer
+from amxopt.ops import DTYPES
+from amxopt.ops.packed import (
+    RELEASED_ATTR,
+    flat_shape,
+    is_released,
+    is_sharded,
+    packed_for,
+    packings,
+    remember,
+    transfer,
+)
+
+
+def packable(module: nn.Module, attr: str) -> bool:
+    """A weight amxopt's passes turn into a packed GEMM operand: a Linear's, or a patch embedding's."""
+    if attr != "weight":
+        return False
+    if isinstance(module, nn.Linear):
+        return True
+    if isinstance(module, (nn.Conv2d, nn.Conv3d)):
+        padding_free = module.padding == "valid" or not any(module.padding)
+        return (
+            list(module.stride) == list(module.kernel_size)
+            and padding_free
+            and all(d == 1 for d in module.dilation)
+            and module.groups == 1
+        )
+    return False
+
+
+def pack(weight: torch.Tensor, provider: str) -> torch.Tensor:
+    """``weight`` packed for ``provider`` as its ``[N, K]`` flattening (what ``pack_weights`` shares)."""
+    with torch.no_grad():
+        return torch.ops.amxopt.pack_linear_weight(weight.reshape(flat_shape(weight)), provider)
+
+
+def plan_packings(model: nn.Module, provider: str) -> None:
+    """Give every packable weight of ``model`` without a packing for ``provider`` a meta one (its
+    shape and dtype, no data): a capture takes it as it takes any earlier packing, without
+    computing one, and a stored graph names it by its source weight (``amxopt/runtime/isolated.py``)."""
+    for module in model.modules():
+        p = module._parameters.get("weight")
+        if p is None or p.device.type == "meta" or p.dtype not in DTYPES or not packable(module, "weight"):
+            continue
+        if packed_for(p, provider) is None:
+            remember(p, provider, pack(p.to("meta"), provider))
 
 
 def release(model: nn.Module, keep: set[int]) -> int:

@@ -1,0 +1,122 @@
+"""Capture in a forked child: torch.export's imports and leftovers never enter the serving process.
+
+Why: a capture imports torch.export's machinery (networkx among it) and leaves fake tensors, a
+ShapeEnv and a fragmented heap behind, which nothing frees: about 45 MB of RSS for Qwen3-VL-2B
+vision (tools/bench_load.py), in the very process that then serves the model, and more with every
+re-capture. Here the process forks; the child exports and runs the passes, then sends the
+rewritten graph back as graph_store's JSON entry, which the parent restores as it would one from
+the graph cache (no stored code runs, nothing is unpickled).
+
+    parent:  fork ───────────────────────────────────── restore(entry): packs the weights ── graph
+    child:         └─ shape-only packings ── export ── passes ── dump ──┘
+
+The child works on a new thread: the parent's OpenMP pool does not exist in a forked child, and the
+first parallel region of the child's main thread would wait for it forever, while a new thread
+builds a pool of its own (autotune's timing runs need one). The child never computes a packing:
+every packable weight carries a meta packing (shape and dtype), which ``pack_weights`` takes as it
+takes any earlier packing and the entry names by its source weight; the parent packs it when it
+restores the entry. (Packing in the parent while the child exports measured no faster on 2 cores.)
+
+A capture the child cannot finish (export fails, the graph is not expressible as an entry, the
+child dies) runs again in this process, which raises the real error or returns the graph.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import tempfile
+import threading
+from collections.abc import Callable
+
+from torch import nn
+
+from amxopt.config import AmxConfig
+from amxopt.passes import _autotune
+from amxopt.runtime import graph_store, weights
+from amxopt.runtime.graph_store import GraphEntry, GraphStoreError
+
+logger = logging.getLogger(__name__)
+
+Run = Callable[[], GraphEntry]  # capture and rewrite
+
+
+def usable(config: AmxConfig, keep_text: bool) -> bool:
+    """Whether a capture with ``config`` runs in a child: on by option, never for tensor parallelism
+    (process groups do not survive a fork) or the CLI's dumps (pass texts are not sent back)."""
+    return config.isolate_capture and config.tp == 1 and not keep_text and hasattr(os, "fork")
+
+
+def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> GraphEntry:
+    """``run`` in a forked child, the graph restored here on ``module`` (the exported module); in
+    this process when the child does not send one back."""
+    ours, theirs = multiprocessing.Pipe(duplex=False)
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        ours.close()
+        try:
+            worker = threading.Thread(target=_child, args=(theirs, run, module, config), name="amxopt-capture")
+            worker.start()
+            worker.join()
+        finally:
+            os._exit(0)
+    theirs.close()
+    try:
+        reply = json.loads(ours.recv_bytes())
+    except (EOFError, OSError) as e:
+        reply = {"error": f"the capture process ended without a graph ({type(e).__name__})"}
+    except BaseException:  # KeyboardInterrupt: the child must not outlive the call
+        os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        ours.close()
+        _, status = os.waitpid(pid, 0)
+    _autotune.reload()  # the child may have stored new decisions
+    graph = _restore(reply, module, config) if "entry" in reply else None
+    if graph is None:
+        reason = reply.get("error") or f"exit status {status}"
+        logger.info(
+            "amxopt: %s: capturing in a child process failed (%s); capturing in this process", model_name, reason
+        )
+        graph = run()
+    return graph
+
+
+def _restore(reply: dict, module: nn.Module, config: AmxConfig) -> GraphEntry | None:
+    tensors = {}
+    try:
+        if "tensors" in reply:
+            from safetensors.torch import load_file
+
+            tensors = load_file(reply["tensors"])
+        return graph_store.restore(
+            reply["entry"], module, config.provider, tensors, "amxopt's capture in a forked child process"
+        )
+    except (OSError, ValueError, KeyError, GraphStoreError) as e:
+        reply["error"] = f"its graph could not be restored: {e}"
+        return None
+    finally:
+        if "tensors" in reply:
+            os.unlink(reply["tensors"])
+
+
+def _child(conn, run: Run, module: nn.Module, config: AmxConfig) -> None:
+    try:
+        weights.plan_packings(module, config.provider)
+        graph = run()
+        entry, tensors = graph_store.dump(graph, module, for_cache=False)
+        reply: dict = {"entry": entry}
+        if tensors:
+            from safetensors.torch import save_file
+
+            fd, path = tempfile.mkstemp(prefix="amxopt-capture-", suffix=".safetensors")
+            os.close(fd)
+            reply["tensors"] = path
+            save_file(tensors, path)
+    except BaseException as e:  # noqa: BLE001 - every failure is re-run (and raised) by the parent
+        text = str(e).strip().splitlines()
+        reply = {"error": f"{type(e).__name__}: {text[0][:300] if text else ''}"}
+    conn.send_bytes(json.dumps(reply).encode())

@@ -1,0 +1,123 @@
+"""Capture in a forked child (amxopt/runtime/isolated.py): the same graph as a capture in this
+process, torch.export never imported here, and every failure of the child falls back."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import amxopt
+from amxopt import models
+from amxopt.capture import CaptureError
+from amxopt.runtime import isolated
+from tests.helpers import CONFIG
+
+FAMILIES = ("tiny-qwen3-vl-vision", "tiny-qwen3-omni-vision", "tiny-qwen3-omni-audio", "tiny-wan")
+CHILD = "graph restored from amxopt's capture in a forked child process"
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is not available on this platform")
+
+
+def _config(tmp_path, **kw) -> amxopt.AmxConfig:
+    return dataclasses.replace(CONFIG, graph_cache=False, autotune_cache=str(tmp_path), **kw)
+
+
+def _outputs(opt, inputs):
+    with torch.no_grad():
+        return pytree.tree_leaves(opt(**inputs))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_child_sends_back_the_graph_a_capture_here_makes(name, tmp_path):
+    model = models.build_model(name, torch.bfloat16)
+    inputs = models.example_inputs(name, torch.bfloat16)
+    here = amxopt.optimize(model, inputs, _config(tmp_path, provider="native", isolate_capture=False))
+    child = amxopt.optimize(model, inputs, _config(tmp_path, provider="native"))
+    assert any(CHILD in n for n in child.report.notes), child.report.notes
+    assert not any(CHILD in n for n in here.report.notes)
+    assert child.report.counts() == here.report.counts()
+    assert str(child.graph_module.graph) == str(here.graph_module.graph)
+    for t in (*child.graph_module.parameters(), *child.graph_module.buffers()):
+        assert t.device.type == "cpu"  # the child's shape-only packings never reach this process
+    for got, want in zip(_outputs(child, inputs), _outputs(here, inputs), strict=True):
+        assert torch.equal(got, want), name
+
+
+def test_a_recapture_in_the_child_shares_the_packed_weights_of_the_first_graph(tmp_path):
+    name = "tiny-qwen3-vl-vision"
+    model = models.build_model(name, torch.float32)
+    config = _config(tmp_path, provider="native", keep_source=False, dynamic=False)
+    opt = amxopt.optimize(model, models.example_inputs(name, torch.float32), config)
+    other = models.example_inputs(name, torch.float32, size=[(64, 96), (32, 32)])
+    reference = models.build_model(name, torch.float32)
+    with torch.no_grad():
+        got, want = opt(**other), reference(**other)
+    assert len(opt.graphs) == 2 and all(any(CHILD in n for n in g.report.notes) for g in opt._graphs)
+    first, second = ({b.data_ptr() for b in gm.get_submodule("_packed").buffers()} for gm in opt.graphs)
+    assert first == second  # packed once: the second graph reads the first one's packings
+    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_autotune_decides_in_the_child_and_the_report_shows_it(tmp_path):
+    name = "tiny-qwen3-omni-audio"
+    model = models.build_model(name, torch.bfloat16)
+    inputs = models.example_inputs(name, torch.bfloat16)
+    child = amxopt.optimize(model, inputs, _config(tmp_path, provider="native", autotune=True))
+    here = amxopt.optimize(model, inputs, _config(tmp_path, provider="native", autotune=True, isolate_capture=False))
+    assert child.report.choices, "the child's timings are in the report"
+    # The child stored its decisions on disk; this process reads them instead of timing again.
+    assert [c[0] for c in here.report.choices] == [c[0] for c in child.report.choices]
+    assert all("[cached]" in str(c) for c in here.report.choices), here.report.choices
+
+
+def test_a_child_that_dies_falls_back_to_a_capture_here(tmp_path, monkeypatch, caplog):
+    name = "tiny-wan"
+    monkeypatch.setattr(isolated, "_child", lambda *args: os._exit(3))
+    inputs = models.example_inputs(name, torch.float32)
+    with caplog.at_level(logging.INFO, logger="amxopt.runtime.isolated"):
+        opt = amxopt.optimize(models.build_model(name, torch.float32), inputs, _config(tmp_path))
+    assert "capturing in this process" in caplog.text and "ended without a graph" in caplog.text
+    assert not any(CHILD in n for n in opt.report.notes)
+    assert opt.report.counts()["linear"] > 0
+
+
+def test_a_model_export_cannot_capture_raises_the_error_of_a_capture_here(tmp_path, caplog):
+    class DataDependent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            for _ in range(int(x.abs().sum().item() * 3) % 4):  # control flow on a value
+                x = self.fc(x)
+            return x
+
+    with caplog.at_level(logging.INFO, logger="amxopt.runtime.isolated"):
+        with pytest.raises(CaptureError, match="could not capture DataDependent"):
+            amxopt.optimize(DataDependent().eval(), (torch.randn(2, 4),), _config(tmp_path))
+    assert "CaptureError" in caplog.text  # the child's reason, logged before the capture here raised
+
+
+def test_optimize_never_imports_torch_export_in_this_process(tmp_path):
+    # A fresh interpreter: this test process has imported torch.export long ago.
+    script = f"""
+import json, sys, torch, amxopt
+from amxopt import models
+name = "tiny-qwen3-vl-vision"
+config = amxopt.AmxConfig(provider="reference", autotune=False, graph_cache=False, autotune_cache={str(tmp_path)!r})
+opt = amxopt.optimize(models.build_model(name, torch.float32), models.example_inputs(name, torch.float32), config)
+print(json.dumps({{"notes": opt.report.notes, "modules": [m for m in ("torch.export._trace", "networkx") if m in sys.modules]}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert any(CHILD in n for n in result["notes"]), result["notes"]
+    assert result["modules"] == [], f"imported here: {result['modules']}"
