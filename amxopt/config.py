@@ -38,8 +38,9 @@ class AmxConfig:
             instead of capturing and rewriting it again. Not used with tensor parallelism.
         isolate_capture: capture and rewrite in a forked child process, which sends the graph back
             (``amxopt/runtime/isolated.py``): torch.export's imports and leftovers (tens of MB) never
-            enter this process, and the weights are packed here meanwhile. Linux only; not with
-            tensor parallelism. A capture the child cannot finish runs in this process instead.
+            enter this process. Not with tensor parallelism. A capture the child cannot finish runs
+            in this process instead. Turn it off where a fork is unsafe: other threads of this
+            process running torch while a capture starts could hold locks the child needs.
         tp: tensor-parallel ranks. ``1``: none. ``"env"``: this process is one rank of a
             ``torchrun`` job (torch.distributed from the environment, gloo, or oneCCL when installed).
             ``N > 1``: optimize() starts N-1 worker processes and returns a module that runs all N

@@ -16,7 +16,7 @@ route runs in a fresh process, so that each peak RSS (``VmHWM``) is its own:
 Each process also reports the RSS of the bare imports, so the weights' share can be read apart.
 Autotune is off (its timing runs would blur the setup time; decisions are cached on disk anyway).
 
-    .venv/bin/python tools/bench_load.py [--models qwen3-vl-2b-vision,wan2.1-t2v-1.3b] [--compile]
+    .venv/bin/python tools/bench_load.py [--models qwen3-vl-2b-vision,wan2.1-t2v-1.3b] [--compile] [--repeats N]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import argparse
 import json
 import pathlib
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -133,6 +134,15 @@ def _source_packed_mb(opt) -> float:
     return total / _MB
 
 
+def _median_row(rows: list[dict]) -> dict:
+    """One route's runs: the median of each number, the first run's other fields."""
+    out = dict(rows[0])
+    for k, v in rows[0].items():
+        if isinstance(v, float):
+            out[k] = statistics.median(r[k] for r in rows)
+    return out
+
+
 def _run(route: str, name: str, path: pathlib.Path) -> dict:
     cmd = [sys.executable, __file__, "--child", route, "--models", name, "--dir", str(path)]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -145,6 +155,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="qwen3-vl-2b-vision,wan2.1-t2v-1.3b")
     parser.add_argument("--compile", action="store_true", help="also time from_pretrained + torch.compile")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every route (interleaved); medians reported")
     parser.add_argument("--dir", default=None, help="working directory for checkpoints (default: a temp dir)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None)
@@ -167,9 +178,10 @@ def main() -> None:
         root = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="amxopt-bench-load-")) / name
         if not (root / "hf").exists():
             models.build_model(name, torch.bfloat16).save_pretrained(root / "hf")
-        rows = [_run(route, name, root) for route in routes]
+        runs = [[_run(route, name, root) for route in routes] for _ in range(args.repeats)]
+        rows = [_median_row([run[i] for run in runs]) for i in range(len(routes))]
         packed_mb = next(r["packed_mb"] for r in rows if "packed_mb" in r)
-        print(f"\n## {name}: packed weights {packed_mb:.0f} MB")
+        print(f"\n## {name}: packed weights {packed_mb:.0f} MB (medians of {args.repeats} runs per route)")
         print(
             "| route | load s | setup s | first call s | peak RSS MB | RSS after MB | imports RSS MB | peak / (packed + 300) |"
         )

@@ -17,8 +17,9 @@ every packable weight carries a meta packing (shape and dtype), which ``pack_wei
 takes any earlier packing and the entry names by its source weight; the parent packs it when it
 restores the entry. (Packing in the parent while the child exports measured no faster on 2 cores.)
 
-A capture the child cannot finish (export fails, the graph is not expressible as an entry, the
-child dies) runs again in this process, which raises the real error or returns the graph.
+A capture export cannot make raises the child's CaptureError here. Any other failure of the child
+(the graph is not expressible as an entry, an error in a pass, the child dies) runs the capture
+again in this process, which raises the real error with its traceback or returns the graph.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from amxopt.capture import CaptureError
 from amxopt.config import AmxConfig
 from amxopt.passes import _autotune
 from amxopt.runtime import graph_store, weights
@@ -75,6 +77,8 @@ def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> 
         ours.close()
         _, status = os.waitpid(pid, 0)
     _autotune.reload()  # the child may have stored new decisions
+    if "capture_error" in reply:  # export's verdict: the same here, so it is not run twice
+        raise CaptureError(reply["capture_error"])
     graph = _restore(reply, module, config) if "entry" in reply else None
     if graph is None:
         reason = reply.get("error") or f"exit status {status}"
@@ -116,7 +120,9 @@ def _child(conn, run: Run, module: nn.Module, config: AmxConfig) -> None:
             os.close(fd)
             reply["tensors"] = path
             save_file(tensors, path)
-    except BaseException as e:  # noqa: BLE001 - every failure is re-run (and raised) by the parent
+    except CaptureError as e:
+        reply = {"capture_error": str(e)}
+    except BaseException as e:  # noqa: BLE001 - any other failure is re-run (and raised) by the parent
         text = str(e).strip().splitlines()
         reply = {"error": f"{type(e).__name__}: {text[0][:300] if text else ''}"}
     conn.send_bytes(json.dumps(reply).encode())

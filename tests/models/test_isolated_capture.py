@@ -89,7 +89,7 @@ def test_a_child_that_dies_falls_back_to_a_capture_here(tmp_path, monkeypatch, c
     assert opt.report.counts()["linear"] > 0
 
 
-def test_a_model_export_cannot_capture_raises_the_error_of_a_capture_here(tmp_path, caplog):
+def test_a_model_export_cannot_capture_raises_the_childs_capture_error(tmp_path):
     class DataDependent(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -100,10 +100,8 @@ def test_a_model_export_cannot_capture_raises_the_error_of_a_capture_here(tmp_pa
                 x = self.fc(x)
             return x
 
-    with caplog.at_level(logging.INFO, logger="amxopt.runtime.isolated"):
-        with pytest.raises(CaptureError, match="could not capture DataDependent"):
-            amxopt.optimize(DataDependent().eval(), (torch.randn(2, 4),), _config(tmp_path))
-    assert "CaptureError" in caplog.text  # the child's reason, logged before the capture here raised
+    with pytest.raises(CaptureError, match="could not capture DataDependent"):
+        amxopt.optimize(DataDependent().eval(), (torch.randn(2, 4),), _config(tmp_path))
 
 
 def test_optimize_never_imports_torch_export_in_this_process(tmp_path):
