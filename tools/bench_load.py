@@ -139,7 +139,7 @@ def _median_row(rows: list[dict]) -> dict:
     out = dict(rows[0])
     for k, v in rows[0].items():
         if isinstance(v, float):
-            out[k] = statistics.median(r[k] for r in rows)
+            out[k] = statistics.median(r[k] for r in rows if k in r)
     return out
 
 
@@ -201,6 +201,9 @@ def main() -> None:
             f"{by['hf+optimize warm']['optimize_s']:.1f} s with the graph cache",
             flush=True,
         )
+        if args.repeats > 1:
+            cold = ", ".join(f"{run[routes.index('hf+optimize')]['optimize_s']:.2f}" for run in runs)
+            print(f"cold optimize() setup per run: {cold} s")
         results += rows
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))

@@ -24,6 +24,7 @@ again in this process, which raises the real error with its traceback or returns
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import multiprocessing
@@ -56,7 +57,15 @@ def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> 
     """``run`` in a forked child, the graph restored here on ``module`` (the exported module); in
     this process when the child does not send one back."""
     ours, theirs = multiprocessing.Pipe(duplex=False)
+    # Frozen, this process's objects are never walked by the child's collections, nor their pages
+    # copied: the child's export took 2.7-3.7 s instead of 3.9 s (a process that froze objects of
+    # its own is left as it is).
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     pid = os.fork()
+    if pid != 0 and freeze:
+        gc.unfreeze()
     if pid == 0:  # the child: never returns
         ours.close()
         try:
