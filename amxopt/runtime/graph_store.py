@@ -46,6 +46,7 @@ from amxopt.ops import native, packed
 from amxopt.passes import PassRecord
 from amxopt.passes._graph import fetch
 from amxopt.passes.pack_weights import PACKED_PREFIX
+from amxopt.runtime import weights
 from amxopt.runtime.report import Entry, Report
 
 logger = logging.getLogger(__name__)
@@ -294,8 +295,7 @@ def _restore_attr(target: str, spec: dict, module: nn.Module, tensors: Mapping[s
             if t is None:
                 if packed.is_released(source):
                     raise GraphStoreError(f"{name} was released without a packing for {spec['provider']!r}")
-                with torch.no_grad():
-                    t = torch.ops.amxopt.pack_linear_weight(source.reshape(packed.flat_shape(source)), spec["provider"])
+                t = weights.pack(source, spec["provider"])
                 packed.remember(source, spec["provider"], t)
     if list(t.shape) != spec["shape"] or _dtype_name(t.dtype) != spec["dtype"]:
         raise GraphStoreError(

@@ -64,11 +64,7 @@ def build_graph(
 
 
 def _capture_and_rewrite(
-    model: nn.Module,
-    adapter: Adapter,
-    graph_inputs: dict,
-    config: AmxConfig,
-    keep_text: bool,
+    model: nn.Module, adapter: Adapter, graph_inputs: dict, config: AmxConfig, keep_text: bool
 ) -> GraphEntry:
     with weights.exportable(model):
         captured = export(model, adapter, graph_inputs, config.dynamic, config.stamp_blocks)
