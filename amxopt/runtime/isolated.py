@@ -1,9 +1,9 @@
 """Capture in a forked child: torch.export's imports and leftovers never enter the serving process.
 
 Why: a capture imports torch.export's machinery (networkx among it) and leaves fake tensors, a
-ShapeEnv and a fragmented heap behind, which nothing frees: about 45 MB of RSS for Qwen3-VL-2B
-vision (tools/bench_load.py), in the very process that then serves the model, and more with every
-re-capture. Here the process forks; the child exports and runs the passes, then sends the
+ShapeEnv and a fragmented heap behind, which nothing frees: 35 MB of RSS after a capture of
+Qwen3-VL-2B vision (tools/bench_load.py), in the very process that then serves the model, and more
+with every re-capture. Here the process forks; the child exports and runs the passes, then sends the
 rewritten graph back as graph_store's JSON entry, which the parent restores as it would one from
 the graph cache (no stored code runs, nothing is unpickled).
 
@@ -63,9 +63,17 @@ def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> 
     freeze = gc.get_freeze_count() == 0
     if freeze:
         gc.freeze()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as e:  # no memory or process slots for a child: capture here
+        pid = None
+        logger.info("amxopt: %s: no capture process (%s); capturing in this process", model_name, e)
     if pid != 0 and freeze:
         gc.unfreeze()
+    if pid is None:
+        ours.close()
+        theirs.close()
+        return run()
     if pid == 0:  # the child: never returns
         ours.close()
         try:

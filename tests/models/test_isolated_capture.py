@@ -4,6 +4,7 @@ process, torch.export never imported here, and every failure of the child falls 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -87,6 +88,20 @@ def test_a_child_that_dies_falls_back_to_a_capture_here(tmp_path, monkeypatch, c
     assert "capturing in this process" in caplog.text and "ended without a graph" in caplog.text
     assert not any(CHILD in n for n in opt.report.notes)
     assert opt.report.counts()["linear"] > 0
+
+
+def test_a_failed_fork_captures_here(tmp_path, monkeypatch):
+    def no_fork():
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(isolated.os, "fork", no_fork)
+    name = "tiny-qwen3-omni-audio"
+    opt = amxopt.optimize(
+        models.build_model(name, torch.float32), models.example_inputs(name, torch.float32), _config(tmp_path)
+    )
+    assert not any(CHILD in n for n in opt.report.notes)
+    assert opt.report.counts()["linear"] > 0
+    assert gc.get_freeze_count() == 0  # nothing left frozen
 
 
 def test_a_model_export_cannot_capture_raises_the_childs_capture_error(tmp_path):
