@@ -37,6 +37,7 @@ from collections.abc import Callable
 from torch import nn
 
 from amxopt.capture import CaptureError
+from amxopt.capture.base import _first_line
 from amxopt.config import AmxConfig
 from amxopt.passes import _autotune
 from amxopt.runtime import graph_store, weights
@@ -125,6 +126,7 @@ def _restore(reply: dict, module: nn.Module, config: AmxConfig) -> GraphEntry | 
 
 
 def _child(conn, run: Run, module: nn.Module, config: AmxConfig) -> None:
+    path = None
     try:
         weights.plan_packings(module, config.provider)
         graph = run()
@@ -140,6 +142,7 @@ def _child(conn, run: Run, module: nn.Module, config: AmxConfig) -> None:
     except CaptureError as e:
         reply = {"capture_error": str(e)}
     except BaseException as e:  # noqa: BLE001 - any other failure is re-run (and raised) by the parent
-        text = str(e).strip().splitlines()
-        reply = {"error": f"{type(e).__name__}: {text[0][:300] if text else ''}"}
+        reply = {"error": f"{type(e).__name__}: {_first_line(e)}"}
+    if path is not None and "tensors" not in reply:  # written, then the reply failed: not the parent's to delete
+        os.unlink(path)
     conn.send_bytes(json.dumps(reply).encode())
