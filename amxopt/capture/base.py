@@ -162,7 +162,7 @@ def _export(module, model, adapter, graph_inputs, shapes, stamp_blocks) -> tuple
     note = ""
     if stacks:
         try:
-            with adapter.tracing(model), repeated.tracing(module, stacks), torch.no_grad():
+            with adapter.tracing(model), repeated.tracing(module, stacks), torch.no_grad(), _one_shot_trace():
                 ep = torch.export.export(module, (), dict(graph_inputs), dynamic_shapes=shapes, strict=False)
             gm = ep.module()
             repeated.stamp(gm, stacks)
@@ -170,9 +170,25 @@ def _export(module, model, adapter, graph_inputs, shapes, stamp_blocks) -> tuple
         except Exception as e:  # noqa: BLE001 - whatever stopped stamping, a full trace may still work
             note = f"blocks traced one by one: {_first_line(e)}"
             logger.info("amxopt: stamping the blocks of %s failed (%s); tracing every block", adapter.model_name, e)
-    with adapter.tracing(model), torch.no_grad():
+    with adapter.tracing(model), torch.no_grad(), _one_shot_trace():
         ep = torch.export.export(module, (), dict(graph_inputs), dynamic_shapes=shapes, strict=False)
     return ep, ep.module(), note
+
+
+@contextlib.contextmanager
+def _one_shot_trace():
+    """torch settings for a trace that runs once: no fake-tensor dispatch cache (an entry is built,
+    and checked against symbolic sizes, per distinct op call, and hardly any repeats once blocks are
+    stamped) and no Python stack per node (nothing of amxopt reads ``stack_trace``). Qwen3-VL-2B
+    vision's export: 2.07 s of CPU against 2.88 s with both on (medians of 6, tools-free A/B on a
+    Zen 3); the graph is the same."""
+    stack_traces = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+            yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = stack_traces
 
 
 def _drop_dtype_asserts(gm: fx.GraphModule) -> None:

@@ -28,6 +28,11 @@ def remember(tensor: torch.Tensor, provider: str, packed: torch.Tensor) -> None:
     getattr(tensor, PACKED_ATTR)[provider] = (tensor._version, packed)
 
 
+def forget(tensor: torch.Tensor, provider: str) -> None:
+    """Drop ``tensor``'s packing for ``provider`` (one no graph reads)."""
+    getattr(tensor, PACKED_ATTR, {}).pop(provider, None)
+
+
 def packings(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """Every fresh packing of ``tensor``, by provider."""
     return {p: t for p, (v, t) in getattr(tensor, PACKED_ATTR, {}).items() if v == tensor._version}

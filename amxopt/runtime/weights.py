@@ -55,16 +55,24 @@ def pack(weight: torch.Tensor, provider: str) -> torch.Tensor:
         return torch.ops.amxopt.pack_linear_weight(weight.reshape(flat_shape(weight)), provider)
 
 
-def plan_packings(model: nn.Module, provider: str) -> None:
-    """Give every packable weight of ``model`` without a packing for ``provider`` a meta one (its
-    shape and dtype, no data): a capture takes it as it takes any earlier packing, without
-    computing one, and a stored graph names it by its source weight (``amxopt/runtime/isolated.py``)."""
+def unpacked(model: nn.Module, provider: str) -> list[nn.Parameter]:
+    """The packable weights of ``model`` that have no packing for ``provider`` yet (each once)."""
+    found: dict[int, nn.Parameter] = {}
     for module in model.modules():
         p = module._parameters.get("weight")
         if p is None or p.device.type == "meta" or p.dtype not in DTYPES or not packable(module, "weight"):
             continue
         if packed_for(p, provider) is None:
-            remember(p, provider, pack(p.to("meta"), provider))
+            found.setdefault(id(p), p)
+    return list(found.values())
+
+
+def plan_packings(model: nn.Module, provider: str) -> None:
+    """Give every packable weight of ``model`` without a packing for ``provider`` a meta one (its
+    shape and dtype, no data): a capture takes it as it takes any earlier packing, without
+    computing one, and a stored graph names it by its source weight (``amxopt/runtime/isolated.py``)."""
+    for p in unpacked(model, provider):
+        remember(p, provider, pack(p.to("meta"), provider))
 
 
 def release(model: nn.Module, keep: set[int]) -> int:

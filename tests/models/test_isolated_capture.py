@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 import amxopt
 from amxopt import models
 from amxopt.capture import CaptureError
+from amxopt.ops.packed import packings
 from amxopt.runtime import isolated
 from tests.helpers import CONFIG
 
@@ -65,6 +66,46 @@ def test_a_recapture_in_the_child_shares_the_packed_weights_of_the_first_graph(t
     assert first == second  # packed once: the second graph reads the first one's packings
     for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_weights_are_packed_here_while_the_child_captures(tmp_path, monkeypatch):
+    name = "tiny-qwen3-vl-vision"
+    packed_here, threads = [], []
+    pack = isolated.weights.pack
+
+    def spy(weight, provider):
+        threads.append(torch.get_num_threads())
+        packed_here.append(pack(weight, provider))
+        return packed_here[-1]
+
+    monkeypatch.setattr(isolated.weights, "pack", spy)  # the parent's packing only: the child plans on meta
+    before = torch.get_num_threads()
+    model = models.build_model(name, torch.bfloat16)
+    inputs = models.example_inputs(name, torch.bfloat16)
+    opt = amxopt.optimize(model, inputs, _config(tmp_path, provider="native"))
+    assert any(CHILD in n for n in opt.report.notes)
+    graph_packed = list(opt.graph_module.get_submodule("_packed").buffers())
+    assert graph_packed and all(any(b is t for t in packed_here) for b in graph_packed)
+    assert set(threads) == {max(1, before - 1)}, "packing leaves the child's core free"
+    assert torch.get_num_threads() == before
+    reference = models.build_model(name, torch.bfloat16)
+    for got, want in zip(_outputs(opt, inputs), _outputs(reference, inputs), strict=True):
+        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+
+
+def test_a_packing_made_while_the_child_captures_that_no_graph_reads_is_dropped(tmp_path):
+    name = "tiny-qwen3-omni-audio"
+    model = models.build_model(name, torch.float32)
+    inputs = models.example_inputs(name, torch.float32)
+    passes = [p for p in amxopt.passes.PASSES if p != "replace_linear"]  # every Linear stays ATen
+    opt = amxopt.optimize(model, inputs, _config(tmp_path, provider="native", passes=passes, keep_source=False))
+    assert any(CHILD in n for n in opt.report.notes)
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and not any(packings(w) for w in linears)
+    assert all(w.device.type == "cpu" for w in linears)  # not released: the graph reads them
+    reference = models.build_model(name, torch.float32)
+    for got, want in zip(_outputs(opt, inputs), _outputs(reference, inputs), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_autotune_decides_in_the_child_and_the_report_shows_it(tmp_path):
