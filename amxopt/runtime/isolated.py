@@ -120,7 +120,9 @@ def _pack_meanwhile(module: nn.Module, provider: str, done: list[nn.Parameter]) 
     """Pack ``module``'s packable weights here while the child captures (appending each to
     ``done``), on every thread but one: the child's trace is Python on one core. Restoring the
     graph then finds them packed. Qwen3-VL-2B vision (771 MB packed) on 2 cores: 0.9 s on one
-    thread, hidden behind a 4 s capture, against 0.6 s of restore on two after it."""
+    thread, hidden behind a 3 to 4 s capture, against 0.6 s of restore on two after it. It is over
+    before the passes begin (export alone takes longer), so autotune's timings in the child do not
+    share the cores with it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, threads - 1))
     try:
