@@ -36,6 +36,12 @@ def _outputs(opt, inputs):
         return pytree.tree_leaves(opt(**inputs))
 
 
+def _assert_matches_eager(opt, name, dtype, inputs, tol):
+    reference = models.build_model(name, dtype)  # the same seeded weights
+    for got, want in zip(_outputs(opt, inputs), _outputs(reference, inputs), strict=True):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_child_sends_back_the_graph_a_capture_here_makes(name, tmp_path):
     model = models.build_model(name, torch.bfloat16)
@@ -88,9 +94,7 @@ def test_the_weights_are_packed_here_while_the_child_captures(tmp_path, monkeypa
     assert graph_packed and all(any(b is t for t in packed_here) for b in graph_packed)
     assert set(threads) == {max(1, before - 1)}, "packing leaves the child's core free"
     assert torch.get_num_threads() == before
-    reference = models.build_model(name, torch.bfloat16)
-    for got, want in zip(_outputs(opt, inputs), _outputs(reference, inputs), strict=True):
-        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+    _assert_matches_eager(opt, name, torch.bfloat16, inputs, 5e-2)
 
 
 def test_a_packing_made_while_the_child_captures_that_no_graph_reads_is_dropped(tmp_path):
@@ -103,9 +107,7 @@ def test_a_packing_made_while_the_child_captures_that_no_graph_reads_is_dropped(
     linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and not any(packings(w) for w in linears)
     assert all(w.device.type == "cpu" for w in linears)  # not released: the graph reads them
-    reference = models.build_model(name, torch.float32)
-    for got, want in zip(_outputs(opt, inputs), _outputs(reference, inputs), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _assert_matches_eager(opt, name, torch.float32, inputs, 1e-4)
 
 
 def test_autotune_decides_in_the_child_and_the_report_shows_it(tmp_path):
