@@ -180,8 +180,8 @@ def _one_shot_trace():
     """torch settings for a trace that runs once: no fake-tensor dispatch cache (an entry is built,
     and checked against symbolic sizes, per distinct op call, and hardly any repeats once blocks are
     stamped) and no Python stack per node (nothing of amxopt reads ``stack_trace``). Qwen3-VL-2B
-    vision's export: 2.07 s of CPU against 2.88 s with both on (medians of 6, tools-free A/B on a
-    Zen 3); the graph is the same."""
+    vision's export: 2.07 s of CPU against 2.88 s with both on (medians of 6 alternating exports in
+    one process, AMD Zen 3); the graph is the same, node for node."""
     stack_traces = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:
