@@ -3,8 +3,10 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+SHELL   := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 
-.PHONY: demo test proptest lint clean
+.PHONY: demo test proptest bench lint clean
 
 $(STAMP): pyproject.toml $(wildcard amxopt/ops/csrc/*)
 	$(PY) -m venv $(VENV)
@@ -28,6 +30,17 @@ test: $(STAMP) lint
 # Whole-model and random-graph properties at the nightly size (300 examples per family; hours).
 proptest: $(STAMP)
 	HYPOTHESIS_PROFILE=nightly $(BIN)/python -m pytest tests/models/test_model_properties.py
+
+# Every benchmark beside its baselines (eager fp32/bf16, torch.compile), each one's text and JSON kept
+# in $(BENCH_OUT): the first thing to run on a CPU whose numbers are missing (an AMX Xeon above all).
+BENCH_OUT ?= bench-results/$(shell date +%Y%m%d-%H%M)
+bench: $(STAMP)
+	mkdir -p $(BENCH_OUT)
+	$(BIN)/amxopt info | tee $(BENCH_OUT)/info.txt
+	$(BIN)/python tools/bench_ops.py --json $(BENCH_OUT)/ops.json | tee $(BENCH_OUT)/ops.txt
+	$(BIN)/python tools/bench_models.py --json $(BENCH_OUT)/models.json | tee $(BENCH_OUT)/models.txt
+	$(BIN)/python tools/bench_load.py --json $(BENCH_OUT)/load.json | tee $(BENCH_OUT)/load.txt
+	$(BIN)/python tools/bench_tp.py | tee $(BENCH_OUT)/tp.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info
