@@ -91,7 +91,7 @@ def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> 
     graph = None
     try:
         try:
-            _pack_meanwhile(module, config.provider, early)
+            _pack_meanwhile(module, config.provider, early, ours.poll)
             reply = json.loads(ours.recv_bytes())
         except (EOFError, OSError) as e:
             reply = {"error": f"the capture process ended without a graph ({type(e).__name__})"}
@@ -116,10 +116,11 @@ def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> 
     return graph
 
 
-def _pack_meanwhile(module: nn.Module, provider: str, done: list[nn.Parameter]) -> None:
+def _pack_meanwhile(module: nn.Module, provider: str, done: list[nn.Parameter], replied: Callable[[], bool]) -> None:
     """Pack ``module``'s packable weights here while the child captures (appending each to
     ``done``), on every thread but one: the child's trace is Python on one core. Restoring the
-    graph then finds them packed. Qwen3-VL-2B vision (771 MB packed) on 2 cores: 0.9 s on one
+    graph then finds them packed; packing stops once the child has ``replied`` (restore packs the
+    rest, on every thread, and a failed capture wastes no more). Qwen3-VL-2B vision (771 MB packed) on 2 cores: 0.9 s on one
     thread, hidden behind a 3 to 4 s capture, against 0.6 s of restore on two after it. It is over
     before the passes begin (export alone takes longer), so autotune's timings in the child do not
     share the cores with it."""
@@ -127,6 +128,8 @@ def _pack_meanwhile(module: nn.Module, provider: str, done: list[nn.Parameter]) 
     torch.set_num_threads(max(1, threads - 1))
     try:
         for p in weights.unpacked(module, provider):
+            if replied():
+                break
             packed.remember(p, provider, weights.pack(p, provider))
             done.append(p)
     except RuntimeError as e:  # restore packs what is left, or says why it cannot

@@ -83,8 +83,8 @@ def test_the_weights_are_packed_here_while_the_child_captures(tmp_path, monkeypa
         threads.append(torch.get_num_threads())
         return pack(weight, provider)
 
-    def keep_packings(module, provider, done):
-        pack_meanwhile(module, provider, done)
+    def keep_packings(module, provider, done, replied):
+        pack_meanwhile(module, provider, done, lambda: False)  # all of them, however fast the child
         made.extend(packed_for(p, provider) for p in done)
 
     monkeypatch.setattr(isolated.weights, "pack", count_threads)
@@ -99,6 +99,26 @@ def test_the_weights_are_packed_here_while_the_child_captures(tmp_path, monkeypa
     # Restore packed nothing (it would run on every thread); the packing here left the child a core.
     assert threads and set(threads) == {max(1, before - 1)}
     assert torch.get_num_threads() == before
+    _assert_matches_eager(opt, name, torch.bfloat16, inputs, 5e-2)
+
+
+def test_packing_here_stops_when_the_child_replies_and_restore_packs_the_rest(tmp_path, monkeypatch):
+    name = "tiny-qwen3-vl-vision"
+    made = []
+    pack_meanwhile = isolated._pack_meanwhile
+
+    def reply_after_one(module, provider, done, replied):
+        answers = iter([False])  # the child "replies" once one weight is packed
+        pack_meanwhile(module, provider, done, lambda: next(answers, True))
+        made.extend(done)
+
+    monkeypatch.setattr(isolated, "_pack_meanwhile", reply_after_one)
+    model = models.build_model(name, torch.bfloat16)
+    inputs = models.example_inputs(name, torch.bfloat16)
+    opt = amxopt.optimize(model, inputs, _config(tmp_path, provider="native"))
+    assert any(CHILD in n for n in opt.report.notes)
+    assert len(made) == 1
+    assert len(list(opt.graph_module.get_submodule("_packed").buffers())) > 1  # restore packed the others
     _assert_matches_eager(opt, name, torch.bfloat16, inputs, 5e-2)
 
 
