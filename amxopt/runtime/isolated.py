@@ -119,11 +119,12 @@ def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> 
 def _pack_meanwhile(module: nn.Module, provider: str, done: list[nn.Parameter], replied: Callable[[], bool]) -> None:
     """Pack ``module``'s packable weights here while the child captures (appending each to
     ``done``), on every thread but one: the child's trace is Python on one core. Restoring the
-    graph then finds them packed; packing stops once the child has ``replied`` (restore packs the
-    rest, on every thread, and a failed capture wastes no more). Qwen3-VL-2B vision (771 MB packed) on 2 cores: 0.9 s on one
-    thread, hidden behind a 3 to 4 s capture, against 0.6 s of restore on two after it. It is over
-    before the passes begin (export alone takes longer), so autotune's timings in the child do not
-    share the cores with it."""
+    graph then finds them packed. Packing stops once the child has ``replied``: restore packs the
+    rest on every thread, and a capture that failed early wastes no more.
+
+    Qwen3-VL-2B vision (771 MB packed) on 2 cores: 0.9 s on one thread, hidden behind a 3 to 4 s
+    capture, against 0.6 s of restore on two after it. It is over before the passes begin (export
+    alone takes longer), so autotune's timings in the child do not share the cores with it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, threads - 1))
     try:
