@@ -125,10 +125,13 @@ def _pack_meanwhile(module: nn.Module, provider: str, done: list[nn.Parameter], 
     Qwen3-VL-2B vision (771 MB packed) on 2 cores: 0.9 s on one thread, hidden behind a 3 to 4 s
     capture, against 0.6 s of restore on two after it. It is over before the passes begin (export
     alone takes longer), so autotune's timings in the child do not share the cores with it."""
+    todo = weights.unpacked(module, provider)
+    if not todo:  # a re-capture, or weights packed at load: the thread pool is left as it is
+        return
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, threads - 1))
     try:
-        for p in weights.unpacked(module, provider):
+        for p in todo:
             if replied():
                 break
             packed.remember(p, provider, weights.pack(p, provider))
