@@ -1,63 +1,211 @@
 // Driver of amxopt.varlen_attention: packed q [T, H, D], k/v [Tk, Hk, D], segments from cu_seqlens.
 //
-// bf16 on the avx512_bf16 tier: the flash kernel of attention_avx512_bf16.cpp (one call for all
-// segments, K/V packed once per segment and kv head). Everything else: ATen's fused CPU attention,
-// one call per run of consecutive segments with equal lengths (a batch of views, no copies; Qwen's
-// frames and the audio windows are such runs), so there is no per-segment loop in Python and,
-// usually, one call in C++. It computes in bf16 on the amx tier (its block GEMMs are oneDNN's, on
-// AMX tiles: faster there than the AVX-512 kernel) and in fp32 otherwise (the fp32 tier converts
-// bf16 inputs: where bf16 is emulated, fp32 is faster).
-// Causal is bottom-right aligned; query rows that see no key give zeros.
+// bf16 on the avx512_bf16 tier: the hand-written flash kernel of attention_avx512_bf16.cpp.
+// Everything else: flash attention on oneDNN's brgemm (below), whose two block GEMMs, S = Q K^T and
+// O += P V, are at::native::cpublas::brgemm calls. T is their element type:
+//   bf16   the amx tier: B operands in the VNNI layout ([K / 2][ldb][2]) that brgemm runs on AMX
+//          tiles; P V's reduction padded to a whole AMX tile (32 keys), as SGLang's CPU kernels do;
+//   float  the fp32 tier and fp32 inputs: plain B operands ([K][ldb]), oneDNN's AVX2 / AVX-512 fp32
+//          brgemm (bf16 inputs are converted while packing, the output is rounded back once).
+//
+// Phase 1 (parallel over segment x kv head): K and V of each segment are packed once, keys zero
+// padded to a multiple of kKeyPad: K as the B of S, one [D (even for bf16)] x [up to kBK keys]
+// operand per key block (a 32-bit transpose: fp32 values or bf16 pairs); V as the B of P V, one
+// [keys] x [D] operand (bf16: pairs of keys interleaved). GQA heads read their kv head's packing.
+// Phase 2 (parallel over segment x head x query block of at most kBQ rows, balanced, so many short
+// segments still fill every core): the block's Q rows are copied into a T buffer (a strided A
+// measured slower than the copy); per key block: S by one brgemm, one online softmax row at a time
+// (vec(): max, exp, sum, P in T), the accumulator rows rescaled where the max moved, then
+// acc += P V by one brgemm (the first key block writes acc instead). Finally O = acc / l, rounded
+// once. Causal is bottom-right aligned; rows that see no key output zeros.
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <array>
+#include <limits>
+#include <memory>
+#include <vector>
+
 #include "common.h"
 
 namespace amxopt {
 namespace {
 
-// n segments of l rows of a packed [T, heads, d] tensor, from row `skip` of each, as an
-// [n, heads, l - skip, d] view (ATen's fused kernel runs as fast on it as on a contiguous copy).
-at::Tensor batch(const at::Tensor& x, int64_t row0, int64_t n, int64_t l, int64_t skip) {
-  return x.narrow(0, row0, n * l).reshape({n, l, x.size(1), x.size(2)}).narrow(1, skip, l - skip).transpose(1, 2);
+constexpr int64_t kBQ = 64;   // query rows per work item: the M of both brgemm calls
+constexpr int64_t kBK = 256;  // keys per block: the N of S, the K of P V
+constexpr int64_t kKeyPad = 32;  // a segment's keys are zero padded to this (a whole AMX tile of P V)
+
+template <typename T>
+constexpr int64_t kPair = std::is_same_v<T, bf16> ? 2 : 1;  // reduction values per B row (VNNI pairs)
+template <typename T>
+constexpr int64_t kTileK = std::is_same_v<T, bf16> ? kKeyPad : 1;  // P V's reduction is padded to this
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// A brgemm B operand [rows_pad / r][ldb][r] (r = kPair<T>) from a [rows (reduction), cols] source
+// whose element (i, j) is src[i * si + j * sj]; rows beyond the source and columns beyond cols are
+// zero (rows_pad a multiple of r, cols <= ldb). Element by element: for the layouts the vector paths
+// of pack_k / pack_v do not take (a head dim with a stride, an odd one in bf16).
+template <typename T, typename S>
+void pack_b(const S* src, int64_t si, int64_t sj, int64_t rows, int64_t cols, int64_t rows_pad, int64_t ldb,
+            T* dst) {
+  constexpr int64_t r = kPair<T>;
+  for (int64_t i = 0; i < rows_pad; ++i) {
+    T* row = dst + (i / r) * ldb * r + i % r;
+    const int64_t n = i < rows ? cols : 0;
+    for (int64_t j = 0; j < n; ++j) row[j * r] = T(float(src[i * si + j * sj]));
+    for (int64_t j = n; j < ldb; ++j) row[j * r] = T(0.f);
+  }
 }
 
-at::Tensor attention_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& bq,
-                          const std::vector<int64_t>& bk, double scale, bool causal, at::ScalarType compute) {
-  const int64_t H = q.size(1), Hk = k.size(1), Dv = v.size(2), nseg = int64_t(bq.size()) - 1;
-  // softmax(s q.k) == softmax(|s| (-q).k): ATen's kernels mishandle a negative scale with a mask.
-  auto q32 = scale < 0 ? q.neg().to(compute) : q.to(compute), k32 = k.to(compute), v32 = v.to(compute);
-  bool blind = false;  // some query row sees no key: its output is zero
-  for (int64_t s = 0; s < nseg; ++s) {
-    const int64_t lq = bq[s + 1] - bq[s], lk = bk[s + 1] - bk[s];
-    blind |= lq > 0 && (lk == 0 || (causal && lq > lk));
+// K^T of one key block as the B of S: [Dp / r][ldb][r] from nk keys of D values (key j at src + j * ld,
+// value d at + d * sd); keys past nk are zero columns. A key's values (or bf16 pairs of them) are
+// 32-bit units, so the packing is a 32-bit transpose (after a conversion to fp32 for T = float).
+template <typename T, typename S>
+void pack_k(const S* src, int64_t ld, int64_t sd, int64_t nk, int64_t D, int64_t Dp, int64_t ldb, T* dst,
+            std::vector<float>& tmp) {
+  const auto& vk = vec();
+  constexpr int64_t r = kPair<T>;
+  if (sd != 1 || (r == 2 && (D % 2 || ld % 2))) return pack_b<T, S>(src, sd, ld, D, nk, Dp, ldb, dst);
+  const float* s32 = reinterpret_cast<const float*>(src);
+  int64_t lds = ld / r;
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<S, bf16>) {  // convert, then transpose
+    tmp.resize(nk * D);
+    for (int64_t j = 0; j < nk; ++j) vk.bf16_to_f32(src + j * ld, tmp.data() + j * D, D);
+    s32 = tmp.data(), lds = D;
   }
-  auto out = blind ? at::zeros({q.size(0), H, Dv}, q.options()) : at::empty({q.size(0), H, Dv}, q.options());
-  for (int64_t s = 0; s < nseg;) {
-    const int64_t lq = bq[s + 1] - bq[s], lk = bk[s + 1] - bk[s];
-    int64_t e = s + 1;
-    while (e < nseg && bq[e + 1] - bq[e] == lq && bk[e + 1] - bk[e] == lk) ++e;
-    const int64_t n = e - s;
-    // Causal: the first lq - lk rows of a segment see no key (zeros); the rest see a bottom-right mask.
-    const int64_t skip = causal ? std::min(lq, std::max<int64_t>(0, lq - lk)) : 0;
-    if (lq > skip && lk > 0) {
-      const int64_t rows = lq - skip;
-      auto qs = batch(q32, bq[s], n, lq, skip), ks = batch(k32, bk[s], n, lk, 0), vs = batch(v32, bk[s], n, lk, 0);
-      std::optional<at::Tensor> mask;
-      if (causal && rows != lk)  // row i sees key j iff j <= i + lk - rows
-        mask = at::arange(lk).unsqueeze(0) <= at::arange(rows).unsqueeze(1) + (lk - rows);
-      auto o = at::scaled_dot_product_attention(qs, ks, vs, mask, 0.0, causal && rows == lk, std::abs(scale), H != Hk);
-      out.narrow(0, bq[s], n * lq).view({n, lq, H, Dv}).narrow(1, skip, rows).copy_(o.transpose(1, 2));
+  float* d32 = reinterpret_cast<float*>(dst);
+  vk.transpose32(s32, lds, d32, ldb, nk, D / r);
+  for (int64_t p = 0; p < D / r; ++p) std::fill(d32 + p * ldb + nk, d32 + (p + 1) * ldb, 0.f);
+}
+
+// V as the B of P V: [keys / r][D][r] from lk keys of D values (key j at src + j * ld, value e at
+// + e * sd); keys past lk are zero rows.
+template <typename T, typename S>
+void pack_v(const S* src, int64_t ld, int64_t sd, int64_t lk, int64_t keys, int64_t D, T* dst) {
+  const auto& vk = vec();
+  if (sd != 1) return pack_b<T, S>(src, ld, sd, lk, D, keys, D, dst);
+  if constexpr (std::is_same_v<T, bf16>) {  // pairs of keys interleaved
+    for (int64_t j = 0; j < keys; j += 2)
+      vk.interleave_bf16(j < lk ? src + j * ld : nullptr, j + 1 < lk ? src + (j + 1) * ld : nullptr, dst + j * D, D);
+  } else {
+    for (int64_t j = 0; j < lk; ++j) {
+      if constexpr (std::is_same_v<S, bf16>)
+        vk.bf16_to_f32(src + j * ld, dst + j * D, D);
+      else
+        std::copy(src + j * ld, src + j * ld + D, dst + j * D);
     }
-    s = e;
+    std::fill(dst + lk * D, dst + keys * D, 0.f);
   }
+}
+
+struct Segment {
+  int64_t q0, lq, k0, lk;
+};
+
+template <typename T, typename S>
+at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale_d,
+                            bool causal) {
+  constexpr int64_t r = kPair<T>;
+  constexpr bool vnni = r == 2;
+  const int64_t H = q.size(1), Hk = k.size(1), D = q.size(2), group = H / Hk, nseg = int64_t(bq.size()) - 1;
+  const int64_t Dp = round_up(D, r);  // reduction width of S
+  std::vector<Segment> segs(nseg);
+  std::vector<int64_t> off(nseg + 1, 0);  // elements of packed K + V per kv head, prefix sums
+  for (int64_t s = 0; s < nseg; ++s) {
+    segs[s] = {bq[s], bq[s + 1] - bq[s], bk[s], bk[s + 1] - bk[s]};
+    off[s + 1] = off[s] + Hk * round_up(segs[s].lk, kKeyPad) * (Dp + D);
+  }
+  std::unique_ptr<T[]> packed(new T[off[nseg]]);  // every element is written by the packing
+  const S *Q = q.data_ptr<S>(), *K = k.data_ptr<S>(), *V = v.data_ptr<S>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), q_d = q.stride(2);
+  auto k_of = [&](int64_t s, int64_t hk) {
+    return packed.get() + off[s] + hk * round_up(segs[s].lk, kKeyPad) * (Dp + D);
+  };
+  auto v_of = [&](int64_t s, int64_t hk) { return k_of(s, hk) + round_up(segs[s].lk, kKeyPad) * Dp; };
+  // Phase 1: K^T per key block, then V.
+  at::parallel_for(0, nseg * Hk, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> tmp;
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t s = i / Hk, hk = i % Hk, lk = segs[s].lk, keys = round_up(lk, kKeyPad);
+      const S* ks = K + segs[s].k0 * k.stride(0) + hk * k.stride(1);
+      for (int64_t j0 = 0; j0 < keys; j0 += kBK)
+        pack_k<T, S>(ks + j0 * k.stride(0), k.stride(0), k.stride(2), std::min(kBK, lk - j0), D, Dp,
+                     std::min(kBK, keys - j0), k_of(s, hk) + j0 * Dp, tmp);
+      pack_v<T, S>(V + segs[s].k0 * v.stride(0) + hk * v.stride(1), v.stride(0), v.stride(2), lk, keys, D,
+                   v_of(s, hk));
+    }
+  });
+  // Phase 2: work items (segment, head, query block), blocks of at most kBQ rows, balanced.
+  std::vector<std::array<int64_t, 4>> items;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t lq = segs[s].lq, nblk = (lq + kBQ - 1) / kBQ;
+    const int64_t step = nblk ? (lq + nblk - 1) / nblk : 0;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r0 = 0; r0 < lq; r0 += step) items.push_back({s, h, r0, std::min(step, lq - r0)});
+  }
+  auto out = at::empty({q.size(0), H, D}, q.options());
+  S* O = out.data_ptr<S>();
+  const float scale = float(scale_d);
+  const auto& vk = vec();
+  auto softmax_row = [&](const float* s, int64_t visible, int64_t n, float* m, float* l, T* p) {
+    if constexpr (vnni)
+      return vk.softmax_row_bf16(s, visible, n, scale, m, l, p);
+    else
+      return vk.softmax_row_f32(s, visible, n, scale, m, l, p);
+  };
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t b, int64_t e) {
+    std::vector<T> qa(kBQ * Dp, T(0.f)), pa(kBQ * kBK);
+    std::vector<float> S_(kBQ * kBK), acc(kBQ * D), row_max(kBQ), row_sum(kBQ);
+    for (int64_t it = b; it < e; ++it) {
+      const auto [s, h, r0, rows] = items[it];
+      const Segment& sg = segs[s];
+      const T* Kp = k_of(s, h / group);
+      const T* Vp = v_of(s, h / group);
+      for (int64_t i = 0; i < rows; ++i) {  // Q rows as brgemm's A: a copy in T, even width (few % of the work)
+        const S* src = Q + (sg.q0 + r0 + i) * q_row + h * q_head;
+        for (int64_t d = 0; d < D; ++d) qa[i * Dp + d] = T(float(src[d * q_d]));
+      }
+      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(row_sum.begin(), row_sum.end(), 0.f);
+      // Causal (bottom-right): query row i of the segment sees keys j <= i + lk - lq.
+      const int64_t shift = sg.lk - sg.lq;
+      const int64_t key_end = causal ? std::max<int64_t>(0, std::min(sg.lk, r0 + rows + shift)) : sg.lk;
+      if (key_end == 0) std::fill(acc.begin(), acc.begin() + rows * D, 0.f);  // no row sees a key
+      for (int64_t j0 = 0; j0 < key_end; j0 += kBK) {
+        const int64_t nk = std::min(kBK, key_end - j0), nk_r = round_up(nk, kTileK<T>);
+        const int64_t ldb = std::min(kBK, round_up(sg.lk, kKeyPad) - j0);  // this key block's packed width
+        at::native::cpublas::brgemm(rows, nk, Dp, Dp, ldb, kBK, false, qa.data(), Kp + j0 * Dp, S_.data(), vnni);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t visible = causal ? std::clamp<int64_t>(r0 + i + shift + 1 - j0, 0, nk) : nk;
+          const float corr =
+              softmax_row(S_.data() + i * kBK, visible, nk_r, &row_max[i], &row_sum[i], pa.data() + i * kBK);
+          if (j0 > 0 && corr != 1.f) vk.scaled_f32(acc.data() + i * D, D, corr, acc.data() + i * D);
+        }
+        at::native::cpublas::brgemm(rows, D, nk_r, kBK, D, D, j0 > 0, pa.data(), Vp + j0 * D, acc.data(), vnni);
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        S* orow = O + (sg.q0 + r0 + i) * H * D + h * D;
+        const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
+        if constexpr (std::is_same_v<S, bf16>)
+          vk.scaled_bf16(acc.data() + i * D, D, inv, orow);
+        else
+          vk.scaled_f32(acc.data() + i * D, D, inv, orow);
+      }
+    }
+    at::native::cpublas::brgemm_release(vnni);
+  });
   return out;
 }
 
 }  // namespace
 
 const char* attention_engine(Tier tier, const at::Tensor& q) {
-  if (q.scalar_type() != at::kBFloat16 || tier == Tier::Fp32)
-    return "ATen fused attention in fp32, per run of equal segments";
-  return tier == Tier::Amx ? "ATen fused attention in bf16 (oneDNN on AMX), per run of equal segments"
-                           : "avx512_bf16 flash kernel";
+  const bool bf = q.scalar_type() == at::kBFloat16;
+  if (bf && tier == Tier::Avx512Bf16) return "avx512_bf16 flash kernel";
+  if (bf && tier == Tier::Amx) return "flash attention on oneDNN brgemm in bf16 (AMX tiles)";
+  return "flash attention on oneDNN brgemm in fp32";
 }
 
 at::Tensor varlen_attention_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -66,7 +214,9 @@ at::Tensor varlen_attention_native(const at::Tensor& q, const at::Tensor& k, con
   const bool bf = q.scalar_type() == at::kBFloat16;
   const bool unit_d = q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1;
   if (bf && tier == Tier::Avx512Bf16 && unit_d) return varlen_attention_avx512_bf16(q, k, v, bq, bk, scale, causal);
-  return attention_sdpa(q, k, v, bq, bk, scale, causal, bf && tier == Tier::Amx ? at::kBFloat16 : at::kFloat);
+  if (!bf) return attention_brgemm<float, float>(q, k, v, bq, bk, scale, causal);
+  if (tier == Tier::Amx) return attention_brgemm<bf16, bf16>(q, k, v, bq, bk, scale, causal);
+  return attention_brgemm<float, bf16>(q, k, v, bq, bk, scale, causal);
 }
 
 }  // namespace amxopt

@@ -54,6 +54,19 @@ struct VecKernels {
   // One row of D = 2H rotated by cos/sin [H] (fp32); pairs (2i, 2i+1) if interleaved, else (i, i+H).
   void (*rotary_bf16)(const bf16* x, bf16* out, int64_t D, const float* cos, const float* sin, bool interleaved);
   void (*rotary_f32)(const float* x, float* out, int64_t D, const float* cos, const float* sin, bool interleaved);
+  // One query row of an online softmax over a key block of raw fp32 scores s: keys [0, visible) are
+  // seen, [visible, n) masked. Writes p[0, n) (exp(scale * s - m'), 0 where masked), updates the
+  // running max m (of scaled scores; -inf before any key) and sum l, returns exp(m - m') for the
+  // row's accumulator (attention.cpp).
+  float (*softmax_row_bf16)(const float* s, int64_t visible, int64_t n, float scale, float* m, float* l, bf16* p);
+  float (*softmax_row_f32)(const float* s, int64_t visible, int64_t n, float scale, float* m, float* l, float* p);
+  // out[0, n) = x * c, rounded once; out may be x.
+  void (*scaled_bf16)(const float* x, int64_t n, float c, bf16* out);
+  void (*scaled_f32)(const float* x, int64_t n, float c, float* out);
+  // dst[j * ldd + i] = src[i * lds + j] (i < rows, j < cols) for 32-bit values: fp32, or bf16 pairs.
+  void (*transpose32)(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows, int64_t cols);
+  // One VNNI pair row of n columns from two rows a, b (dst[2e] = a[e], dst[2e + 1] = b[e]; null = zeros).
+  void (*interleave_bf16)(const bf16* a, const bf16* b, bf16* dst, int64_t n);
 };
 extern const VecKernels kVecDefault;  // vec_default.cpp (any x86-64)
 extern const VecKernels kVecAvx2;     // vec_avx2.cpp (AVX2 + FMA)

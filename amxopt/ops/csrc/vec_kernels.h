@@ -15,6 +15,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <cmath>
+#include <limits>
 
 #include "common.h"
 
@@ -293,11 +294,118 @@ void rotary_f32(const float* x, float* out, int64_t D, const float* cos, const f
   rotary_row<float>(x, out, D, cos, sin, interleaved);
 }
 
+// p[0, kF) as T: a whole vector for fp32, its kF values rounded once for bf16.
+template <typename T>
+inline void store1(T* p, fVec v) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    at::vec::convert_from_float<bf16>(v, v).store(p, kF);
+  } else {
+    v.store(p);
+  }
+}
+
+// One query row of an online softmax over a block of raw scores s (fp32). Keys [0, visible) count,
+// [visible, n) are masked: p = exp(scale * s - m') for the first, 0 for the rest (rounded once to T);
+// m (running max of the scaled scores, -inf before the first key) becomes m', l (running sum)
+// l * exp(m - m') + sum(p). Returns exp(m - m'), the factor for the row's accumulator. The scale
+// may be negative: the max is taken of the scaled scores.
+template <typename T>
+float softmax_row(const float* s, int64_t visible, int64_t n, float scale, float* m, float* l, T* p) {
+  const int64_t vend = visible / kF * kF;
+  float mx = *m;
+  if (visible > 0) {
+    const fVec sc(scale);
+    fVec vmax(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < vend; j += kF) vmax = at::vec::maximum(vmax, fVec::loadu(s + j) * sc);
+    mx = std::max(mx, at::vec::vec_reduce_all<float>([](fVec x, fVec y) { return at::vec::maximum(x, y); }, vmax));
+    for (int64_t j = vend; j < visible; ++j) mx = std::max(mx, s[j] * scale);
+    const fVec vm(mx);
+    fVec sum(0.f);
+    for (int64_t j = 0; j < vend; j += kF) {
+      const fVec e = at::vec::fmsub(fVec::loadu(s + j), sc, vm).exp_u20();
+      sum = sum + e;
+      store1(p + j, e);
+    }
+    float tail = 0.f;
+    for (int64_t j = vend; j < visible; ++j) {
+      const float e = std::exp(s[j] * scale - mx);
+      tail += e;
+      p[j] = T(e);
+    }
+    const float corr = *m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(*m - mx);
+    *l = *l * corr + hsum(sum) + tail;
+    *m = mx;
+    std::fill(p + std::max<int64_t>(visible, 0), p + n, T(0.f));
+    return corr;
+  }
+  std::fill(p, p + n, T(0.f));
+  return 1.f;
+}
+
+float softmax_row_bf16(const float* s, int64_t visible, int64_t n, float scale, float* m, float* l, bf16* p) {
+  return softmax_row<bf16>(s, visible, n, scale, m, l, p);
+}
+
+float softmax_row_f32(const float* s, int64_t visible, int64_t n, float scale, float* m, float* l, float* p) {
+  return softmax_row<float>(s, visible, n, scale, m, l, p);
+}
+
+// out[0, n) = x * c as T (rounded once); out may be x.
+template <typename T>
+void scaled_row(const float* x, int64_t n, float c, T* out) {
+  const fVec vc(c);
+  int64_t i = 0;
+  for (; i + 2 * kF <= n; i += 2 * kF) store2(out + i, fVec::loadu(x + i) * vc, fVec::loadu(x + i + kF) * vc);
+  for (; i < n; ++i) out[i] = T(x[i] * c);
+}
+
+void scaled_bf16(const float* x, int64_t n, float c, bf16* out) { scaled_row<bf16>(x, n, c, out); }
+
+void scaled_f32(const float* x, int64_t n, float c, float* out) { scaled_row<float>(x, n, c, out); }
+
+// dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols: a transpose of 32-bit values (fp32, or
+// bf16 pairs moved as one); moves and shuffles only, so every bit pattern goes through unchanged.
+void transpose32(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows, int64_t cols) {
+#if defined(CPU_CAPABILITY_AVX512)
+  at::vec::transpose_mxn<float>(src, lds, dst, ldd, int(rows), int(cols));
+#else
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  for (; i + 8 <= rows; i += 8) {
+    int64_t j = 0;
+    for (; j + 8 <= cols; j += 8) at::vec::transpose_mxn<float, 8, 8>(src + i * lds + j, lds, dst + j * ldd + i, ldd);
+    for (; j < cols; ++j)
+      for (int64_t ii = i; ii < i + 8; ++ii) d[j * ldd + ii] = s[ii * lds + j];
+  }
+#endif
+  for (; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) d[j * ldd + i] = s[i * lds + j];
+#endif
+}
+
+// One VNNI pair row: dst[2e] = a[e], dst[2e + 1] = b[e] for e < n; a null row reads as zeros.
+void interleave_bf16(const bf16* a, const bf16* b, bf16* dst, int64_t n) {
+  const uint16_t* ua = reinterpret_cast<const uint16_t*>(a);
+  const uint16_t* ub = reinterpret_cast<const uint16_t*>(b);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  if (a && b) {
+    for (int64_t e = 0; e < n; ++e) d[e] = uint32_t(ua[e]) | uint32_t(ub[e]) << 16;
+  } else if (a) {
+    for (int64_t e = 0; e < n; ++e) d[e] = ua[e];
+  } else {
+    std::fill(d, d + n, 0u);
+  }
+}
+
 }  // namespace
 }  // namespace amxopt
 
-#define AMXOPT_VEC_TABLE(name, isa_name)                                                                     \
-  namespace amxopt {                                                                                         \
-  const VecKernels name = {isa_name,  epilogue_bf16, epilogue_f32,  bf16_to_f32,  unpack_vnni, gemv_vnni,   \
-                           norm_bf16, norm_f32,      residual_bf16, residual_f32, rotary_bf16, rotary_f32}; \
+#define AMXOPT_VEC_TABLE(name, isa_name)                                                                 \
+  namespace amxopt {                                                                                     \
+  const VecKernels name = {isa_name,        epilogue_bf16,   epilogue_f32, bf16_to_f32,   unpack_vnni,   \
+                           gemv_vnni,       norm_bf16,       norm_f32,     residual_bf16, residual_f32,  \
+                           rotary_bf16,     rotary_f32,      softmax_row_bf16, softmax_row_f32,          \
+                           scaled_bf16,     scaled_f32,      transpose32,  interleave_bf16};             \
   }
