@@ -163,9 +163,16 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
       const Segment& sg = segs[s];
       const T* Kp = k_of(s, h / group);
       const T* Vp = v_of(s, h / group);
-      for (int64_t i = 0; i < rows; ++i) {  // Q rows as brgemm's A: a copy in T, even width (few % of the work)
+      for (int64_t i = 0; i < rows; ++i) {  // Q rows as brgemm's A: a copy in T, even width
         const S* src = Q + (sg.q0 + r0 + i) * q_row + h * q_head;
-        for (int64_t d = 0; d < D; ++d) qa[i * Dp + d] = T(float(src[d * q_d]));
+        T* dst = qa.data() + i * Dp;
+        if (q_d != 1) {
+          for (int64_t d = 0; d < D; ++d) dst[d] = T(float(src[d * q_d]));
+        } else if constexpr (std::is_same_v<S, T>) {
+          std::copy(src, src + D, dst);
+        } else {
+          vk.bf16_to_f32(src, dst, D);
+        }
       }
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
