@@ -32,6 +32,7 @@ namespace amxopt {
 namespace {
 
 constexpr int64_t kBQ = 64;   // query rows per work item: the M of both brgemm calls
+constexpr int64_t kTileM = 16;  // blocks are whole AMX tiles of rows where they can be (784 -> 12 x 64 + 16)
 constexpr int64_t kBK = 256;  // keys per block: the N of S, the K of P V
 constexpr int64_t kKeyPad = 32;  // a segment's keys are zero padded to this (a whole AMX tile of P V)
 
@@ -137,11 +138,11 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
                    v_of(s, hk));
     }
   });
-  // Phase 2: work items (segment, head, query block), blocks of at most kBQ rows, balanced.
+  // Phase 2: work items (segment, head, query block), blocks of at most kBQ rows, as few as fit.
   std::vector<std::array<int64_t, 4>> items;
   for (int64_t s = 0; s < nseg; ++s) {
     const int64_t lq = segs[s].lq, nblk = (lq + kBQ - 1) / kBQ;
-    const int64_t step = nblk ? (lq + nblk - 1) / nblk : 0;
+    const int64_t step = nblk ? std::min(kBQ, round_up((lq + nblk - 1) / nblk, kTileM)) : 0;
     for (int64_t h = 0; h < H; ++h)
       for (int64_t r0 = 0; r0 < lq; r0 += step) items.push_back({s, h, r0, std::min(step, lq - r0)});
   }
