@@ -335,7 +335,7 @@ float softmax_row(const float* s, int64_t visible, int64_t n, float scale, float
     const float corr = *m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(*m - mx);
     *l = *l * corr + hsum(sum) + tail;
     *m = mx;
-    std::fill(p + std::max<int64_t>(visible, 0), p + n, T(0.f));
+    std::fill(p + visible, p + n, T(0.f));
     return corr;
   }
   std::fill(p, p + n, T(0.f));
