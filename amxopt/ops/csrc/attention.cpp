@@ -101,7 +101,7 @@ void pack_v(const S* src, int64_t ld, int64_t sd, int64_t lk, int64_t keys, int6
 }
 
 struct Segment {
-  int64_t q0, lq, k0, lk;
+  int64_t q0, lq, k0, lk, keys;  // keys: lk zero padded to kKeyPad, the packed length
 };
 
 template <typename T, typename S>
@@ -115,21 +115,22 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
   std::vector<Segment> segs(nseg);
   std::vector<int64_t> off(nseg + 1, 0);  // elements of packed K + V per kv head, prefix sums
   for (int64_t s = 0; s < nseg; ++s) {
-    segs[s] = {bq[s], bq[s + 1] - bq[s], bk[s], bk[s + 1] - bk[s]};
-    off[s + 1] = off[s] + Hk * round_up(segs[s].lk, kKeyPad) * (Dp + D);
+    const int64_t lk = bk[s + 1] - bk[s];
+    segs[s] = {bq[s], bq[s + 1] - bq[s], bk[s], lk, round_up(lk, kKeyPad)};
+    off[s + 1] = off[s] + Hk * segs[s].keys * (Dp + D);
   }
   std::unique_ptr<T[]> packed(new T[off[nseg]]);  // every element is written by the packing
   const S *Q = q.data_ptr<S>(), *K = k.data_ptr<S>(), *V = v.data_ptr<S>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1), q_d = q.stride(2);
   auto k_of = [&](int64_t s, int64_t hk) {
-    return packed.get() + off[s] + hk * round_up(segs[s].lk, kKeyPad) * (Dp + D);
+    return packed.get() + off[s] + hk * segs[s].keys * (Dp + D);
   };
-  auto v_of = [&](int64_t s, int64_t hk) { return k_of(s, hk) + round_up(segs[s].lk, kKeyPad) * Dp; };
+  auto v_of = [&](int64_t s, int64_t hk) { return k_of(s, hk) + segs[s].keys * Dp; };
   // Phase 1: K^T per key block, then V.
   at::parallel_for(0, nseg * Hk, 1, [&](int64_t b, int64_t e) {
     std::vector<float> tmp;
     for (int64_t i = b; i < e; ++i) {
-      const int64_t s = i / Hk, hk = i % Hk, lk = segs[s].lk, keys = round_up(lk, kKeyPad);
+      const int64_t s = i / Hk, hk = i % Hk, lk = segs[s].lk, keys = segs[s].keys;
       const S* ks = K + segs[s].k0 * k.stride(0) + hk * k.stride(1);
       for (int64_t j0 = 0; j0 < keys; j0 += kBK)
         pack_k<T, S>(ks + j0 * k.stride(0), k.stride(0), k.stride(2), std::min(kBK, lk - j0), D, Dp,
@@ -183,7 +184,7 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
       if (key_end == 0) std::fill(acc.begin(), acc.begin() + rows * D, 0.f);  // no row sees a key
       for (int64_t j0 = 0; j0 < key_end; j0 += kBK) {
         const int64_t nk = std::min(kBK, key_end - j0), nk_r = round_up(nk, kTileK<T>);
-        const int64_t ldb = std::min(kBK, round_up(sg.lk, kKeyPad) - j0);  // this key block's packed width
+        const int64_t ldb = std::min(kBK, sg.keys - j0);  // this key block's packed width
         at::native::cpublas::brgemm(rows, nk, Dp, Dp, ldb, kBK, false, qa.data(), Kp + j0 * Dp, S_.data(), vnni);
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t visible = causal ? std::clamp<int64_t>(r0 + i + shift + 1 - j0, 0, nk) : nk;
