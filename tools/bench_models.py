@@ -22,6 +22,9 @@ import gc
 import json
 import pathlib
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -174,6 +177,32 @@ def _summarize(name, what, provider, times, outputs, setup, counts, repeats) -> 
     )
 
 
+def each_in_its_own_process(names: list[str], argv: list[str]) -> list[dict]:
+    """Runs this script once per model, the other arguments as given, and gathers the results: what one
+    model leaves behind (torch.compile's caches, its fp32 and bf16 copies) never adds to the next. All
+    five default models in one process passed 24 GB and were killed by the OOM killer on a 24 GB machine."""
+    rest, skip = [], False
+    for a in argv:  # argv without --models / --json and their values
+        if skip:
+            skip = False
+        elif a in ("--models", "--json"):
+            skip = True
+        elif not a.startswith(("--models=", "--json=")):
+            rest.append(a)
+    results = []
+    with tempfile.TemporaryDirectory() as d:
+        for name in names:
+            out = pathlib.Path(d) / f"{name}.json"
+            cmd = [sys.executable, __file__, "--models", name, "--json", str(out), *rest]
+            done = subprocess.run(cmd, check=False)
+            if done.returncode != 0:
+                print(f"\n{name}: the benchmark process failed with exit code {done.returncode}", flush=True)
+                results.append(dict(model=name, failed=done.returncode))
+            else:
+                results += json.loads(out.read_text())
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join([*DEFAULT_MODELS, *E2E]))
@@ -195,16 +224,22 @@ def main() -> None:
     unknown = [p for p in without if p not in {q.__name__ for q in DEFAULT_PASSES}]
     if unknown:
         parser.error(f"--without: unknown passes {unknown}")
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {native.cpu_model()}, "
-        f"amxopt tier {native.active_tier()}"
-    )
-    results = [
-        bench_e2e(n, args.repeats)
-        if n in E2E
-        else bench_model(n, DEFAULT_MODELS.get(n, (None,))[0], args.repeats, args.with_compile, without)
-        for n in args.models.split(",")
-    ]
+    names = args.models.split(",")
+    if len(names) > 1:  # one fresh process per model (see each_in_its_own_process)
+        results = each_in_its_own_process(names, sys.argv[1:])
+    else:
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {native.cpu_model()}, "
+            f"amxopt tier {native.active_tier()}",
+            flush=True,
+        )
+        name = names[0]
+        if name in E2E:
+            results = [bench_e2e(name, args.repeats)]
+        else:
+            results = [
+                bench_model(name, DEFAULT_MODELS.get(name, (None,))[0], args.repeats, args.with_compile, without)
+            ]
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 
