@@ -562,10 +562,11 @@ def test_linear_across_blocking_boundaries(provider, shape, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 9])
 def test_attention_across_blocking_boundaries(provider, dtype, causal, head_dim):
-    # A segment of 300 keys (two 256-key blocks, the second padded), one of 97 queries (two or three
-    # query blocks), short ones; 2 segments x 4 heads x 3 blocks: far more work items than threads.
-    # An odd head dim takes the element-wise packing (bf16 pairs padded with a zero).
-    lens = [300, 97, 1, 50]
+    # A segment of 600 queries and keys: more than one key block on every tier (256 keys in fp32, 512
+    # in bf16 on AMX; the last one padded) and 3 to 10 query blocks; one of 97, short ones: 4 heads
+    # give far more work items than threads. An odd head dim takes the element-wise packing (bf16
+    # pairs padded with a zero).
+    lens = [600, 97, 1, 50]
     args = _varlen_args(provider, lens, lens, 4, 2, head_dim, causal, dtype)
     out = ops.varlen_attention(*args)
     q, k, v, cu_q, cu_k, _, _, scale, _, _ = args

@@ -12,18 +12,18 @@
 // padded to a multiple of kKeyPad: K as the B of S, one [D (even for bf16)] x [up to kBK keys]
 // operand per key block (a 32-bit transpose: fp32 values or bf16 pairs); V as the B of P V, one
 // [keys] x [D] operand (bf16: pairs of keys interleaved). GQA heads read their kv head's packing.
-// Phase 2 (parallel over segment x head x query block of at most kBQ rows, balanced, so many short
-// segments still fill every core): the block's Q rows are copied into a T buffer (a strided A
-// measured slower than the copy); per key block: S by one brgemm, one online softmax row at a time
-// (vec(): max, exp, sum, P in T), the accumulator rows rescaled where the max moved, then
-// acc += P V by one brgemm (the first key block writes acc instead). Finally O = acc / l, rounded
+// Phase 2 (parallel over segment x head x query block of at most kBQ rows, balanced: 784 rows are
+// 3 x 208 + 160 in bf16, 12 x 64 + 16 in fp32; many short segments still fill every core): the
+// block's Q rows are copied into a T buffer (a strided A measured slower than the copy), every
+// buffer cache-line aligned (common.h's Scratch); per key block: S by one brgemm, one online
+// softmax row at a time (vec(): max, exp, sum, P in T), the accumulator rows rescaled where the max
+// moved, then acc += P V by one brgemm (the first key block writes acc instead). Finally O = acc / l, rounded
 // once. Causal is bottom-right aligned; rows that see no key output zeros.
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <array>
 #include <limits>
-#include <memory>
 #include <vector>
 
 #include "common.h"
@@ -31,15 +31,23 @@
 namespace amxopt {
 namespace {
 
-constexpr int64_t kBQ = 64;   // query rows per work item: the M of both brgemm calls
-constexpr int64_t kTileM = 16;  // blocks are whole AMX tiles of rows where they can be (784 -> 12 x 64 + 16)
-constexpr int64_t kBK = 256;  // keys per block: the N of S, the K of P V
+constexpr int64_t kTileM = 16;  // query blocks are whole AMX tiles of rows where they can be
 constexpr int64_t kKeyPad = 32;  // a segment's keys are zero padded to this (a whole AMX tile of P V)
 
 template <typename T>
 constexpr int64_t kPair = std::is_same_v<T, bf16> ? 2 : 1;  // reduction values per B row (VNNI pairs)
 template <typename T>
 constexpr int64_t kTileK = std::is_same_v<T, bf16> ? kKeyPad : 1;  // P V's reduction is padded to this
+
+// Query rows per work item (the M of both brgemm calls) and keys per block (the N of S, the K of P V),
+// by GEMM element type. bf16, on AMX tiles: 256 x 512, so that each call reuses its B block over 16 row
+// tiles and the per-call cost is spread over 16x more work (on a 2-core AMX Xeon, one long segment ran
+// at 0.84-0.93x eager SDPA with these against 0.74-0.84x with 64 x 256; about 1 MB of scratch per
+// thread). fp32: 64 x 256, whose 64 KB score block fits a 512 KB L2 (Zen 3, where it was measured).
+template <typename T>
+constexpr int64_t kBQ = std::is_same_v<T, bf16> ? 256 : 64;
+template <typename T>
+constexpr int64_t kBK = std::is_same_v<T, bf16> ? 512 : 256;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -108,7 +116,7 @@ template <typename T, typename S>
 at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale_d,
                             bool causal) {
-  constexpr int64_t r = kPair<T>;
+  constexpr int64_t r = kPair<T>, BQ = kBQ<T>, BK = kBK<T>;
   constexpr bool vnni = r == 2;
   const int64_t H = q.size(1), Hk = k.size(1), D = q.size(2), group = H / Hk, nseg = int64_t(bq.size()) - 1;
   const int64_t Dp = round_up(D, r);  // reduction width of S
@@ -119,11 +127,11 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
     segs[s] = {bq[s], bq[s + 1] - bq[s], bk[s], lk, round_up(lk, kKeyPad)};
     off[s + 1] = off[s] + Hk * segs[s].keys * (Dp + D);
   }
-  std::unique_ptr<T[]> packed(new T[off[nseg]]);  // every element is written by the packing
+  Scratch<T> packed(off[nseg]);  // every element is written by the packing
   const S *Q = q.data_ptr<S>(), *K = k.data_ptr<S>(), *V = v.data_ptr<S>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1), q_d = q.stride(2);
   auto k_of = [&](int64_t s, int64_t hk) {
-    return packed.get() + off[s] + hk * segs[s].keys * (Dp + D);
+    return packed.data() + off[s] + hk * segs[s].keys * (Dp + D);
   };
   auto v_of = [&](int64_t s, int64_t hk) { return k_of(s, hk) + segs[s].keys * Dp; };
   // Phase 1: K^T per key block, then V.
@@ -132,18 +140,18 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t i = b; i < e; ++i) {
       const int64_t s = i / Hk, hk = i % Hk, lk = segs[s].lk, keys = segs[s].keys;
       const S* ks = K + segs[s].k0 * k.stride(0) + hk * k.stride(1);
-      for (int64_t j0 = 0; j0 < keys; j0 += kBK)
-        pack_k<T, S>(ks + j0 * k.stride(0), k.stride(0), k.stride(2), std::min(kBK, lk - j0), D, Dp,
-                     std::min(kBK, keys - j0), k_of(s, hk) + j0 * Dp, tmp);
+      for (int64_t j0 = 0; j0 < keys; j0 += BK)
+        pack_k<T, S>(ks + j0 * k.stride(0), k.stride(0), k.stride(2), std::min(BK, lk - j0), D, Dp,
+                     std::min(BK, keys - j0), k_of(s, hk) + j0 * Dp, tmp);
       pack_v<T, S>(V + segs[s].k0 * v.stride(0) + hk * v.stride(1), v.stride(0), v.stride(2), lk, keys, D,
                    v_of(s, hk));
     }
   });
-  // Phase 2: work items (segment, head, query block), blocks of at most kBQ rows, as few as fit.
+  // Phase 2: work items (segment, head, query block), blocks of at most BQ rows, as few as fit.
   std::vector<std::array<int64_t, 4>> items;
   for (int64_t s = 0; s < nseg; ++s) {
-    const int64_t lq = segs[s].lq, nblk = (lq + kBQ - 1) / kBQ;
-    const int64_t step = nblk ? std::min(kBQ, round_up((lq + nblk - 1) / nblk, kTileM)) : 0;
+    const int64_t lq = segs[s].lq, nblk = (lq + BQ - 1) / BQ;
+    const int64_t step = nblk ? std::min(BQ, round_up((lq + nblk - 1) / nblk, kTileM)) : 0;
     for (int64_t h = 0; h < H; ++h)
       for (int64_t r0 = 0; r0 < lq; r0 += step) items.push_back({s, h, r0, std::min(step, lq - r0)});
   }
@@ -158,8 +166,10 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
       return vk.softmax_row_f32(s, visible, n, scale, m, l, p);
   };
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t b, int64_t e) {
-    std::vector<T> qa(kBQ * Dp, T(0.f)), pa(kBQ * kBK);
-    std::vector<float> S_(kBQ * kBK), acc(kBQ * D), row_max(kBQ), row_sum(kBQ);
+    Scratch<T> qa(BQ * Dp), pa(BQ * BK);  // brgemm operands: cache-line aligned (common.h)
+    Scratch<float> S_(BQ * BK), acc(BQ * D);
+    std::vector<float> row_max(BQ), row_sum(BQ);
+    std::fill_n(qa.data(), BQ * Dp, T(0.f));  // an odd head dim's padding column stays zero
     for (int64_t it = b; it < e; ++it) {
       const auto [s, h, r0, rows] = items[it];
       const Segment& sg = segs[s];
@@ -181,18 +191,18 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
       // Causal (bottom-right): query row i of the segment sees keys j <= i + lk - lq.
       const int64_t shift = sg.lk - sg.lq;
       const int64_t key_end = causal ? std::max<int64_t>(0, std::min(sg.lk, r0 + rows + shift)) : sg.lk;
-      if (key_end == 0) std::fill(acc.begin(), acc.begin() + rows * D, 0.f);  // no row sees a key
-      for (int64_t j0 = 0; j0 < key_end; j0 += kBK) {
-        const int64_t nk = std::min(kBK, key_end - j0), nk_r = round_up(nk, kTileK<T>);
-        const int64_t ldb = std::min(kBK, sg.keys - j0);  // this key block's packed width
-        at::native::cpublas::brgemm(rows, nk, Dp, Dp, ldb, kBK, false, qa.data(), Kp + j0 * Dp, S_.data(), vnni);
+      if (key_end == 0) std::fill_n(acc.data(), rows * D, 0.f);  // no row sees a key
+      for (int64_t j0 = 0; j0 < key_end; j0 += BK) {
+        const int64_t nk = std::min(BK, key_end - j0), nk_r = round_up(nk, kTileK<T>);
+        const int64_t ldb = std::min(BK, sg.keys - j0);  // this key block's packed width
+        at::native::cpublas::brgemm(rows, nk, Dp, Dp, ldb, BK, false, qa.data(), Kp + j0 * Dp, S_.data(), vnni);
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t visible = causal ? std::clamp<int64_t>(r0 + i + shift + 1 - j0, 0, nk) : nk;
           const float corr =
-              softmax_row(S_.data() + i * kBK, visible, nk_r, &row_max[i], &row_sum[i], pa.data() + i * kBK);
+              softmax_row(S_.data() + i * BK, visible, nk_r, &row_max[i], &row_sum[i], pa.data() + i * BK);
           if (j0 > 0 && corr != 1.f) vk.scaled_f32(acc.data() + i * D, D, corr, acc.data() + i * D);
         }
-        at::native::cpublas::brgemm(rows, D, nk_r, kBK, D, D, j0 > 0, pa.data(), Vp + j0 * D, acc.data(), vnni);
+        at::native::cpublas::brgemm(rows, D, nk_r, BK, D, D, j0 > 0, pa.data(), Vp + j0 * D, acc.data(), vnni);
       }
       for (int64_t i = 0; i < rows; ++i) {
         S* orow = O + (sg.q0 + r0 + i) * H * D + h * D;

@@ -32,7 +32,7 @@ void gemm_brgemm(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, 
   const int64_t mtiles = (M + kBrgemmM - 1) / kBrgemmM, panel = K * kNB;
   const auto& v = vec();
   at::parallel_for(0, ngroups * mtiles, 1, [&](int64_t begin, int64_t end) {
-    float acc[kBrgemmM * kNB];
+    alignas(64) float acc[kBrgemmM * kNB];  // whole cache lines for brgemm's C tiles (see Scratch)
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t / mtiles, m0 = (t % mtiles) * kBrgemmM, mb = std::min(kBrgemmM, M - m0);
       for (int64_t nb = g * kBrgemmG; nb < std::min(nblocks, (g + 1) * kBrgemmG); ++nb) {
