@@ -47,6 +47,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "vec_default.cpp": ("-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"),
     "vec_avx2.cpp": _AVX2,
     "vec_avx512.cpp": _AVX512_VEC,
+    "vec_avx512_bf16.cpp": _AVX512_BF16,
     "gemm_avx512_bf16.cpp": _AVX512_BF16,
     "attention_avx512_bf16.cpp": _AVX512_BF16,
 }

@@ -92,7 +92,8 @@ def active_tier() -> str:
 
 
 def vec_isa() -> str:
-    """The vector ISA of the drivers' epilogues and norms: ``avx512``, ``avx2`` or ``default``."""
+    """The vector ISA of the drivers' epilogues, norms and softmax: ``avx512_bf16`` (AVX-512 with one-instruction
+    bf16 rounding), ``avx512``, ``avx2`` or ``default``."""
     return _ops().vec_isa()
 
 

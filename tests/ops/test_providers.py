@@ -24,7 +24,7 @@ def test_cpu_tier_matches_cpu_flags():
     assert native.cpu_tier() == expected
     flags = native.cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        assert native.vec_isa() == "avx512"
+        assert native.vec_isa() == ("avx512_bf16" if "avx512_bf16" in flags else "avx512")
     else:
         assert native.vec_isa() == ("avx2" if {"avx2", "fma"} <= flags else "default")
 

@@ -91,6 +91,7 @@ struct VecKernels {
 extern const VecKernels kVecDefault;  // vec_default.cpp (any x86-64)
 extern const VecKernels kVecAvx2;     // vec_avx2.cpp (AVX2 + FMA)
 extern const VecKernels kVecAvx512;   // vec_avx512.cpp (AVX-512 F/BW/VL/DQ)
+extern const VecKernels kVecAvx512Bf16;  // vec_avx512_bf16.cpp (the same + AVX512-BF16)
 
 // --- the CPU and its tiers (cpu.cpp) -------------------------------------------------------------
 // bf16 compute tiers, best first: amx (oneDNN brgemm on AMX tiles), avx512_bf16 (vdpbf16ps),

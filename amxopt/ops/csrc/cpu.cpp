@@ -58,7 +58,8 @@ Tier active_tier() { return Tier(std::min(int(cpu_tier()), max_tier.load())); }
 void set_max_tier(Tier t) { max_tier.store(int(t)); }
 
 const VecKernels& vec() {
-  static const VecKernels& k = has_avx512()                                                    ? kVecAvx512
+  static const VecKernels& k = has_avx512() && __builtin_cpu_supports("avx512bf16")          ? kVecAvx512Bf16
+                               : has_avx512()                                                    ? kVecAvx512
                                : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? kVecAvx2
                                                                                                  : kVecDefault;
   return k;
