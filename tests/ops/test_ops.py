@@ -534,8 +534,9 @@ def test_patch_embed_is_conv3d_channels_last(provider):
 
 # --- 5. blocking boundaries, layouts and inputs the first review found untested -------------------
 # The native engines block their loops (csrc/gemm.cpp: 4-row small-M path, 256-row and 256-column fp32
-# tiles, 32-row x 4-block brgemm tiles; the AVX-512-BF16 kernel: 512-deep K blocks, 96-row tiles;
-# attention: 48-query x 256-key blocks); these shapes cross every one of those boundaries.
+# tiles, 32-row x 4-block brgemm tiles, and from K = 6144 balanced row chunks of at most 256 x
+# 256-column groups x K steps of 1024; the AVX-512-BF16 kernel: 512-deep K blocks, 96-row tiles;
+# attention: 48-query x 256-key blocks, and 256 x 512 on AMX); these shapes cross every one of them.
 
 _GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
     (4, 64, 33),  # the last small-M row count, N one past a 32-column block
@@ -543,6 +544,7 @@ _GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
     (13, 1030, 70),  # K > 512 (two K blocks and a tail); 13 rows = a 12-row chunk + 1
     (97, 96, 300),  # M one past a 96-row tile; N past a 256-column group
     (260, 40, 264),  # M past a 256-row sgemm tile, N past 8 blocks
+    (300, 6200, 300),  # K-blocked brgemm: 2 row chunks (160 + 140), 6 K steps + a tail of 56, N past a group
 ]
 
 
