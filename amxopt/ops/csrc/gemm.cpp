@@ -11,8 +11,9 @@
 //                K is blocked too, in work items of (up to 256 rows) x 256 columns whose fp32
 //                accumulator takes the partial products of K steps of 1024, so that the A chunk,
 //                the B block and the accumulator stay in L2. Measured in one process on an AMX
-//                Xeon: 1280 x 8960 x 1536 at 1.09x eager blocked, 0.70x with whole-K calls;
-//                390 x 7680 x 1280 at 0.90x / 0.82x; but 784 x 4096 x 1024 at 0.94x / 1.08x.
+//                Xeon, two rounds: 1280 x 8960 x 1536 at 0.98-1.09x eager blocked, 0.69-0.70x with
+//                whole-K calls; 390 x 7680 x 1280 at 0.90-0.99x / 0.76-0.82x; but 784 x 4096 x
+//                1024 at 0.83-0.94x / 1.08-1.17x.
 //   avx512_bf16  the hand-written vdpbf16ps kernel (gemm_avx512_bf16.cpp).
 //   fp32         A converted to fp32 once; per group of 8 column blocks (256 columns) the weight is
 //                unpacked to fp32 in a per-thread buffer and multiplied with ATen's sgemm in row
@@ -56,7 +57,7 @@ void gemm_brgemm(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, 
 void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc,
                           int64_t M, int64_t N, int64_t K, Act act) {
   const int64_t nblocks = (N + kNB - 1) / kNB, panel = K * kNB, ngroups = (N + kBlkN - 1) / kBlkN;
-  // Row chunks of equal size (whole AMX tiles of 16 rows): 390 rows are 2 x 208, not 256 + 134.
+  // Row chunks of nearly equal size (whole AMX tiles of 16 rows): 390 rows are 208 + 182, not 256 + 134.
   const int64_t mchunks = (M + kBlkM - 1) / kBlkM, mc = (((M + mchunks - 1) / mchunks + 15) / 16) * 16;
   const auto& v = vec();
   // Column group major, so each thread's share of items is whole column groups of every chunk.
