@@ -144,7 +144,7 @@ at::Tensor varlen_attention_avx512_bf16(const at::Tensor& q, const at::Tensor& k
           for (int64_t j = 0; j < nk; j += 16) {
             const __mmask16 m = visible > j ? tail_mask(visible - j) : 0;
             const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, srow + j), vscale, vm);
-            const __m512 p = _mm512_maskz_mov_ps(m, __m512(fVec(x).exp_u20()));
+            const __m512 p = _mm512_maskz_mov_ps(m, __m512(exp_fast(fVec(x))));
             vsum = _mm512_add_ps(vsum, p);
             store_bf16_masked(prow + j, p, tail_mask(nk - j));
           }

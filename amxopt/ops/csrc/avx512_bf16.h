@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "common.h"
+#include "vec_math.h"
 
 #include <array>
 #include <cmath>

@@ -23,6 +23,7 @@
 #endif
 
 #include "common.h"
+#include "vec_math.h"
 
 namespace amxopt {
 namespace {
@@ -41,24 +42,6 @@ inline bVec round_bf16(fVec a, fVec c) {
 #else
   return at::vec::convert_from_float<bf16>(a, c);
 #endif
-}
-
-inline fVec activate(fVec v, Act act) {
-  switch (act) {
-    case Act::None:
-      return v;
-    case Act::Gelu:
-      return v * (fVec(0.5f) + fVec(0.5f) * (v * fVec(float(M_SQRT1_2))).erf());
-    case Act::GeluTanh: {
-      // 0.5 x (1 + tanh(u)) == x * sigmoid(2u): one exp instead of a tanh; exp_u20's error is far
-      // below bf16 rounding. For u2 -> +inf the quotient is -0, for u2 -> -inf it is x.
-      fVec u2 = fVec(-2.0f * 0.7978845608028654f) * (v + fVec(0.044715f) * v * v * v);
-      return v / (fVec(1.0f) + u2.exp_u20());
-    }
-    case Act::Silu:
-      return v / (fVec(1.0f) + v.neg().exp_u20());
-  }
-  return v;
 }
 
 inline float activate(float x, Act act) {
@@ -333,7 +316,6 @@ float softmax_row(const float* s, int64_t visible, int64_t n, float scale, float
   if (visible > 0) {
     // The largest scaled score is scale x the largest score (the smallest for a negative scale):
     // rounding is monotonic, so this is exact, and costs one max (or min) per score, two chains.
-    const fVec sc(scale);
     const bool neg = scale < 0.f;
     const auto pick = [neg](fVec a, fVec b) { return neg ? at::vec::clamp_max(a, b) : at::vec::clamp_min(a, b); };
     fVec e0(neg ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity()), e1 = e0;
@@ -346,8 +328,8 @@ float softmax_row(const float* s, int64_t visible, int64_t n, float scale, float
     float ext = at::vec::vec_reduce_all<float>(pick, pick(e0, e1));
     for (; i < visible; ++i) ext = neg ? std::min(ext, s[i]) : std::max(ext, s[i]);
     mx = std::max(mx, ext * scale);
-    const fVec vm(mx);
-    const auto p_of = [&](int64_t j) { return at::vec::fmsub(fVec::loadu(s + j), sc, vm).exp_u20(); };
+    const fVec sc(scale), vm(mx);
+    const auto p_of = [&](int64_t j) { return exp_fast(at::vec::fmsub(fVec::loadu(s + j), sc, vm)); };
     fVec sum(0.f), sum1(0.f);
     int64_t j = 0;
     for (; j + 2 * kF <= vend; j += 2 * kF) {  // two vectors at a time: one 2 * kF store of T
