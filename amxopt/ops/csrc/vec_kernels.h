@@ -294,13 +294,13 @@ void rotary_f32(const float* x, float* out, int64_t D, const float* cos, const f
   rotary_row<float>(x, out, D, cos, sin, interleaved);
 }
 
-// p[0, kF) as T: a whole vector for fp32, its kF values rounded once for bf16.
+// p[0, count) as T, count <= kF (rounded once for bf16).
 template <typename T>
-inline void store1(T* p, fVec v) {
+inline void store_n(T* p, fVec v, int64_t count) {
   if constexpr (std::is_same_v<T, bf16>) {
-    round_bf16(v, v).store(p, kF);
+    round_bf16(v, v).store(p, int(count));
   } else {
-    v.store(p);
+    v.store(p, int(count));
   }
 }
 
@@ -308,56 +308,62 @@ inline void store1(T* p, fVec v) {
 // [visible, n) are masked: p = exp(scale * s - m') for the first, 0 for the rest (rounded once to T);
 // m (running max of the scaled scores, -inf before the first key) becomes m', l (running sum)
 // l * exp(m - m') + sum(p). Returns exp(m - m'), the factor for the row's accumulator. The scale
-// may be negative: the max is taken of the scaled scores.
+// may be negative: the max is taken of the scaled scores. A row's last partial vector goes through
+// the vector code with a masked load (segments of 104 keys spent more in scalar exps than in the
+// other 96 keys).
 template <typename T>
 float softmax_row(const float* s, int64_t visible, int64_t n, float scale, float* m, float* l, T* p) {
-  const int64_t vend = visible / kF * kF;
-  float mx = *m;
-  if (visible > 0) {
-    // The largest scaled score is scale x the largest score (the smallest for a negative scale):
-    // rounding is monotonic, so this is exact, and costs one max (or min) per score, two chains.
-    const bool neg = scale < 0.f;
-    const auto pick = [neg](fVec a, fVec b) { return neg ? at::vec::clamp_max(a, b) : at::vec::clamp_min(a, b); };
-    fVec e0(neg ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity()), e1 = e0;
-    int64_t i = 0;
-    for (; i + 2 * kF <= vend; i += 2 * kF) {
-      e0 = pick(fVec::loadu(s + i), e0);
-      e1 = pick(fVec::loadu(s + i + kF), e1);
-    }
-    for (; i < vend; i += kF) e0 = pick(fVec::loadu(s + i), e0);
-    float ext = at::vec::vec_reduce_all<float>(pick, pick(e0, e1));
-    for (; i < visible; ++i) ext = neg ? std::min(ext, s[i]) : std::max(ext, s[i]);
-    mx = std::max(mx, ext * scale);
-    const fVec sc(scale), vm(mx);
-    const auto p_of = [&](int64_t j) { return exp_fast(at::vec::fmsub(fVec::loadu(s + j), sc, vm)); };
-    fVec sum(0.f), sum1(0.f);
-    int64_t j = 0;
-    for (; j + 2 * kF <= vend; j += 2 * kF) {  // two vectors at a time: one 2 * kF store of T
-      const fVec a = p_of(j), c = p_of(j + kF);
-      sum = sum + a;
-      sum1 = sum1 + c;
-      store2(p + j, a, c);
-    }
-    for (; j < vend; j += kF) {
-      const fVec e = p_of(j);
-      sum = sum + e;
-      store1(p + j, e);
-    }
-    sum = sum + sum1;
-    float tail = 0.f;
-    for (int64_t j = vend; j < visible; ++j) {
-      const float e = std::exp(s[j] * scale - mx);
-      tail += e;
-      p[j] = T(e);
-    }
-    const float corr = *m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(*m - mx);
-    *l = *l * corr + hsum(sum) + tail;
-    *m = mx;
-    std::fill(p + visible, p + n, T(0.f));
-    return corr;
+  if (visible <= 0) {
+    std::fill(p, p + n, T(0.f));
+    return 1.f;
   }
-  std::fill(p, p + n, T(0.f));
-  return 1.f;
+  const int64_t vend = visible / kF * kF, rem = visible - vend;
+  // The largest scaled score is scale x the largest score (the smallest for a negative scale):
+  // rounding is monotonic, so this is exact, and costs one max (or min) per score, two chains.
+  const bool neg = scale < 0.f;
+  const auto pick = [neg](fVec a, fVec b) { return neg ? at::vec::clamp_max(a, b) : at::vec::clamp_min(a, b); };
+  const fVec none(neg ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity());
+  fVec e0 = none, e1 = none;
+  int64_t i = 0;
+  for (; i + 2 * kF <= vend; i += 2 * kF) {
+    e0 = pick(fVec::loadu(s + i), e0);
+    e1 = pick(fVec::loadu(s + i + kF), e1);
+  }
+  for (; i < vend; i += kF) e0 = pick(fVec::loadu(s + i), e0);
+  if (rem) e1 = pick(fVec::set(none, fVec::loadu(s + vend, int(rem)), rem), e1);
+  const float mx = std::max(*m, at::vec::vec_reduce_all<float>(pick, pick(e0, e1)) * scale);
+  const fVec sc(scale), vm(mx), sc2(scale * kLog2e), vm2(mx * kLog2e);
+  // bf16 P: 2^(s scale log2(e) - mx log2(e)) by the cheaper exp2 of vec_math.h (its error, and the
+  // rounding of log2(e) into the scale, stay far below P's bf16 rounding); fp32 P: exp_fast.
+  const auto p_of = [&](fVec x) {
+    if constexpr (std::is_same_v<T, bf16>)
+      return exp2_for_bf16(at::vec::fmsub(x, sc2, vm2));
+    else
+      return exp_fast(at::vec::fmsub(x, sc, vm));
+  };
+  fVec sum(0.f), sum1(0.f);
+  int64_t j = 0;
+  for (; j + 2 * kF <= vend; j += 2 * kF) {  // two vectors at a time: one 2 * kF store of T
+    const fVec a = p_of(fVec::loadu(s + j)), c = p_of(fVec::loadu(s + j + kF));
+    sum = sum + a;
+    sum1 = sum1 + c;
+    store2(p + j, a, c);
+  }
+  for (; j < vend; j += kF) {
+    const fVec e = p_of(fVec::loadu(s + j));
+    sum = sum + e;
+    store_n(p + j, e, kF);
+  }
+  if (rem) {
+    const fVec e = fVec::set(fVec(0.f), p_of(fVec::loadu(s + vend, int(rem))), rem);
+    sum1 = sum1 + e;
+    store_n(p + vend, e, rem);
+  }
+  const float corr = *m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(*m - mx);
+  *l = *l * corr + hsum(sum + sum1);
+  *m = mx;
+  std::fill(p + visible, p + n, T(0.f));
+  return corr;
 }
 
 float softmax_row_bf16(const float* s, int64_t visible, int64_t n, float scale, float* m, float* l, bf16* p) {
