@@ -184,8 +184,9 @@ def norm_cases(draw, dtypes=DTYPES) -> Case:
 def glue_cases(draw, dtypes=DTYPES) -> Case:
     """Wan's glue operands: ``x [B, S, H?, D]`` with per-batch (``[B, 1, D]``) or per-token operands.
 
-    ``mod`` (scale, shift, gate) broadcasts to ``x``; ``cos``/``sin`` ``[1, S, 1?, D/2]`` to its rows.
-    Operands stay fp32 (Wan keeps them so) or take ``x``'s dtype.
+    ``mod`` (scale, shift, gate) broadcasts to ``x``; ``cos``/``sin`` ``[1, S, 1?, D/2]`` to its rows,
+    or, not interleaved, ``[1, S, 1?, D]`` with independent halves (rotate_half's own factors, as
+    Qwen3-VL's vision rotary passes them). Operands stay fp32 (Wan keeps them so) or take ``x``'s dtype.
     """
     b, s, h = draw(st.integers(1, 3)), draw(st.integers(1, 40)), draw(st.sampled_from([None, 1, 3]))
     d = 2 * draw(st.integers(1, 80))
@@ -195,8 +196,10 @@ def glue_cases(draw, dtypes=DTYPES) -> Case:
     lead = (b, s) if h is None else (b, s, h)
     mod_lead = (b, s if per_token else 1) if h is None else (b, s if per_token else 1, 1)
     rot_lead = (1, s) if h is None else (1, s, 1)
+    interleaved = draw(st.booleans())
+    rot_width = d // 2 if interleaved or not draw(st.booleans()) else d
     gen = torch.Generator().manual_seed(draw(_seeds()))
-    angles = _randn(gen, (*rot_lead, d // 2), torch.float32, scale=3.0)
+    angles = _randn(gen, (*rot_lead, rot_width), torch.float32, scale=3.0)
     return Case(
         x=_randn(
             gen, (*lead, d), dtype, scale=draw(st.sampled_from([1.0, 10.0])), shift=draw(st.sampled_from([0.0, 2.0]))
@@ -209,7 +212,7 @@ def glue_cases(draw, dtypes=DTYPES) -> Case:
         gate=_randn(gen, (*mod_lead, d), op_dtype),
         cos=angles.cos().to(op_dtype),
         sin=angles.sin().to(op_dtype),
-        interleaved=draw(st.booleans()),
+        interleaved=interleaved,
         eps=draw(st.sampled_from([1e-5, 1e-6])),
         dtype=dtype,
     )

@@ -258,7 +258,7 @@ def _check_gated_residual(x, y, gate):
     _check_broadcast(op, "gate", gate, x, x.shape[-1])
 
 
-def _check_rotary(x, cos, sin):
+def _check_rotary(x, cos, sin, interleaved):
     op = "rotary_embedding"
     _check(
         x.dim() >= 1 and x.shape[-1] % 2 == 0,
@@ -267,8 +267,11 @@ def _check_rotary(x, cos, sin):
     )
     _check_float(op, "x", x)
     _check(cos.shape == sin.shape, op, f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape")
-    _check_broadcast(op, "cos", cos, x, x.shape[-1] // 2)
-    _check_broadcast(op, "sin", sin, x, x.shape[-1] // 2)
+    # One cos / sin per pair (D / 2), or rotate_half's factors for each half (D, not interleaved).
+    d = x.shape[-1]
+    width = d if not interleaved and cos.dim() >= 1 and cos.shape[-1] == d else d // 2
+    _check_broadcast(op, "cos", cos, x, width)
+    _check_broadcast(op, "sin", sin, x, width)
 
 
 # --- fakes: checks, then shapes only ---------------------------------------------------------------
@@ -333,7 +336,7 @@ def _(x, y, gate, provider="auto"):
 
 @torch.library.register_fake("amxopt::rotary_embedding", lib=_lib)
 def _(x, cos, sin, interleaved, provider="auto"):
-    _check_rotary(x, cos, sin)
+    _check_rotary(x, cos, sin, interleaved)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -387,7 +390,7 @@ def _ref_gated_residual(x, y, gate):
 
 
 def _ref_rotary_embedding(x, cos, sin, interleaved):
-    _check_rotary(x, cos, sin)
+    _check_rotary(x, cos, sin, interleaved)
     return reference.rotary_embedding(x, cos, sin, interleaved)
 
 

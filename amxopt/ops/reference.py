@@ -161,11 +161,15 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torc
 
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     # Each pair (x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos) in fp32; the pairs are (x[2i], x[2i+1])
-    # when interleaved (Wan), else (x[i], x[i + D/2]) (rotate_half).
+    # when interleaved (Wan), else (x[i], x[i + D/2]) (rotate_half). A D-wide cos / sin (rotate_half's
+    # own, not interleaved) gives the first half's factors, then the second half's.
     h = x.shape[-1] // 2
     x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :h], x[..., h:])
     c, s = cos.float(), sin.float()
-    a, b = x1.float() * c - x2.float() * s, x1.float() * s + x2.float() * c
+    c2, s2 = c, s
+    if c.shape[-1] == 2 * h and not interleaved:
+        c, c2, s, s2 = c[..., :h], c[..., h:], s[..., :h], s[..., h:]
+    a, b = x1.float() * c - x2.float() * s, x1.float() * s2 + x2.float() * c2
     if interleaved:
         return torch.stack((a, b), dim=-1).flatten(-2).to(x.dtype)
     return torch.cat((a, b), dim=-1).to(x.dtype)

@@ -195,6 +195,12 @@ def gated_residual_replacement(x, y, gate, *, provider: str):
     return amx.gated_residual(x, y, gate, provider)
 
 
+def rotate_half_replacement(x, cos, sin, *, provider: str):
+    """rotate_half's ``x * cos + rotate_half(x) * sin`` with D-wide cos / sin (Qwen3-VL's vision rotary):
+    the op reads the first half's factors, then the second half's."""
+    return amx.rotary_embedding(x, cos, sin, False, provider)
+
+
 def rotary_replacement(x, freqs_cos, freqs_sin, *, provider: str):
     """Wan's interleaved rotary: pair i turns by the angle whose cos is ``freqs_cos[..., 2i]`` and sin
     ``freqs_sin[..., 2i + 1]`` (diffusers stores each angle twice, and reads them so)."""

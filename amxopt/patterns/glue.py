@@ -9,11 +9,15 @@ diffusers' ``WanTransformerBlock`` and ``WanAttnProcessor`` as export records th
   without weights; the norm is ``FP32LayerNorm`` in Wan);
 * gated residual: ``(x.float() + y * gate).type_as(x)``, and ``(x.float() + y.float() * gate).type_as(x)``;
 * rotary: ``apply_rotary_emb``'s interleaved pairs, ``x1 * cos - x2 * sin`` and ``x1 * sin + x2 * cos``
-  written into an ``empty_like`` through strided slices.
+  written into an ``empty_like`` through strided slices;
+* rotate_half: ``(x.float() * cos + cat(-x2, x1) * sin).to(x.dtype)`` with ``x1, x2`` the halves of
+  the last dim, transformers' ``apply_rotary_pos_emb_vision`` (Qwen3-VL's vision blocks: 14 ATen
+  ops for q and k together, each an fp32 pass over them), cos / sin D wide.
 
 Refusals: dtypes without a kernel, a ``y`` of another shape or dtype than ``x``, an operand that does
 not broadcast to ``x`` along its last dim (a per-channel operand is the only kind the kernels read),
-norms over more than the last dim.
+norms over more than the last dim, a rotate_half whose halves are not the last dim's or whose result
+is not in ``x``'s dtype.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from amxopt.patterns import (
     layer_norm_modulate_replacement,
     rms_norm_modulate_replacement,
     rotary_replacement,
+    rotate_half_replacement,
     upcast_of,
 )
 
@@ -103,6 +108,20 @@ def _rotary_interleaved(x, freqs_cos, freqs_sin, dim):
     return aten.type_as.default(out, x), even, odd
 
 
+def _rotate_half(x_cast, back):
+    # transformers' rotate_half rotary: ``x.float()`` (absent for fp32 x), the halves of the last dim
+    # (``dim``, ``half`` bound here and checked by the guard), the sum cast back (absent likewise).
+    def pattern(x, cos, sin, dim, half, dtype):
+        xf = x_cast(x, torch.float32) if x_cast is not None else x
+        x1 = aten.slice.Tensor(xf, dim, 0, half)
+        x2 = aten.slice.Tensor(xf, dim, half, _END)
+        turned = aten.cat.default([aten.neg.default(x2), x1], -1)
+        y = aten.add.Tensor(aten.mul.Tensor(xf, cos), aten.mul.Tensor(turned, sin))
+        return back(y, dtype) if back is not None else y
+
+    return pattern
+
+
 # --- guards -------------------------------------------------------------------------------------------
 
 
@@ -169,6 +188,18 @@ def _rotary_refusal(match: Match) -> str | None:
     return reason or _broadcast_refusal(match, ("freqs_cos", "freqs_sin"), xv.shape[-1])
 
 
+def _rotate_half_refusal(match: Match) -> str | None:
+    xv = val(match["x"])
+    d = xv.shape[-1]
+    if match["dim"] not in (-1, xv.dim() - 1) or not statically_known_true(2 * match["half"] == d):
+        return f"splits x {tuple(xv.shape)} at {match['half']} along dim {match['dim']}, not into the last dim's halves"
+    out = dtype_of(match.out)
+    if out != xv.dtype:
+        return f"gives {out} for x {xv.dtype} (the op returns x's dtype)"
+    reason = _dtype_refusal(match, ("cos", "sin"))
+    return reason or _broadcast_refusal(match, ("cos", "sin"), d)
+
+
 # --- timing: the amxopt op against the matched ATen ops themselves ----------------------------------
 
 
@@ -188,6 +219,7 @@ _INPUTS = {
     "modulate rms_norm": ("x", "weight", "scale", "shift"),
     "residual": ("x", "y", "gate"),
     "rotary": ("x", "freqs_cos", "freqs_sin"),
+    "rotate_half": ("x", "cos", "sin"),
 }
 
 
@@ -260,4 +292,18 @@ def rules() -> tuple[Rule, ...]:
         _rotary_refusal,
         (aten.empty_like.default,),
     )
-    return (*modulate, *residual, rotary)
+    # Casts on both ends first: the longer patterns.
+    rotate_half = tuple(
+        _rule(
+            "rotate_half rotary (x cos + cat(-x2, x1) sin)",
+            "rotary",
+            "rotate_half",
+            _rotate_half(x_cast, back),
+            rotate_half_replacement,
+            _rotate_half_refusal,
+            (aten.cat.default,),
+        )
+        for back in (*CASTS, None)
+        for x_cast in (*CASTS, None)
+    )
+    return (*modulate, *residual, rotary, *rotate_half)

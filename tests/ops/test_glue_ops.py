@@ -34,7 +34,8 @@ def gated_residual_oracle(x, y, gate):
 
 
 def rotary_oracle(x, cos, sin, interleaved):
-    # Wan's apply_rotary_emb (interleaved pairs) or rotate_half, with the angles' cos/sin per pair.
+    # Wan's apply_rotary_emb (interleaved pairs) or rotate_half, with the angles' cos/sin per pair, or
+    # (rotate_half) D wide as Qwen3-VL's vision rotary passes them.
     xd, c, s = x.double(), cos.double(), sin.double()
     if interleaved:
         x1, x2 = xd.unflatten(-1, (-1, 2)).unbind(-1)
@@ -42,8 +43,8 @@ def rotary_oracle(x, cos, sin, interleaved):
         out[..., 0::2] = x1 * c - x2 * s
         out[..., 1::2] = x1 * s + x2 * c
         return out
-    cc, ss = torch.cat((c, c), -1), torch.cat((s, s), -1)
     h = x.shape[-1] // 2
+    cc, ss = (c, s) if c.shape[-1] == 2 * h else (torch.cat((c, c), -1), torch.cat((s, s), -1))
     return xd * cc + torch.cat((-xd[..., h:], xd[..., :h]), -1) * ss
 
 
@@ -95,6 +96,10 @@ OPCHECK_CASES = {
     "rotary-half-fp32": lambda p: (
         ops.rotary_embedding,
         (torch.randn(3, 4, 10), torch.randn(4, 5), torch.randn(4, 5), False, p),
+    ),
+    "rotary-half-full-width-bf16": lambda p: (
+        ops.rotary_embedding,
+        (torch.randn(6, 2, 40, dtype=_bf), torch.randn(6, 1, 40), torch.randn(6, 1, 40), False, p),
     ),
 }
 
@@ -159,6 +164,10 @@ ERROR_CASES = {
     "rotary-cos-width": (
         lambda p: ops.rotary_embedding(_GX, torch.randn(5, 8), torch.randn(5, 8), True, p),
         r"amxopt\.rotary_embedding: cos has shape \(5, 8\), which does not broadcast to \(2, 5, 4\)",
+    ),
+    "rotary-cos-width-half": (
+        lambda p: ops.rotary_embedding(_GX, torch.randn(5, 6), torch.randn(5, 6), False, p),
+        r"amxopt\.rotary_embedding: cos has shape \(5, 6\), which does not broadcast to \(2, 5, 4\)",
     ),
     "rotary-cos-sin-differ": (
         lambda p: ops.rotary_embedding(_GX, torch.randn(5, 4), torch.randn(1, 4), True, p),

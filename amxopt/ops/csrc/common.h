@@ -71,9 +71,13 @@ struct VecKernels {
   // One row: out = x + y * gate (gate fp32), fp32 math, rounded once.
   void (*residual_bf16)(const bf16* x, const bf16* y, const float* gate, bf16* out, int64_t D);
   void (*residual_f32)(const float* x, const float* y, const float* gate, float* out, int64_t D);
-  // One row of D = 2H rotated by cos/sin [H] (fp32); pairs (2i, 2i+1) if interleaved, else (i, i+H).
-  void (*rotary_bf16)(const bf16* x, bf16* out, int64_t D, const float* cos, const float* sin, bool interleaved);
-  void (*rotary_f32)(const float* x, float* out, int64_t D, const float* cos, const float* sin, bool interleaved);
+  // One row of D = 2H rotated by cos/sin (fp32); pairs (2i, 2i+1) if interleaved, else (i, i+H).
+  // Pair i's outputs read cos[i] / sin[i], except the second half's (not interleaved) reading
+  // cos[hi + i] / sin[hi + i]: hi = 0 for one angle per pair, H for rotate_half's factors per half.
+  void (*rotary_bf16)(const bf16* x, bf16* out, int64_t D, const float* cos, const float* sin, int64_t hi,
+                      bool interleaved);
+  void (*rotary_f32)(const float* x, float* out, int64_t D, const float* cos, const float* sin, int64_t hi,
+                     bool interleaved);
   // One query row of an online softmax over a key block of raw fp32 scores s: keys [0, visible) are
   // seen, [visible, n) masked. Writes p[0, n) (exp(scale * s - m'), 0 where masked), updates the
   // running max m (of scaled scores; -inf before any key) and sum l, returns exp(m - m') for the
@@ -133,7 +137,8 @@ at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& wei
                        const std::optional<at::Tensor>& bias, double eps, bool rms,
                        const std::optional<at::Tensor>& scale = std::nullopt,
                        const std::optional<at::Tensor>& shift = std::nullopt);
-// glue.cpp: Wan's gated residual and rotary embedding; gate, cos and sin broadcast to x's rows.
+// glue.cpp: Wan's gated residual and rotary embedding; gate, cos and sin broadcast to x's rows (cos
+// and sin D / 2 wide, or D wide for rotate_half's factors per half when not interleaved).
 at::Tensor gated_residual_native(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gate);
 at::Tensor rotary_native(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 

@@ -64,16 +64,18 @@ at::Tensor rotary_native(const at::Tensor& x, const at::Tensor& cos, const at::T
   auto out = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return out;
   auto x2 = rows_of(x);
-  const BroadcastRows c(cos, x.sizes(), D / 2), s(sin, x.sizes(), D / 2);
+  const int64_t width = cos.size(-1), hi = width == D ? D / 2 : 0;  // ops.cpp checked: D / 2 or D
+  const BroadcastRows c(cos, x.sizes(), width), s(sin, x.sizes(), width);
   const auto& v = vec();
   const bool bf = x.scalar_type() == at::kBFloat16;
   const int64_t ld = x2.stride(0);
   at::parallel_for(0, x2.size(0), 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (bf)
-        v.rotary_bf16(x2.data_ptr<bf16>() + r * ld, out.data_ptr<bf16>() + r * D, D, c.row(r), s.row(r), interleaved);
+        v.rotary_bf16(x2.data_ptr<bf16>() + r * ld, out.data_ptr<bf16>() + r * D, D, c.row(r), s.row(r), hi,
+                      interleaved);
       else
-        v.rotary_f32(x2.data_ptr<float>() + r * ld, out.data_ptr<float>() + r * D, D, c.row(r), s.row(r),
+        v.rotary_f32(x2.data_ptr<float>() + r * ld, out.data_ptr<float>() + r * D, D, c.row(r), s.row(r), hi,
                      interleaved);
     }
   });

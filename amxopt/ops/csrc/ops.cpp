@@ -339,8 +339,10 @@ at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at
   check_float(op, "x", x);
   AMX_CHECK(cos.sizes() == sin.sizes(), op, "cos ", shape(cos.sizes()), " and sin ", shape(sin.sizes()),
             " must have the same shape");
-  check_broadcast(op, "cos", cos, x, x.size(-1) / 2);
-  check_broadcast(op, "sin", sin, x, x.size(-1) / 2);
+  // One cos / sin per pair (D / 2), or rotate_half's factors for each half (D, not interleaved).
+  const int64_t D = x.size(-1), width = !interleaved && cos.dim() >= 1 && cos.size(-1) == D ? D : D / 2;
+  check_broadcast(op, "cos", cos, x, width);
+  check_broadcast(op, "sin", sin, x, width);
   return rotary_native(x, cos, sin, interleaved);
 }
 

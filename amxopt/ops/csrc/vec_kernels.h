@@ -250,10 +250,11 @@ void residual_f32(const float* x, const float* y, const float* gate, float* out,
   residual_row<float>(x, y, gate, out, D);
 }
 
-// One row of D = 2 * H rotated by angles with cos/sin [H] (fp32), rounded once. interleaved: the
-// pairs are (x[2i], x[2i+1]) (Wan); else (x[i], x[i + H]) (rotate_half).
+// One row of D = 2 * H rotated by angles with cos/sin (fp32), rounded once. interleaved: the pairs
+// are (x[2i], x[2i+1]) (Wan); else (x[i], x[i + H]) (rotate_half), whose second half reads its
+// factors at cos + hi / sin + hi (hi = 0: one angle per pair; hi = H: rotate_half's D-wide cos / sin).
 template <typename T>
-void rotary_row(const T* x, T* out, int64_t D, const float* cos, const float* sin, bool interleaved) {
+void rotary_row(const T* x, T* out, int64_t D, const float* cos, const float* sin, int64_t hi, bool interleaved) {
   const int64_t H = D / 2;
   int64_t i = 0;  // pair index
   if (interleaved) {
@@ -270,28 +271,33 @@ void rotary_row(const T* x, T* out, int64_t D, const float* cos, const float* si
       out[2 * i + 1] = T(x1 * sin[i] + x2 * cos[i]);
     }
   } else {
+    const float *cos2 = cos + hi, *sin2 = sin + hi;
     for (; i + 2 * kF <= H; i += 2 * kF) {
       const auto [a0, a1] = load2(x + i);
       const auto [b0, b1] = load2(x + H + i);
       const fVec c0 = fVec::loadu(cos + i), c1 = fVec::loadu(cos + i + kF);
       const fVec s0 = fVec::loadu(sin + i), s1 = fVec::loadu(sin + i + kF);
+      const fVec d0 = fVec::loadu(cos2 + i), d1 = fVec::loadu(cos2 + i + kF);
+      const fVec t0 = fVec::loadu(sin2 + i), t1 = fVec::loadu(sin2 + i + kF);
       store2(out + i, a0 * c0 - b0 * s0, a1 * c1 - b1 * s1);
-      store2(out + H + i, a0 * s0 + b0 * c0, a1 * s1 + b1 * c1);
+      store2(out + H + i, a0 * t0 + b0 * d0, a1 * t1 + b1 * d1);
     }
     for (; i < H; ++i) {
       const float x1 = float(x[i]), x2 = float(x[H + i]);
       out[i] = T(x1 * cos[i] - x2 * sin[i]);
-      out[H + i] = T(x1 * sin[i] + x2 * cos[i]);
+      out[H + i] = T(x1 * sin2[i] + x2 * cos2[i]);
     }
   }
 }
 
-void rotary_bf16(const bf16* x, bf16* out, int64_t D, const float* cos, const float* sin, bool interleaved) {
-  rotary_row<bf16>(x, out, D, cos, sin, interleaved);
+void rotary_bf16(const bf16* x, bf16* out, int64_t D, const float* cos, const float* sin, int64_t hi,
+                 bool interleaved) {
+  rotary_row<bf16>(x, out, D, cos, sin, hi, interleaved);
 }
 
-void rotary_f32(const float* x, float* out, int64_t D, const float* cos, const float* sin, bool interleaved) {
-  rotary_row<float>(x, out, D, cos, sin, interleaved);
+void rotary_f32(const float* x, float* out, int64_t D, const float* cos, const float* sin, int64_t hi,
+                bool interleaved) {
+  rotary_row<float>(x, out, D, cos, sin, hi, interleaved);
 }
 
 // p[0, count) as T, count <= kF (rounded once for bf16).
