@@ -110,16 +110,20 @@ def _rotary_interleaved(x, freqs_cos, freqs_sin, dim):
 
 def _rotate_half(x_cast, back):
     # transformers' rotate_half rotary: ``x.float()`` (absent for fp32 x), the halves of the last dim
-    # (``dim``, ``half`` bound here and checked by the guard), the sum cast back (absent likewise).
-    def pattern(x, cos, sin, dim, half, dtype):
+    # (``dim``, ``start``, ``half``, ``end`` bound here and checked by the guard: export writes the
+    # slices as (0, half), (half, maxsize) or, with a symbolic half, (None, half), (half, None)), the
+    # sum cast back (absent likewise).
+    def rotated(x, cos, sin, dim, start, half, end):
         xf = x_cast(x, torch.float32) if x_cast is not None else x
-        x1 = aten.slice.Tensor(xf, dim, 0, half)
-        x2 = aten.slice.Tensor(xf, dim, half, _END)
+        x1 = aten.slice.Tensor(xf, dim, start, half)
+        x2 = aten.slice.Tensor(xf, dim, half, end)
         turned = aten.cat.default([aten.neg.default(x2), x1], -1)
-        y = aten.add.Tensor(aten.mul.Tensor(xf, cos), aten.mul.Tensor(turned, sin))
-        return back(y, dtype) if back is not None else y
+        return aten.add.Tensor(aten.mul.Tensor(xf, cos), aten.mul.Tensor(turned, sin))
 
-    return pattern
+    def cast_back(x, cos, sin, dim, start, half, end, dtype):
+        return back(rotated(x, cos, sin, dim, start, half, end), dtype)
+
+    return rotated if back is None else cast_back
 
 
 # --- guards -------------------------------------------------------------------------------------------
@@ -190,12 +194,23 @@ def _rotary_refusal(match: Match) -> str | None:
 
 def _rotate_half_refusal(match: Match) -> str | None:
     xv = val(match["x"])
-    d = xv.shape[-1]
-    if match["dim"] not in (-1, xv.dim() - 1) or not statically_known_true(2 * match["half"] == d):
-        return f"splits x {tuple(xv.shape)} at {match['half']} along dim {match['dim']}, not into the last dim's halves"
     out = dtype_of(match.out)
     if out != xv.dtype:
         return f"gives {out} for x {xv.dtype} (the op returns x's dtype)"
+    d = xv.shape[-1]
+    half = val(match["half"]) if hasattr(match["half"], "meta") else match["half"]  # an int or a SymInt node
+    halves = (
+        match["dim"] in (-1, xv.dim() - 1)
+        and match["start"] in (None, 0)
+        and match["end"] in (None, _END)
+        and isinstance(half, (int, torch.SymInt))
+        and statically_known_true(2 * half == d)
+    )
+    if not halves:
+        return (
+            f"slices x {tuple(xv.shape)} along dim {match['dim']} at ({match['start']}, {half}) and ({half}, "
+            f"{match['end']}), not provably into the last dim's halves"
+        )
     reason = _dtype_refusal(match, ("cos", "sin"))
     return reason or _broadcast_refusal(match, ("cos", "sin"), d)
 

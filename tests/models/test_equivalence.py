@@ -20,8 +20,9 @@ from tests.helpers import CONFIG, check_rewrite, max_abs_error
 # name -> (expected replaced counts, input sizes: the first is the capture example)
 CASES = {
     "tiny-qwen3-vl-vision": (
-        # 3 blocks x 4 + merger 2 + 2 deepstack mergers x 2; 3 blocks x 2 LN + 3 merger LNs
-        dict(linear=18, attention=3, patch_embed=1, layer_norm=9, rms_norm=0),
+        # 3 blocks x 4 + merger 2 + 2 deepstack mergers x 2; 3 blocks x 2 LN + 3 merger LNs; q and k
+        # rotated in 3 blocks
+        dict(linear=18, attention=3, patch_embed=1, layer_norm=9, rms_norm=0, rotary=6),
         [64, (96, 64), [64, 32]],
     ),
     "tiny-qwen3-omni-vision": (dict(attention=3, patch_embed=1, rms_norm=0), [64, (64, 128)]),

@@ -7,6 +7,7 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, WanTransformerBlock
 from torch import nn
+from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision, rotate_half
 
 from amxopt.passes import DEFAULT_PASSES, replace_glue
 from amxopt.passes._graph import LEFT
@@ -93,3 +94,46 @@ def test_replace_glue_leaves_mixed_dtype_residual():
     gm, _ = captured(ChannelGate().eval(), inputs)
     assert not replace_glue(gm, CONFIG).modified
     assert any("differs from x" in n.meta.get(LEFT, "") for n in gm.graph.nodes)
+
+
+class VisionRotary(nn.Module):
+    """Qwen3-VL's vision rotary as its attention calls it: q, k [T, H, D] from one QKV, cos / sin
+    [T, D] built as cat(freqs, freqs) and then perturbed, so that the two halves differ and only the
+    general rotate_half formula gives the eager result."""
+
+    def forward(self, qkv, freqs):
+        q, k = qkv.unbind(1)
+        emb = torch.cat((freqs, freqs * 1.5), dim=-1)
+        return apply_rotary_pos_emb_vision(q, k, emb.cos(), emb.sin())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replace_glue_on_qwen3_vl_rotate_half(dtype):
+    g = torch.Generator().manual_seed(0)
+    inputs = {"qkv": torch.randn(10, 2, 3, 16, generator=g).to(dtype), "freqs": torch.randn(10, 8, generator=g)}
+    model = VisionRotary().eval()
+    gm, gi = captured(model, inputs)
+    assert replace_glue(gm, CONFIG).modified
+    assert count(gm, amx.rotary_embedding.default) == 2  # q and k
+    assert count(gm, aten.neg.default) == count(gm, aten.cat.default) - 1 == 0  # the emb cat stays
+    with torch.no_grad():
+        expected, actual = model(**inputs), gm(**gi)
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype == dtype
+        tol = {} if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+        torch.testing.assert_close(a.float(), e.float(), **tol)
+
+
+class RotateHalfKeptInFp32(nn.Module):
+    """rotate_half on a bf16 x whose result stays fp32: the op returns x's dtype, so it is left."""
+
+    def forward(self, x, cos, sin):
+        xf = x.float()
+        return xf * cos + rotate_half(xf) * sin
+
+
+def test_replace_glue_leaves_rotate_half_of_another_dtype():
+    inputs = {"x": torch.randn(4, 2, 8, dtype=torch.bfloat16), "cos": torch.randn(4, 1, 8), "sin": torch.randn(4, 1, 8)}
+    gm, _ = captured(RotateHalfKeptInFp32().eval(), inputs)
+    assert not replace_glue(gm, CONFIG).modified
+    assert any("the op returns x's dtype" in n.meta.get(LEFT, "") for n in gm.graph.nodes)
