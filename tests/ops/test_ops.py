@@ -543,6 +543,7 @@ _GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
     (5, 66, 64),  # the first blocked row count
     (13, 1030, 70),  # K > 512 (two K blocks and a tail); 13 rows = a 12-row chunk + 1
     (97, 96, 300),  # M one past a 96-row tile; N past a 256-column group
+    (45, 1024, 96),  # AMX tile kernel: 32 K steps, a 13-row tail tile (zero-padded copy)
     (260, 40, 264),  # M past a 256-row sgemm tile, N past 8 blocks
     (300, 6200, 300),  # K-blocked brgemm: 2 row chunks (160 + 140), 6 K steps + a tail of 56, N past a group
 ]

@@ -116,6 +116,21 @@ at::Tensor varlen_attention_avx512_bf16(const at::Tensor& q, const at::Tensor& k
                                         const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale,
                                         bool causal);
 
+// --- the hand-written AMX tile kernel (gemm_amx.cpp) ----------------------------------------------
+// Whether this process may use AMX tiles (an AMX CPU, and Linux granted the tile state).
+bool amx_tiles_usable();
+// Scope of one thread's use of amx_tile_32x32: loads its tile configuration (after making ATen's
+// brgemm forget its own), releases the tiles at the end.
+struct AmxTiles {
+  AmxTiles();
+  ~AmxTiles();
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
+// acc[32 x 32] (fp32, 32 apart) = A[32 x K] (lda) x one 32-column VNNI panel ([K/2][32][2]);
+// K % 32 == 0, all 32 rows of A readable. Only inside an AmxTiles scope.
+void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc);
+
 // --- drivers shared between translation units -----------------------------------------------------
 // C = act(A @ W^T + bias) for a bf16 x and VNNI-packed W, on the given tier (gemm.cpp).
 void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,

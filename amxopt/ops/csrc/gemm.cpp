@@ -4,8 +4,11 @@
 // [N/32][K/2][32][2], which is both oneDNN brgemm's bf16 B operand (per 32-column block, ld_b = 32)
 // and the hand-written AVX-512-BF16 kernel's; anything else keeps the plain [N, K] matrix.
 // Engines, by tier (common.h):
-//   amx          oneDNN brgemm per (32-row x 32-column) tile, A read in place, work items of 32 rows
-//                x 4 column blocks over at::parallel_for; M <= 4 goes to the AVX-512-BF16 kernel
+//   amx          per (32-row x 32-column) tile, A read in place, work items of 32 rows x 4 column
+//                blocks over at::parallel_for; each tile by the hand-written AMX kernel of
+//                gemm_amx.cpp where K % 32 == 0, else by oneDNN's brgemm (the kernel has no per-call
+//                dispatch: Wan's K = 64 patch embedding ran 2.6x faster on it, larger K the same
+//                within noise, 2 threads of an AMX Xeon); M <= 4 goes to the AVX-512-BF16 kernel
 //                (AMX tiles do not pay off for a few rows). A work item holds its 4 B panels and
 //                an A tile, 320 x K bytes, which passes a 2 MB L2 near K = 5600: from K = 6144 on,
 //                K is blocked too, in work items of (up to 256 rows) x 256 columns whose fp32
@@ -51,6 +54,37 @@ void gemm_brgemm(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, 
       }
     }
     at::native::cpublas::brgemm_release(true);
+  });
+}
+
+// The brgemm engine's blocking with the hand-written tile kernel (gemm_amx.cpp) for K % 32 == 0.
+// A row tile shorter than 32 rows is copied into a zero-padded 32-row buffer first (the kernel reads
+// all 32 rows); only its own rows reach the epilogue.
+void gemm_amx_tiles(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
+                    int64_t N, int64_t K, Act act) {
+  const int64_t nblocks = (N + kNB - 1) / kNB, ngroups = (nblocks + kBrgemmG - 1) / kBrgemmG;
+  const int64_t mtiles = (M + kBrgemmM - 1) / kBrgemmM, panel = K * kNB;
+  const auto& v = vec();
+  auto block = [&](int64_t g, int64_t mt, float* acc, bf16* pad) {
+    const int64_t m0 = mt * kBrgemmM, mb = std::min(kBrgemmM, M - m0);
+    const bf16* a = A + m0 * lda;
+    int64_t la = lda;
+    if (mb < kBrgemmM) {
+      for (int64_t r = 0; r < mb; ++r) std::copy(a + r * lda, a + r * lda + K, pad + r * K);
+      std::fill(pad + mb * K, pad + kBrgemmM * K, bf16(0.f));
+      a = pad, la = K;
+    }
+    for (int64_t nb = g * kBrgemmG; nb < std::min(nblocks, (g + 1) * kBrgemmG); ++nb) {
+      const int64_t n0 = nb * kNB;
+      amx_tile_32x32(a, la, Wp + nb * panel, K, acc);
+      v.epilogue_bf16(acc, kNB, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, mb, std::min(kNB, N - n0));
+    }
+  };
+  at::parallel_for(0, ngroups * mtiles, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kBrgemmM * kNB];
+    Scratch<bf16> pad(M % kBrgemmM ? kBrgemmM * K : 0);
+    const AmxTiles tiles;
+    for (int64_t t = begin; t < end; ++t) block(t / mtiles, t % mtiles, acc, pad.data());
   });
 }
 
@@ -129,7 +163,8 @@ void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const float* b
 const char* gemm_engine(Tier tier, int64_t M) {
   switch (tier) {
     case Tier::Amx:
-      return M <= kSmallM ? "avx512_bf16 microkernel (small M)" : "oneDNN brgemm";
+      return M <= kSmallM ? "avx512_bf16 microkernel (small M)"
+                          : "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 6144: K-blocked brgemm)";
     case Tier::Avx512Bf16:
       return "avx512_bf16 microkernel";
     case Tier::Fp32:
@@ -144,6 +179,7 @@ void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf
   switch (tier) {
     case Tier::Amx:
       if (M > kSmallM && K >= kBlockedK) return gemm_brgemm_kblocked(A, lda, Wp, bias, C, ldc, M, N, K, act);
+      if (M > kSmallM && K % 32 == 0 && amx_tiles_usable()) return gemm_amx_tiles(A, lda, Wp, bias, C, ldc, M, N, K, act);
       if (M > kSmallM) return gemm_brgemm(A, lda, Wp, bias, C, ldc, M, N, K, act);
       [[fallthrough]];
     case Tier::Avx512Bf16:
