@@ -44,6 +44,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "attention.cpp": (),
     "norm.cpp": (),
     "glue.cpp": (),
+    "conv.cpp": (),
     "vec_default.cpp": ("-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"),
     "vec_avx2.cpp": _AVX2,
     "vec_avx512.cpp": _AVX512_VEC,

@@ -660,6 +660,13 @@ def test_noncontiguous_inputs(provider, dtype):
     [
         ((3, 1, 17, 10), (8, 1, 3, 3), dict(stride=[2, 2], padding=[1, 1], dilation=[1, 1], groups=1)),
         ((2, 6, 9, 9), (6, 3, 3, 2), dict(stride=[1, 2], padding=[0, 1], dilation=[2, 1], groups=2)),
+        # conv.cpp's direct kernel (Cin x kh x kw <= 64): the Omni audio conv's form with rows of 50
+        # outputs (two vectors and a masked tail), asymmetric stride / padding / dilation, K = 63 (the
+        # largest direct K), and K = 72 (ATen's convolution again)
+        ((2, 1, 24, 100), (16, 1, 3, 3), dict(stride=[2, 2], padding=[1, 1], dilation=[1, 1], groups=1)),
+        ((1, 2, 11, 40), (5, 2, 3, 5), dict(stride=[1, 3], padding=[2, 0], dilation=[2, 1], groups=1)),
+        ((2, 7, 8, 9), (4, 7, 3, 3), dict(stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1)),
+        ((2, 8, 8, 9), (4, 8, 3, 3), dict(stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1)),
     ],
 )
 def test_conv2d_matches_oracle(provider, dtype, shape, weight, params):
@@ -669,6 +676,10 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params):
     b = torch.randn(weight[0], generator=g).to(dtype)
     out = ops.conv2d(x, w, b, *params.values(), provider)
     assert_close_dtype(out, F.conv2d(x.double(), w.double(), b.double(), **params), dtype)
+    # channels-last x and an fp32 bias (rounded to x's dtype first, as the reference does)
+    xc, b32 = x.contiguous(memory_format=torch.channels_last), torch.randn(weight[0], generator=g)
+    out = ops.conv2d(xc, w, b32, *params.values(), provider)
+    assert_close_dtype(out, F.conv2d(x.double(), w.double(), b32.to(dtype).double(), **params), dtype)
 
 
 @pytest.mark.parametrize(

@@ -169,9 +169,10 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& packed, const std:
 }
 
 // --- conv2d -----------------------------------------------------------------------------------------
-// Any 2-D convolution, computed where this CPU is fast: on the fp32 tier a bf16 convolution runs in
-// fp32 (ATen's bf16 convolution is emulated there: 30x slower for the Omni audio encoder's 3x3
-// stride-2 convs); elsewhere ATen's (oneDNN's) convolution in the input dtype.
+// Any 2-D convolution, computed where this CPU is fast: few input values per output (Cin x kh x kw
+// <= kDirectK, groups 1) by conv.cpp's direct kernel on every tier; else, on the fp32 tier, a bf16
+// convolution runs in fp32 (ATen's bf16 convolution is emulated there: 30x slower for the Omni audio
+// encoder's 3x3 stride-2 convs); elsewhere ATen's (oneDNN's) convolution in the input dtype.
 at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                   c10::string_view provider) {
@@ -194,6 +195,7 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<
                   (bias->scalar_type() == x.scalar_type() || bias->scalar_type() == at::kFloat),
               op, "bias must be (", w.size(0), ",) in ", dtype_name(x.scalar_type()), " or float32, got ",
               dtype_name(bias->scalar_type()), " ", shape(bias->sizes()));
+  if (auto direct = conv2d_direct(x, w, bias, stride, padding, dilation, groups)) return *direct;
   if (x.scalar_type() == at::kBFloat16 && active_tier() == Tier::Fp32) {
     std::optional<at::Tensor> b32;
     if (bias.has_value()) b32 = bias->to(at::kFloat);
