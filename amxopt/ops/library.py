@@ -304,10 +304,22 @@ def _(x, packed_weight, bias, kernel_size, out_channels, provider="auto"):
     return x.new_empty((b, t // kt, h // kh, w // kw, out_channels)).permute(0, 4, 1, 2, 3)
 
 
+DIRECT_CONV_K = 64  # conv.cpp's kDirectK: Cin x kh x kw up to which the native conv2d runs directly
+
+
+def _direct_conv2d(x, weight, groups, provider) -> bool:
+    """Whether the native conv2d takes conv.cpp's direct kernel, whose output is channels-last."""
+    k = weight.shape[1] * weight.shape[2] * weight.shape[3]
+    return resolve_provider(provider) == "native" and groups == 1 and 0 < k <= DIRECT_CONV_K and x.shape[0] > 0
+
+
 @torch.library.register_fake("amxopt::conv2d", lib=_lib)
 def _(x, weight, bias, stride, padding, dilation, groups, provider="auto"):
     _check_conv2d(x, weight, bias, stride, padding, dilation, groups)
-    return reference.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    out = reference.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    if _direct_conv2d(x, weight, groups, provider):
+        return out.contiguous(memory_format=torch.channels_last)
+    return out
 
 
 @torch.library.register_fake("amxopt::layer_norm", lib=_lib)

@@ -676,6 +676,8 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params):
     b = torch.randn(weight[0], generator=g).to(dtype)
     out = ops.conv2d(x, w, b, *params.values(), provider)
     assert_close_dtype(out, F.conv2d(x.double(), w.double(), b.double(), **params), dtype)
+    args = (x, w, b, *params.values(), provider)
+    assert_matches_fake(ops.conv2d, args, out)  # the direct kernel's output is channels-last, and its fake's
     # channels-last x and an fp32 bias (rounded to x's dtype first, as the reference does)
     xc, b32 = x.contiguous(memory_format=torch.channels_last), torch.randn(weight[0], generator=g)
     out = ops.conv2d(xc, w, b32, *params.values(), provider)

@@ -91,11 +91,12 @@ struct VecKernels {
   void (*transpose32)(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows, int64_t cols);
   // One VNNI pair row of n columns from two rows a, b (dst[2e] = a[e], dst[2e + 1] = b[e]; null = zeros).
   void (*interleave_bf16)(const bf16* a, const bf16* b, bf16* dst, int64_t n);
-  // A convolution's output rows from gathered taps (conv.cpp): for c < cout, out[c * ldo + i] =
-  // bias[c] + sum_k w[c * K + k] * taps[k * n + i] for i < n, in fp32, rounded once (bias may be null).
-  void (*conv_rows_bf16)(const float* taps, int64_t K, int64_t n, const float* w, const float* bias, int64_t cout,
+  // A convolution's channels-last outputs from gathered taps (conv.cpp): out[i * ldo + c] = bias[c] +
+  // sum_k taps[k * n + i] * wt[k * cout + c] for i < n, c < cout, in fp32, rounded once (bias may be
+  // null).
+  void (*conv_cols_bf16)(const float* taps, int64_t K, int64_t n, const float* wt, const float* bias, int64_t cout,
                          bf16* out, int64_t ldo);
-  void (*conv_rows_f32)(const float* taps, int64_t K, int64_t n, const float* w, const float* bias, int64_t cout,
+  void (*conv_cols_f32)(const float* taps, int64_t K, int64_t n, const float* wt, const float* bias, int64_t cout,
                         float* out, int64_t ldo);
 };
 extern const VecKernels kVecDefault;  // vec_default.cpp (any x86-64)
@@ -138,8 +139,9 @@ struct AmxTiles {
 void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc);
 
 // --- drivers shared between translation units -----------------------------------------------------
-// conv.cpp: amxopt.conv2d computed directly where Cin x kh x kw <= kDirectK and groups == 1 (nullopt
-// otherwise, or where ATen's convolution should report the arguments).
+// conv.cpp: amxopt.conv2d computed directly, into a channels-last output, where Cin x kh x kw <=
+// kDirectK and groups == 1 (nullopt otherwise, or where ATen's convolution should report the
+// arguments). library.py's fake mirrors the condition.
 constexpr int64_t kDirectK = 64;
 std::optional<at::Tensor> conv2d_direct(const at::Tensor& x, const at::Tensor& w,
                                         const std::optional<at::Tensor>& bias, at::IntArrayRef stride,

@@ -203,7 +203,9 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<
   }
   std::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->to(x.scalar_type());
-  return at::conv2d(x, w, b, stride, padding, dilation, groups);
+  // A channels-last x (the direct kernel's output) with a channels-last weight: oneDNN's NHWC kernel.
+  const bool nhwc = x.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
+  return at::conv2d(x, nhwc ? w.contiguous(at::MemoryFormat::ChannelsLast) : w, b, stride, padding, dilation, groups);
 }
 
 // --- varlen_attention ---------------------------------------------------------------------------------

@@ -393,42 +393,41 @@ void scaled_bf16(const float* x, int64_t n, float c, bf16* out) { scaled_row<bf1
 
 void scaled_f32(const float* x, int64_t n, float c, float* out) { scaled_row<float>(x, n, c, out); }
 
-// A convolution's output rows from its taps: the n outputs of channel c are a weighted sum of K rows
-// of taps, bias first; fp32 accumulation, two vectors at a time, rounded once.
+// A convolution's channels-last outputs from its taps: out[i * ldo + c] = bias[c] + sum_k
+// taps[k * n + i] * wt[k * cout + c] for i < n positions, c < cout channels; fp32 accumulation
+// over channel vectors (the weights of a K x 32 block stay in L1), rounded once.
 template <typename T>
-void conv_rows(const float* taps, int64_t K, int64_t n, const float* w, const float* bias, int64_t cout, T* out,
+void conv_cols(const float* taps, int64_t K, int64_t n, const float* wt, const float* bias, int64_t cout, T* out,
                int64_t ldo) {
-  for (int64_t c = 0; c < cout; ++c) {
-    const float* wc = w + c * K;
-    const fVec b0(bias ? bias[c] : 0.f);
-    T* o = out + c * ldo;
-    int64_t i = 0;
-    for (; i + 2 * kF <= n; i += 2 * kF) {
-      fVec a = b0, e = b0;
+  for (int64_t i = 0; i < n; ++i) {
+    T* o = out + i * ldo;
+    int64_t c = 0;
+    for (; c + 2 * kF <= cout; c += 2 * kF) {
+      fVec a = bias ? fVec::loadu(bias + c) : fVec(0.f), e = bias ? fVec::loadu(bias + c + kF) : fVec(0.f);
       for (int64_t k = 0; k < K; ++k) {
-        const fVec wk(wc[k]);
-        a = at::vec::fmadd(fVec::loadu(taps + k * n + i), wk, a);
-        e = at::vec::fmadd(fVec::loadu(taps + k * n + i + kF), wk, e);
+        const fVec t(taps[k * n + i]);
+        a = at::vec::fmadd(fVec::loadu(wt + k * cout + c), t, a);
+        e = at::vec::fmadd(fVec::loadu(wt + k * cout + c + kF), t, e);
       }
-      store2(o + i, a, e);
+      store2(o + c, a, e);
     }
-    for (; i < n; i += kF) {
-      const int64_t cnt = std::min<int64_t>(kF, n - i);
-      fVec a = b0;
-      for (int64_t k = 0; k < K; ++k) a = at::vec::fmadd(fVec::loadu(taps + k * n + i, int(cnt)), fVec(wc[k]), a);
-      store_n(o + i, a, cnt);
+    for (; c < cout; c += kF) {
+      const int cnt = int(std::min<int64_t>(kF, cout - c));
+      fVec a = bias ? fVec::loadu(bias + c, cnt) : fVec(0.f);
+      for (int64_t k = 0; k < K; ++k) a = at::vec::fmadd(fVec::loadu(wt + k * cout + c, cnt), fVec(taps[k * n + i]), a);
+      store_n(o + c, a, cnt);
     }
   }
 }
 
-void conv_rows_bf16(const float* taps, int64_t K, int64_t n, const float* w, const float* bias, int64_t cout,
+void conv_cols_bf16(const float* taps, int64_t K, int64_t n, const float* wt, const float* bias, int64_t cout,
                     bf16* out, int64_t ldo) {
-  conv_rows<bf16>(taps, K, n, w, bias, cout, out, ldo);
+  conv_cols<bf16>(taps, K, n, wt, bias, cout, out, ldo);
 }
 
-void conv_rows_f32(const float* taps, int64_t K, int64_t n, const float* w, const float* bias, int64_t cout,
+void conv_cols_f32(const float* taps, int64_t K, int64_t n, const float* wt, const float* bias, int64_t cout,
                    float* out, int64_t ldo) {
-  conv_rows<float>(taps, K, n, w, bias, cout, out, ldo);
+  conv_cols<float>(taps, K, n, wt, bias, cout, out, ldo);
 }
 
 // dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols: a transpose of 32-bit values (fp32, or
@@ -476,5 +475,5 @@ void interleave_bf16(const bf16* a, const bf16* b, bf16* dst, int64_t n) {
                            gemv_vnni,       norm_bf16,       norm_f32,     residual_bf16, residual_f32,  \
                            rotary_bf16,     rotary_f32,      softmax_row_bf16, softmax_row_f32,          \
                            scaled_bf16,     scaled_f32,      transpose32,  interleave_bf16,              \
-                           conv_rows_bf16,  conv_rows_f32};                                              \
+                           conv_cols_bf16,  conv_cols_f32};                                              \
   }
