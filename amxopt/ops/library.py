@@ -310,7 +310,8 @@ DIRECT_CONV_K = 64  # conv.cpp's kDirectK: Cin x kh x kw up to which the native 
 def _direct_conv2d(x, weight, groups, provider) -> bool:
     """Whether the native conv2d takes conv.cpp's direct kernel, whose output is channels-last."""
     k = weight.shape[1] * weight.shape[2] * weight.shape[3]
-    return resolve_provider(provider) == "native" and groups == 1 and 0 < k <= DIRECT_CONV_K and x.shape[0] > 0
+    native_kernels = resolve_provider(provider) == "native" and native.available()[0]  # else the reference runs
+    return native_kernels and groups == 1 and 0 < k <= DIRECT_CONV_K and x.shape[0] > 0
 
 
 @torch.library.register_fake("amxopt::conv2d", lib=_lib)
