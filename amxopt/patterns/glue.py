@@ -260,6 +260,16 @@ def _rule(name, kind, inputs_key, pattern, replacement, guard, root, options=Non
     )
 
 
+def _over_casts(name, kind, inputs_key, make, replacement, guard, root) -> tuple[Rule, ...]:
+    """One rule per pair of optional casts, ``make(outer, inner)`` building each pattern; a cast is one
+    of ``CASTS`` or absent (``None``), so the patterns with both casts, the longer ones, come first."""
+    return tuple(
+        _rule(name, kind, inputs_key, make(outer, inner), replacement, guard, root)
+        for outer in (*CASTS, None)
+        for inner in (*CASTS, None)
+    )
+
+
 _MODULATED = {
     "layer_norm": (_modulate_layer_norm, layer_norm_modulate_replacement, aten.layer_norm.default),
     "rms_norm": (_modulate_rms_norm, rms_norm_modulate_replacement, aten.rms_norm.default),
@@ -284,19 +294,15 @@ def rules() -> tuple[Rule, ...]:
         for back in (*CASTS, None)  # with FP32LayerNorm's cast back first: the longer pattern
         for upcast in (True, False)
     )
-    # Longer patterns first: y's own cast, then x's.
-    residual = tuple(
-        _rule(
-            "x + y * gate",
-            "residual",
-            "residual",
-            _gated_residual(x_cast, y_cast),
-            gated_residual_replacement,
-            _residual_refusal,
-            (aten.add.Tensor,),
-        )
-        for y_cast in (*CASTS, None)
-        for x_cast in (*CASTS, None)
+    # y's own cast, then x's.
+    residual = _over_casts(
+        "x + y * gate",
+        "residual",
+        "residual",
+        lambda y_cast, x_cast: _gated_residual(x_cast, y_cast),
+        gated_residual_replacement,
+        _residual_refusal,
+        (aten.add.Tensor,),
     )
     rotary = _rule(
         "interleaved rotary (x1 cos - x2 sin, x1 sin + x2 cos)",
@@ -307,18 +313,14 @@ def rules() -> tuple[Rule, ...]:
         _rotary_refusal,
         (aten.empty_like.default,),
     )
-    # Casts on both ends first: the longer patterns.
-    rotate_half = tuple(
-        _rule(
-            "rotate_half rotary (x cos + cat(-x2, x1) sin)",
-            "rotary",
-            "rotate_half",
-            _rotate_half(x_cast, back),
-            rotate_half_replacement,
-            _rotate_half_refusal,
-            (aten.cat.default,),
-        )
-        for back in (*CASTS, None)
-        for x_cast in (*CASTS, None)
+    # The cast back, then x's.
+    rotate_half = _over_casts(
+        "rotate_half rotary (x cos + cat(-x2, x1) sin)",
+        "rotary",
+        "rotate_half",
+        lambda back, x_cast: _rotate_half(x_cast, back),
+        rotate_half_replacement,
+        _rotate_half_refusal,
+        (aten.cat.default,),
     )
     return (*modulate, *residual, rotary, *rotate_half)
