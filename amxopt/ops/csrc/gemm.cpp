@@ -7,7 +7,7 @@
 //   amx          per (32-row x 32-column) tile, A read in place, work items of 32 rows x 4 column
 //                blocks over at::parallel_for; each tile by the hand-written AMX kernel of
 //                gemm_amx.cpp where K % 32 == 0, else by oneDNN's brgemm (the kernel has no per-call
-//                dispatch: Wan's K = 64 patch embedding ran 2.6x faster on it, larger K the same
+//                dispatch: Wan's K = 64 patch embedding ran 2-2.6x faster on it, larger K the same
 //                within noise, 2 threads of an AMX Xeon); M <= 4 goes to the AVX-512-BF16 kernel
 //                (AMX tiles do not pay off for a few rows). A work item holds its 4 B panels and
 //                an A tile, 320 x K bytes, which passes a 2 MB L2 near K = 5600: from K = 6144 on,

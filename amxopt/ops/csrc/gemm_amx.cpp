@@ -2,10 +2,13 @@
 // column panel, in 2 x 2 tiles (4 fp32 C tiles, 2 A tiles, 2 B tiles), K in steps of 32. Compiled
 // with the AMX flags (amxopt/ops/build.py); called only on the amx tier, after amx_tiles_usable().
 //
-// Why not oneDNN's brgemm for this block: the same 32 x 32 x K block, same operands and loop order,
-// ran 1.6x faster in this kernel on an AMX Xeon (a single-thread harness over the blocks of a 384 x
-// 1024 x 3072 GEMM, 0.58 against 0.36 TFLOP/s): a brgemm call costs about 0.25 us of dispatch and
-// tile configuration, and its kernel runs K = 1024 from L2 slower than this one does.
+// Why not oneDNN's brgemm for this block: a brgemm call costs about 0.25 us of dispatch and tile
+// configuration, which dominates small blocks: Wan's K = 64 patch embedding ran 2-2.6x faster here
+// (6.97-8.98x Conv3d against 3.40x). At large K the two measure the same in the 2-thread op on an AMX
+// Xeon (784 x 1024 x 3072: 1.84 against 1.86 TFLOP/s for eager), though this kernel ran 1.6x faster
+// per block in a single-thread harness (0.58 against 0.36 TFLOP/s); both then wait on tile loads.
+// Packing A per K step (one sequential stream instead of 32 rows 2 KB apart) measured the same or
+// slower (0.91-1.02x eager against 0.96-1.13x), so A is read in place.
 //
 // Tile state is per thread, and ATen's brgemm keeps its own configuration per thread: AmxTiles makes
 // ATen forget it (cpublas::brgemm_release) before loading this kernel's, and releases the tiles at the
@@ -14,9 +17,6 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#include <cstring>
-#include <mutex>
 
 #include "common.h"
 
