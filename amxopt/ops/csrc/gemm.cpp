@@ -58,33 +58,37 @@ void gemm_brgemm(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, 
 }
 
 // The brgemm engine's blocking with the hand-written tile kernel (gemm_amx.cpp) for K % 32 == 0.
-// A row tile shorter than 32 rows is copied into a zero-padded 32-row buffer first (the kernel reads
-// all 32 rows); only its own rows reach the epilogue.
+// The last row tile, when M is not a multiple of 32, is copied once into a zero-padded buffer (the
+// kernel reads whole 16-row tiles) and, at 16 rows or fewer, runs on the 16-row kernel; only its own
+// rows reach the epilogue.
 void gemm_amx_tiles(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
                     int64_t N, int64_t K, Act act) {
   const int64_t nblocks = (N + kNB - 1) / kNB, ngroups = (nblocks + kBrgemmG - 1) / kBrgemmG;
-  const int64_t mtiles = (M + kBrgemmM - 1) / kBrgemmM, panel = K * kNB;
+  const int64_t mtiles = (M + kBrgemmM - 1) / kBrgemmM, panel = K * kNB, tail = M % kBrgemmM;
   const auto& v = vec();
-  auto block = [&](int64_t g, int64_t mt, float* acc, bf16* pad) {
-    const int64_t m0 = mt * kBrgemmM, mb = std::min(kBrgemmM, M - m0);
-    const bf16* a = A + m0 * lda;
-    int64_t la = lda;
-    if (mb < kBrgemmM) {
-      for (int64_t r = 0; r < mb; ++r) std::copy(a + r * lda, a + r * lda + K, pad + r * K);
-      std::fill(pad + mb * K, pad + kBrgemmM * K, bf16(0.f));
-      a = pad, la = K;
-    }
-    for (int64_t nb = g * kBrgemmG; nb < std::min(nblocks, (g + 1) * kBrgemmG); ++nb) {
-      const int64_t n0 = nb * kNB;
-      amx_tile_32x32(a, la, Wp + nb * panel, K, acc);
-      v.epilogue_bf16(acc, kNB, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, mb, std::min(kNB, N - n0));
-    }
-  };
+  Scratch<bf16> pad(tail ? kBrgemmM * K : 0);
+  if (tail) {
+    const bf16* src = A + (M - tail) * lda;
+    for (int64_t r = 0; r < tail; ++r) std::copy(src + r * lda, src + r * lda + K, pad.data() + r * K);
+    std::fill(pad.data() + tail * K, pad.data() + kBrgemmM * K, bf16(0.f));
+  }
   at::parallel_for(0, ngroups * mtiles, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kBrgemmM * kNB];
-    Scratch<bf16> pad(M % kBrgemmM ? kBrgemmM * K : 0);
     const AmxTiles tiles;
-    for (int64_t t = begin; t < end; ++t) block(t / mtiles, t % mtiles, acc, pad.data());
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t g = t / mtiles, m0 = (t % mtiles) * kBrgemmM, mb = std::min(kBrgemmM, M - m0);
+      const bool last = mb < kBrgemmM;
+      const bf16* a = last ? pad.data() : A + m0 * lda;
+      const int64_t la = last ? K : lda;
+      for (int64_t nb = g * kBrgemmG; nb < std::min(nblocks, (g + 1) * kBrgemmG); ++nb) {
+        const int64_t n0 = nb * kNB;
+        if (mb <= 16)
+          amx_tile_16x32(a, la, Wp + nb * panel, K, acc);
+        else
+          amx_tile_32x32(a, la, Wp + nb * panel, K, acc);
+        v.epilogue_bf16(acc, kNB, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, mb, std::min(kNB, N - n0));
+      }
+    }
   });
 }
 

@@ -83,4 +83,22 @@ void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, fl
   _tile_stored(3, acc + 16 * 32 + 16, ldc);
 }
 
+void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  const char* a = reinterpret_cast<const char*>(A);
+  const char* b = reinterpret_cast<const char*>(panel);
+  const int64_t sa = lda * 2;
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, a + 2 * k, sa);
+    _tile_loadd(6, b + 64 * k, 128);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b + 64 * k + 64, 128);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  constexpr int64_t ldc = 32 * 4;
+  _tile_stored(0, acc, ldc);
+  _tile_stored(1, acc + 16, ldc);
+}
+
 }  // namespace amxopt
