@@ -57,11 +57,18 @@ AmxTiles::AmxTiles() {
 
 AmxTiles::~AmxTiles() { _tile_release(); }
 
-void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc) {
+namespace {
+
+// acc rows [0, Rows) of a 32-column block: Rows = 32 uses both A tiles (4 C tiles), 16 the first.
+template <int Rows>
+void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc) {
+  constexpr bool both = Rows == 32;
   _tile_zero(0);
   _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  if constexpr (both) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   const char* a0 = reinterpret_cast<const char*>(A);
   const char* a1 = reinterpret_cast<const char*>(A + 16 * lda);
   const char* b = reinterpret_cast<const char*>(panel);
@@ -72,33 +79,29 @@ void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, fl
     _tile_dpbf16ps(0, 4, 6);
     _tile_loadd(7, b + 64 * k + 64, 128);
     _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, a1 + 2 * k, sa);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if constexpr (both) {
+      _tile_loadd(5, a1 + 2 * k, sa);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   constexpr int64_t ldc = 32 * 4;
   _tile_stored(0, acc, ldc);
   _tile_stored(1, acc + 16, ldc);
-  _tile_stored(2, acc + 16 * 32, ldc);
-  _tile_stored(3, acc + 16 * 32 + 16, ldc);
+  if constexpr (both) {
+    _tile_stored(2, acc + 16 * 32, ldc);
+    _tile_stored(3, acc + 16 * 32 + 16, ldc);
+  }
+}
+
+}  // namespace
+
+void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc) {
+  tile_block<32>(A, lda, panel, K, acc);
 }
 
 void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc) {
-  _tile_zero(0);
-  _tile_zero(1);
-  const char* a = reinterpret_cast<const char*>(A);
-  const char* b = reinterpret_cast<const char*>(panel);
-  const int64_t sa = lda * 2;
-  for (int64_t k = 0; k < K; k += 32) {
-    _tile_loadd(4, a + 2 * k, sa);
-    _tile_loadd(6, b + 64 * k, 128);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, b + 64 * k + 64, 128);
-    _tile_dpbf16ps(1, 4, 7);
-  }
-  constexpr int64_t ldc = 32 * 4;
-  _tile_stored(0, acc, ldc);
-  _tile_stored(1, acc + 16, ldc);
+  tile_block<16>(A, lda, panel, K, acc);
 }
 
 }  // namespace amxopt
