@@ -38,57 +38,44 @@ constexpr int64_t kBlkM = 256, kBlkN = 256, kBlkK = 1024;  // its work item (row
 constexpr int64_t kFp32G = 8;     // column blocks unpacked together by the fp32 engine
 constexpr int64_t kFp32M = 256;   // rows per sgemm call of the fp32 engine
 
-void gemm_brgemm(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
+// Work items of 32 rows x 4 column blocks; each 32 x 32 block by the hand-written tile kernel
+// (gemm_amx.cpp) where K % 32 == 0 and the process may use AMX tiles, else by one brgemm call. The
+// tile kernel reads whole 16-row tiles: the last row tile, when M is not a multiple of 32, is copied
+// once into a zero-padded buffer and, at 16 rows or fewer, runs on the 16-row kernel; only its own
+// rows reach the epilogue.
+void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
                  int64_t N, int64_t K, Act act) {
   const int64_t nblocks = (N + kNB - 1) / kNB, ngroups = (nblocks + kBrgemmG - 1) / kBrgemmG;
-  const int64_t mtiles = (M + kBrgemmM - 1) / kBrgemmM, panel = K * kNB;
-  const auto& v = vec();
-  at::parallel_for(0, ngroups * mtiles, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kBrgemmM * kNB];  // whole cache lines for brgemm's C tiles (see Scratch)
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t g = t / mtiles, m0 = (t % mtiles) * kBrgemmM, mb = std::min(kBrgemmM, M - m0);
-      for (int64_t nb = g * kBrgemmG; nb < std::min(nblocks, (g + 1) * kBrgemmG); ++nb) {
-        const int64_t n0 = nb * kNB;
-        at::native::cpublas::brgemm(mb, kNB, K, lda, kNB, kNB, false, A + m0 * lda, Wp + nb * panel, acc, true);
-        v.epilogue_bf16(acc, kNB, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, mb, std::min(kNB, N - n0));
-      }
-    }
-    at::native::cpublas::brgemm_release(true);
-  });
-}
-
-// The brgemm engine's blocking with the hand-written tile kernel (gemm_amx.cpp) for K % 32 == 0.
-// The last row tile, when M is not a multiple of 32, is copied once into a zero-padded buffer (the
-// kernel reads whole 16-row tiles) and, at 16 rows or fewer, runs on the 16-row kernel; only its own
-// rows reach the epilogue.
-void gemm_amx_tiles(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
-                    int64_t N, int64_t K, Act act) {
-  const int64_t nblocks = (N + kNB - 1) / kNB, ngroups = (nblocks + kBrgemmG - 1) / kBrgemmG;
   const int64_t mtiles = (M + kBrgemmM - 1) / kBrgemmM, panel = K * kNB, tail = M % kBrgemmM;
+  const bool tiles = K % 32 == 0 && amx_tiles_usable();
   const auto& v = vec();
-  Scratch<bf16> pad(tail ? kBrgemmM * K : 0);
-  if (tail) {
+  Scratch<bf16> pad(tiles && tail ? kBrgemmM * K : 0);
+  if (tiles && tail) {
     const bf16* src = A + (M - tail) * lda;
     for (int64_t r = 0; r < tail; ++r) std::copy(src + r * lda, src + r * lda + K, pad.data() + r * K);
     std::fill(pad.data() + tail * K, pad.data() + kBrgemmM * K, bf16(0.f));
   }
   at::parallel_for(0, ngroups * mtiles, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kBrgemmM * kNB];
-    const AmxTiles tiles;
+    alignas(64) float acc[kBrgemmM * kNB];  // whole cache lines for the C tiles (see Scratch)
+    std::optional<AmxTiles> held;
+    if (tiles) held.emplace();
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t / mtiles, m0 = (t % mtiles) * kBrgemmM, mb = std::min(kBrgemmM, M - m0);
-      const bool last = mb < kBrgemmM;
-      const bf16* a = last ? pad.data() : A + m0 * lda;
-      const int64_t la = last ? K : lda;
+      const bool padded = tiles && mb < kBrgemmM;
+      const bf16* a = padded ? pad.data() : A + m0 * lda;
+      const int64_t la = padded ? K : lda;
       for (int64_t nb = g * kBrgemmG; nb < std::min(nblocks, (g + 1) * kBrgemmG); ++nb) {
         const int64_t n0 = nb * kNB;
-        if (mb <= 16)
+        if (!tiles)
+          at::native::cpublas::brgemm(mb, kNB, K, la, kNB, kNB, false, a, Wp + nb * panel, acc, true);
+        else if (mb <= 16)
           amx_tile_16x32(a, la, Wp + nb * panel, K, acc);
         else
           amx_tile_32x32(a, la, Wp + nb * panel, K, acc);
         v.epilogue_bf16(acc, kNB, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, mb, std::min(kNB, N - n0));
       }
     }
+    if (!tiles) at::native::cpublas::brgemm_release(true);
   });
 }
 
@@ -183,8 +170,7 @@ void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf
   switch (tier) {
     case Tier::Amx:
       if (M > kSmallM && K >= kBlockedK) return gemm_brgemm_kblocked(A, lda, Wp, bias, C, ldc, M, N, K, act);
-      if (M > kSmallM && K % 32 == 0 && amx_tiles_usable()) return gemm_amx_tiles(A, lda, Wp, bias, C, ldc, M, N, K, act);
-      if (M > kSmallM) return gemm_brgemm(A, lda, Wp, bias, C, ldc, M, N, K, act);
+      if (M > kSmallM) return gemm_blocks(A, lda, Wp, bias, C, ldc, M, N, K, act);
       [[fallthrough]];
     case Tier::Avx512Bf16:
       return gemm_avx512_bf16(A, lda, Wp, bias, C, ldc, M, N, K, act);
