@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
 from amxopt.config import AmxConfig
 from amxopt.ops import build, native
@@ -73,15 +73,35 @@ def randn(shape, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(shape) * scale).to(dtype)
 
 
+def channels_last(value: torch.Tensor) -> bool:
+    """Whether a 4-D (fake) tensor is laid out channels-last, as the direct conv2d writes its output:
+    the next convolution takes another kernel on it (oneDNN's NHWC), so its timing must see it too."""
+    return (
+        value.dim() == 4
+        and statically_known_true(value.stride(1) == 1)
+        and not statically_known_true(value.stride(3) == 1)
+    )
+
+
 def materialize(value, scale: float = 1.0):
-    """A random real tensor like ``value`` (a node's fake tensor), or ``value`` itself if not a tensor."""
-    return randn(concrete(value.shape), value.dtype, scale) if isinstance(value, torch.Tensor) else value
+    """A random real tensor like ``value`` (a node's fake tensor; channels-last kept), or ``value``
+    itself if not a tensor."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    t = randn(concrete(value.shape), value.dtype, scale)
+    return t.contiguous(memory_format=torch.channels_last) if channels_last(value) else t
 
 
 def describe(*tensors) -> str:
-    """``1x784x1024:bf16, 4096x1024:bf16`` for the cache key and the report."""
+    """``1x784x1024:bf16, 4096x1024:bf16`` for the cache key and the report (``:channels_last`` where
+    a 4-D tensor is)."""
     return ", ".join(
-        "x".join(map(str, concrete(t.shape))) + ":" + str(t.dtype).removeprefix("torch.") if t is not None else "-"
+        "x".join(map(str, concrete(t.shape)))
+        + ":"
+        + str(t.dtype).removeprefix("torch.")
+        + (":channels_last" if channels_last(t) else "")
+        if t is not None
+        else "-"
         for t in tensors
     )
 
