@@ -40,7 +40,7 @@ _SCHEMAS = {
     ),
     "conv2d": (
         "(Tensor x, Tensor weight, Tensor? bias, SymInt[] stride, SymInt[] padding, SymInt[] dilation, "
-        "SymInt groups{provider}) -> Tensor"
+        "SymInt groups, str activation='none'{provider}) -> Tensor"
     ),
     "layer_norm": "(Tensor x, Tensor? weight, Tensor? bias, float eps{provider}) -> Tensor",
     "rms_norm": "(Tensor x, Tensor? weight, float eps{provider}) -> Tensor",
@@ -125,9 +125,13 @@ def _check_gemm(op, x_desc, in_features, dtype, packed_weight, bias, out_feature
         _check(bias.dtype in (dtype, torch.float32), op, f"bias is {bias.dtype}; it must be {dtype} or float32")
 
 
+def _check_activation(op, activation):
+    _check(activation in ACTIVATIONS, op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
 def _check_linear(x, packed_weight, bias, activation, out_features, provider):
     op = "linear"
-    _check(activation in ACTIVATIONS, op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check_activation(op, activation)
     _check_float(op, "x", x)
     _check(x.dim() >= 1, op, f"x has shape {tuple(x.shape)}; it needs at least one dim")
     _check_gemm(op, f"x {tuple(x.shape)}", x.shape[-1], x.dtype, packed_weight, bias, out_features, provider)
@@ -188,8 +192,9 @@ def _check_patch(x, packed_weight, bias, kernel_size, out_channels, provider):
     _check_gemm(op, desc, k_total, x.dtype, packed_weight, bias, out_channels, provider)
 
 
-def _check_conv2d(x, weight, bias, stride, padding, dilation, groups):
+def _check_conv2d(x, weight, bias, stride, padding, dilation, groups, activation):
     op = "conv2d"
+    _check_activation(op, activation)
     _check(x.dim() == 4, op, f"x must be [B, C, H, W], got {tuple(x.shape)}")
     _check_float(op, "x", x)
     _check(
@@ -315,8 +320,8 @@ def _direct_conv2d(x, weight, groups, provider) -> bool:
 
 
 @torch.library.register_fake("amxopt::conv2d", lib=_lib)
-def _(x, weight, bias, stride, padding, dilation, groups, provider="auto"):
-    _check_conv2d(x, weight, bias, stride, padding, dilation, groups)
+def _(x, weight, bias, stride, padding, dilation, groups, activation="none", provider="auto"):
+    _check_conv2d(x, weight, bias, stride, padding, dilation, groups, activation)
     out = reference.conv2d(x, weight, bias, stride, padding, dilation, groups)
     if _direct_conv2d(x, weight, groups, provider):
         return out.contiguous(memory_format=torch.channels_last)
@@ -377,9 +382,9 @@ def _ref_patch_embed(x, packed_weight, bias, kernel_size, out_channels):
     return reference.patch_embed(x, packed_weight, bias, kernel_size, out_channels)
 
 
-def _ref_conv2d(x, weight, bias, stride, padding, dilation, groups):
-    _check_conv2d(x, weight, bias, stride, padding, dilation, groups)
-    return reference.conv2d(x, weight, bias, stride, padding, dilation, groups)
+def _ref_conv2d(x, weight, bias, stride, padding, dilation, groups, activation="none"):
+    _check_conv2d(x, weight, bias, stride, padding, dilation, groups, activation)
+    return reference.conv2d(x, weight, bias, stride, padding, dilation, groups, activation)
 
 
 def _ref_layer_norm(x, weight, bias, eps):

@@ -114,9 +114,10 @@ def conv2d(
     padding: list[int],
     dilation: list[int],
     groups: int,
+    activation: str = "none",
 ) -> torch.Tensor:
     b = None if bias is None else bias.to(x.dtype)
-    return F.conv2d(x, weight, b, list(stride), list(padding), list(dilation), groups)
+    return ACTIVATIONS[activation](F.conv2d(x, weight, b, list(stride), list(padding), list(dilation), groups))
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:

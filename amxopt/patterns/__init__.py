@@ -73,11 +73,15 @@ class Rule:
 
 @dataclasses.dataclass(frozen=True)
 class ActivationRule:
-    """An elementwise op that ``amxopt.linear`` can fuse into its epilogue."""
+    """An elementwise op that ``amxopt.linear`` and ``amxopt.conv2d`` can fuse into their output."""
 
     target: object
     activation: str
     approximate: str | None = None  # gelu's ``approximate`` kwarg that this rule matches
+
+    def __call__(self, y):
+        """The activation of y as a pattern spells it."""
+        return self.target(y, **({"approximate": self.approximate} if self.approximate is not None else {}))
 
 
 ACTIVATION_RULES = (
@@ -171,8 +175,8 @@ def patch_embed_2d_replacement(x, weight, bias, *, provider: str):
     return patch_embed_replacement(x.unsqueeze(2), weight.unsqueeze(2), bias, provider=provider).squeeze(2)
 
 
-def conv2d_replacement(x, weight, bias, *, stride, padding, dilation, groups, provider: str):
-    return amx.conv2d(x, weight, bias, stride, padding, dilation, groups, provider)
+def conv2d_replacement(x, weight, bias, *, stride, padding, dilation, groups, activation: str, provider: str):
+    return amx.conv2d(x, weight, bias, stride, padding, dilation, groups, activation, provider)
 
 
 def layer_norm_replacement(x, weight, bias, *, eps: float, provider: str):

@@ -1,5 +1,7 @@
 """Rules for convolutions: patch embeddings (Conv3d, and Conv2d, with kernel == stride) ->
-``amxopt.patch_embed``; any other Conv2d with a constant weight -> ``amxopt.conv2d``.
+``amxopt.patch_embed``; any other Conv2d with a constant weight -> ``amxopt.conv2d``, with a
+following gelu / gelu_tanh / silu fused into it where that is the conv's only user (with
+``AmxConfig.fuse_activation``; the Qwen3-Omni audio encoder's three conv + gelu pairs).
 
 One rule per (op overload, replacement) from one table. A patch embedding refuses a weight computed
 in the graph, dtypes without a kernel, stride != kernel, padding, dilation or groups, and an input
@@ -14,10 +16,13 @@ import functools
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from amxopt.ops import reference
 from amxopt.passes import _autotune
 from amxopt.passes._graph import dtype_of, is_constant, op_name, released_source, val
 from amxopt.patterns import (
+    ACTIVATION_RULES,
     DTYPES,
+    ActivationRule,
     Match,
     Rule,
     conv2d_replacement,
@@ -144,30 +149,51 @@ def _conv2d_refusal(match: Match) -> str | None:
     return None
 
 
-def _conv2d_timing(match: Match, fn, config) -> _autotune.Timing | None:
+def _conv2d_timing(activation: str, match: Match, fn, config) -> _autotune.Timing | None:
+    """amxopt.conv2d (+ fused activation) against aten.conv2d + the activation, at this node's shapes."""
     x, w = _autotune.materialize(val(match["x"])), _autotune.materialize(val(match["weight"]))
     b = _autotune.materialize(val(match["bias"]))
     params = _conv2d_params(match)
+    act = reference.ACTIVATIONS[activation]
     return _autotune.compare(
-        f"conv2d [{_autotune.describe(x, w, b)}] {params}",
+        f"conv2d [{_autotune.describe(x, w, b)}] {params} {activation}",
         config,
         lambda: fn(x, w, b),
-        lambda: torch.nn.functional.conv2d(x, w, b, **params),
+        lambda: act(torch.nn.functional.conv2d(x, w, b, **params)),
+    )
+
+
+def _conv2d_activation_pattern(target, act: ActivationRule):
+    def pattern(x, weight, bias, stride, padding, dilation, groups):
+        return act(target(x, weight, bias, stride, padding, dilation, groups))
+
+    return pattern
+
+
+def _conv2d_rule(activation: str, pattern, when: str | None) -> Rule:
+    return Rule(
+        name="aten.conv2d",
+        kind="conv2d",
+        pattern=pattern,
+        replacement=conv2d_replacement,
+        inputs=("x", "weight", "bias"),
+        options=lambda match, config: {
+            **_conv2d_params(match),
+            "activation": activation,
+            "provider": config.provider,
+        },
+        guard=_conv2d_refusal,
+        timing=functools.partial(_conv2d_timing, activation),
+        when=when,
     )
 
 
 @functools.cache
 def conv2d_rules() -> tuple[Rule, ...]:
-    return tuple(
-        Rule(
-            name="aten.conv2d",
-            kind="conv2d",
-            pattern=_conv_pattern(target),
-            replacement=conv2d_replacement,
-            inputs=("x", "weight", "bias"),
-            options=lambda match, config: {**_conv2d_params(match), "provider": config.provider},
-            guard=_conv2d_refusal,
-            timing=_conv2d_timing,
-        )
-        for target in (aten.conv2d.default, aten.conv2d.padding)
+    targets = (aten.conv2d.default, aten.conv2d.padding)
+    fused = tuple(
+        _conv2d_rule(a.activation, _conv2d_activation_pattern(t, a), "fuse_activation")
+        for t in targets
+        for a in ACTIVATION_RULES
     )
+    return (*fused, *(_conv2d_rule("none", _conv_pattern(t), None) for t in targets))

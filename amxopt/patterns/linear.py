@@ -25,10 +25,8 @@ def _linear(x, weight, bias):
 
 
 def _activation_pattern(act: ActivationRule):
-    kwargs = {"approximate": act.approximate} if act.approximate is not None else {}
-
     def pattern(x, weight, bias):
-        return act.target(aten.linear.default(x, weight, bias), **kwargs)
+        return act(aten.linear.default(x, weight, bias))
 
     return pattern
 

@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 
 import amxopt
 from amxopt import models
-from tests.helpers import CONFIG, check_rewrite, max_abs_error
+from tests.helpers import CONFIG, check_rewrite, max_abs_error, targets
 
 # name -> (expected replaced counts, input sizes: the first is the capture example)
 CASES = {
@@ -26,7 +26,10 @@ CASES = {
         [64, (96, 64), [64, 32]],
     ),
     "tiny-qwen3-omni-vision": (dict(attention=3, patch_embed=1, rms_norm=0), [64, (64, 128)]),
-    "tiny-qwen3-omni-audio": (dict(linear=2 * 6 + 3, attention=2, layer_norm=2 * 2 + 1), [2, 3.3, [1.2, 0.4]]),
+    # 3 convs, each with its gelu fused
+    "tiny-qwen3-omni-audio": (
+        dict(linear=2 * 6 + 3, attention=2, layer_norm=2 * 2 + 1, conv2d=3), [2, 3.3, [1.2, 0.4]]
+    ),
     "tiny-wan": (
         dict(attention=4, patch_embed=1, rms_norm=8, layer_norm=2, modulate=5, residual=4, rotary=4),
         [None, (2, 6, 10, 20), (3, 8, 8, 7)],
@@ -70,6 +73,15 @@ def test_bf16_error_bound(name, provider):
             eager_err = max_abs_error(bf16(**x16), ref)
             opt_err = max_abs_error(opt(**x16), ref)
             assert opt_err <= 1.5 * eager_err, f"{name} {size}: optimized {opt_err:.3e} vs eager bf16 {eager_err:.3e}"
+
+
+def test_omni_audio_fuses_every_gelu():
+    """The 3 conv + gelu pairs and the layers' fc1 + gelu each become one op: no gelu is left."""
+    name = "tiny-qwen3-omni-audio"
+    opt = amxopt.optimize(models.build_model(name), models.example_inputs(name, size=2), CONFIG)
+    assert torch.ops.aten.gelu.default not in targets(opt.graph_module)
+    fused = [n.args[7] for n in opt.graph_module.graph.nodes if n.target == torch.ops.amxopt.conv2d.default]
+    assert fused == ["gelu"] * 3
 
 
 def test_positional_and_keyword_calls_agree():

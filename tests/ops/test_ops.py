@@ -150,7 +150,7 @@ OPCHECK_CASES = {
     ),
     "conv2d-fp32-bias-stride2": lambda p: (
         ops.conv2d,
-        (torch.randn(2, 3, 9, 8), torch.randn(4, 3, 3, 3), torch.randn(4), [2, 2], [1, 1], [1, 1], 1, p),
+        (torch.randn(2, 3, 9, 8), torch.randn(4, 3, 3, 3), torch.randn(4), [2, 2], [1, 1], [1, 1], 1, "gelu", p),
     ),
     "conv2d-bf16-groups-channels-last": lambda p: (
         ops.conv2d,
@@ -162,6 +162,7 @@ OPCHECK_CASES = {
             [0, 0],
             [1, 1],
             2,
+            "none",
             p,
         ),
     ),
@@ -669,40 +670,52 @@ def test_noncontiguous_inputs(provider, dtype):
         ((2, 8, 8, 9), (4, 8, 3, 3), dict(stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1)),
     ],
 )
-def test_conv2d_matches_oracle(provider, dtype, shape, weight, params):
+@pytest.mark.parametrize("act", ["none", "gelu"])
+def test_conv2d_matches_oracle(provider, dtype, shape, weight, params, act):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(*shape, generator=g).to(dtype)
     w = (torch.randn(*weight, generator=g) / 4).to(dtype)
     b = torch.randn(weight[0], generator=g).to(dtype)
-    out = ops.conv2d(x, w, b, *params.values(), provider)
-    assert_close_dtype(out, F.conv2d(x.double(), w.double(), b.double(), **params), dtype)
-    args = (x, w, b, *params.values(), provider)
+    oracle = {"none": lambda y: y, "gelu": F.gelu}[act]
+    out = ops.conv2d(x, w, b, *params.values(), act, provider)
+    assert_close_dtype(out, oracle(F.conv2d(x.double(), w.double(), b.double(), **params)), dtype)
+    args = (x, w, b, *params.values(), act, provider)
     assert_matches_fake(ops.conv2d, args, out)  # the direct kernel's output is channels-last, and its fake's
     # channels-last x and an fp32 bias (rounded to x's dtype first, as the reference does)
     xc, b32 = x.contiguous(memory_format=torch.channels_last), torch.randn(weight[0], generator=g)
-    out = ops.conv2d(xc, w, b32, *params.values(), provider)
-    assert_close_dtype(out, F.conv2d(x.double(), w.double(), b32.to(dtype).double(), **params), dtype)
+    out = ops.conv2d(xc, w, b32, *params.values(), act, provider)
+    assert_close_dtype(out, oracle(F.conv2d(x.double(), w.double(), b32.to(dtype).double(), **params)), dtype)
 
 
 @pytest.mark.parametrize(
     "call,match",
     [
         (
-            lambda p: ops.conv2d(torch.randn(2, 3, 4), torch.randn(4, 3, 1, 1), None, [1, 1], [0, 0], [1, 1], 1, p),
+            lambda p: ops.conv2d(
+                torch.randn(2, 3, 4), torch.randn(4, 3, 1, 1), None, [1, 1], [0, 0], [1, 1], 1, provider=p
+            ),
             r"amxopt\.conv2d: x must be \[B, C, H, W\], got \(2, 3, 4\)",
         ),
         (
-            lambda p: ops.conv2d(torch.randn(1, 3, 4, 4), torch.randn(4, 2, 1, 1), None, [1, 1], [0, 0], [1, 1], 1, p),
+            lambda p: ops.conv2d(
+                torch.randn(1, 3, 4, 4), torch.randn(4, 2, 1, 1), None, [1, 1], [0, 0], [1, 1], 1, provider=p
+            ),
             r"amxopt\.conv2d: weight \(4, 2, 1, 1\) with groups=1 does not take the 3 channels",
         ),
         (
             lambda p: ops.conv2d(
-                torch.randn(1, 3, 4, 4), torch.randn(4, 3, 1, 1), torch.randn(5), [1, 1], [0, 0], [1, 1], 1, p
+                torch.randn(1, 3, 4, 4), torch.randn(4, 3, 1, 1), torch.randn(5), [1, 1], [0, 0], [1, 1], 1, provider=p
             ),
             r"amxopt\.conv2d: bias must be \(4,\)",
         ),
+        (
+            lambda p: ops.conv2d(
+                torch.randn(1, 3, 4, 4), torch.randn(4, 3, 1, 1), None, [1, 1], [0, 0], [1, 1], 1, "relu", p
+            ),
+            r"amxopt\.conv2d: activation must be one of .*got 'relu'",
+        ),
     ],
-    ids=["3d-x", "channels", "bias"],
+    ids=["3d-x", "channels", "bias", "activation"],
 )
 def test_conv2d_bad_input_raises(provider, call, match):
     with pytest.raises(ValueError, match=match):

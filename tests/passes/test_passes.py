@@ -3,6 +3,8 @@ idempotence (a second run changes nothing), numeric (rewritten graph == original
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -220,26 +222,59 @@ def test_replace_patch_embed_leaves_overlapping_conv2d_to_replace_conv2d():
 
 
 class AudioConvs(nn.Module):
-    """The Omni audio encoder's downsampling: 3x3 stride-2 convs with GELU between."""
+    """The Omni audio encoder's downsampling: 3x3 stride-2 convs, each followed by an activation."""
 
-    def __init__(self, padding=1):
+    def __init__(self, padding=1, act="gelu"):
         super().__init__()
         self.c1 = nn.Conv2d(1, 8, 3, stride=2, padding=padding)
         self.c2 = nn.Conv2d(8, 8, 3, stride=2, padding=padding, groups=2)
+        self.act = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}[act]
 
     def forward(self, x):
-        return self.c2(F.gelu(self.c1(x)))
+        return self.act(self.c2(self.act(self.c1(x))))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_replace_conv2d(dtype):
-    model = AudioConvs().to(dtype).eval()
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+def test_replace_conv2d_fuses_activation(dtype, act):
+    model = AudioConvs(act=act).to(dtype).eval()
     gm, gi = captured(model, {"x": torch.randn(3, 1, 16, 10, dtype=dtype)})
     assert run(replace_conv2d, gm)
     assert count(gm, aten.conv2d.default) == 0 and count(gm, amx.conv2d.default) == 2
+    assert count(gm, aten.gelu.default) == count(gm, aten.silu.default) == 0
+    assert [n.args[7] for n in gm.graph.nodes if n.target == amx.conv2d.default] == [act, act]
     assert not run(replace_conv2d, gm)
     if dtype == torch.float32:
         assert_same(gm, gi, model)
+
+
+class ConvSharedOutput(nn.Module):
+    """A conv whose output is used twice: the gelu cannot be fused."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(2, 4, 3)
+
+    def forward(self, x):
+        y = self.c(x)
+        return F.gelu(y) + y
+
+
+def test_replace_conv2d_fuses_only_an_activation_that_is_the_only_user():
+    model = ConvSharedOutput().eval()
+    gm, gi = captured(model, {"x": torch.randn(2, 2, 9, 9)})
+    assert run(replace_conv2d, gm)
+    assert count(gm, amx.conv2d.default) == 1 and count(gm, aten.gelu.default) == 1
+    assert [n.args[7] for n in gm.graph.nodes if n.target == amx.conv2d.default] == ["none"]
+    assert_same(gm, gi, model)
+
+
+def test_replace_conv2d_without_fuse_activation_keeps_the_activation():
+    model = AudioConvs().eval()
+    gm, gi = captured(model, {"x": torch.randn(3, 1, 16, 10)})
+    assert replace_conv2d(gm, dataclasses.replace(CONFIG, fuse_activation=False)).modified
+    assert count(gm, amx.conv2d.default) == 2 and count(gm, aten.gelu.default) == 2
+    assert_same(gm, gi, model)
 
 
 def test_replace_conv2d_leaves_string_padding():

@@ -92,12 +92,12 @@ struct VecKernels {
   // One VNNI pair row of n columns from two rows a, b (dst[2e] = a[e], dst[2e + 1] = b[e]; null = zeros).
   void (*interleave_bf16)(const bf16* a, const bf16* b, bf16* dst, int64_t n);
   // A convolution's channels-last outputs from gathered taps (conv.cpp): out[i * ldo + c] = bias[c] +
-  // sum_k taps[k * n + i] * wt[k * cout + c] for i < n, c < cout, in fp32, rounded once (bias may be
-  // null).
+  // sum_k taps[k * n + i] * wt[k * cout + c] for i < n, c < cout, in fp32, then the activation,
+  // rounded once (bias may be null).
   void (*conv_cols_bf16)(const float* taps, int64_t K, int64_t n, const float* wt, const float* bias, int64_t cout,
-                         bf16* out, int64_t ldo);
+                         Act act, bf16* out, int64_t ldo);
   void (*conv_cols_f32)(const float* taps, int64_t K, int64_t n, const float* wt, const float* bias, int64_t cout,
-                        float* out, int64_t ldo);
+                        Act act, float* out, int64_t ldo);
 };
 extern const VecKernels kVecDefault;  // vec_default.cpp (any x86-64)
 extern const VecKernels kVecAvx2;     // vec_avx2.cpp (AVX2 + FMA)
@@ -143,11 +143,11 @@ void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, fl
 // --- drivers shared between translation units -----------------------------------------------------
 // conv.cpp: amxopt.conv2d computed directly, into a channels-last output, where Cin x kh x kw <=
 // kDirectK and groups == 1 (nullopt otherwise, or where ATen's convolution should report the
-// arguments). library.py's fake mirrors the condition.
+// arguments), the activation applied before the one rounding. library.py's fake mirrors the condition.
 constexpr int64_t kDirectK = 64;
 std::optional<at::Tensor> conv2d_direct(const at::Tensor& x, const at::Tensor& w,
                                         const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                                        at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups);
+                                        at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, Act act);
 // C = act(A @ W^T + bias) for a bf16 x and VNNI-packed W, on the given tier (gemm.cpp).
 void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
                int64_t N, int64_t K, Act act, Tier tier);

@@ -4,7 +4,7 @@
 // (118 ms on 2 cores of an AMX Xeon): a K = 9 reduction leaves its GEMM kernels nothing to block.
 // Here each (image, output row) gathers its K rows of taps once (fp32, zeros where the window hangs
 // over the padding); each output position's channels are the taps' weighted sum, bias first, rounded
-// once (vec(): conv_cols). The output is channels-last: one contiguous block per (image, output row),
+// once after the fused activation, if any (vec(): conv_cols). The output is channels-last: one contiguous block per (image, output row),
 // and oneDNN runs the next convolution on a channels-last input faster (the Omni encoder's second
 // conv, 480 -> 480 channels: 102 against 179 ms). Parallel over image x output row.
 #include "common.h"
@@ -15,7 +15,7 @@ namespace {
 template <typename S>
 at::Tensor conv2d_direct_impl(const at::Tensor& x, const at::Tensor& w32, const at::Tensor& b32, int64_t kh,
                               int64_t kw, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
-                              int64_t OH, int64_t OW) {
+                              int64_t OH, int64_t OW, Act act) {
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), K = w32.size(0), Co = w32.size(1);
   const int64_t sh = stride[0], sw = stride[1], ph = padding[0], pw = padding[1], dh = dilation[0], dw = dilation[1];
   auto out = at::empty({N, Co, OH, OW}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
@@ -45,9 +45,9 @@ at::Tensor conv2d_direct_impl(const at::Tensor& x, const at::Tensor& w32, const 
           }
       S* o = O + (n * OH + oh) * OW * Co;  // [OW][Co], channels last
       if constexpr (std::is_same_v<S, bf16>)
-        v.conv_cols_bf16(taps.data(), K, OW, Wt, Bs, Co, o, Co);
+        v.conv_cols_bf16(taps.data(), K, OW, Wt, Bs, Co, act, o, Co);
       else
-        v.conv_cols_f32(taps.data(), K, OW, Wt, Bs, Co, o, Co);
+        v.conv_cols_f32(taps.data(), K, OW, Wt, Bs, Co, act, o, Co);
     }
   });
   return out;
@@ -57,7 +57,7 @@ at::Tensor conv2d_direct_impl(const at::Tensor& x, const at::Tensor& w32, const 
 
 std::optional<at::Tensor> conv2d_direct(const at::Tensor& x, const at::Tensor& w,
                                         const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                                        at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
+                                        at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, Act act) {
   const int64_t K = w.size(1) * w.size(2) * w.size(3), kh = w.size(2), kw = w.size(3);
   if (groups != 1 || K > kDirectK || K == 0) return std::nullopt;
   for (int d = 0; d < 2; ++d)
@@ -70,8 +70,8 @@ std::optional<at::Tensor> conv2d_direct(const at::Tensor& x, const at::Tensor& w
   if (bias.has_value()) b32 = bias->to(x.scalar_type()).to(at::kFloat).contiguous();
   auto xc = x.contiguous();
   if (x.scalar_type() == at::kBFloat16)
-    return conv2d_direct_impl<bf16>(xc, w32, b32, kh, kw, stride, padding, dilation, OH, OW);
-  return conv2d_direct_impl<float>(xc, w32, b32, kh, kw, stride, padding, dilation, OH, OW);
+    return conv2d_direct_impl<bf16>(xc, w32, b32, kh, kw, stride, padding, dilation, OH, OW, act);
+  return conv2d_direct_impl<float>(xc, w32, b32, kh, kw, stride, padding, dilation, OH, OW, act);
 }
 
 }  // namespace amxopt

@@ -72,6 +72,21 @@ c10::TypedOperatorHandle<Sig> python_op(const std::string& name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<Sig>();
 }
 
+// y = act(y) in place, by ATen's own activation kernels.
+at::Tensor& activate_(at::Tensor& y, Act act) {
+  switch (act) {
+    case Act::None:
+      return y;
+    case Act::Gelu:
+      return at::gelu_(y);
+    case Act::GeluTanh:
+      return at::gelu_(y, "tanh");
+    case Act::Silu:
+      return at::silu_(y);
+  }
+  return y;
+}
+
 Act parse_act(c10::string_view a, const char* op) {
   if (a == "none") return Act::None;
   if (a == "gelu") return Act::Gelu;
@@ -172,15 +187,19 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& packed, const std:
 // Any 2-D convolution, computed where this CPU is fast: few input values per output (Cin x kh x kw
 // <= kDirectK, groups 1) by conv.cpp's direct kernel on every tier; else, on the fp32 tier, a bf16
 // convolution runs in fp32 (ATen's bf16 convolution is emulated there: 30x slower for the Omni audio
-// encoder's 3x3 stride-2 convs); elsewhere ATen's (oneDNN's) convolution in the input dtype.
+// encoder's 3x3 stride-2 convs); elsewhere ATen's (oneDNN's) convolution in the input dtype. The
+// activation is fused into the direct kernel's store; after ATen's convolution it runs in place (on
+// the fp32 result, before the rounding, on the fp32 tier).
 at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                  c10::string_view provider) {
+                  c10::string_view activation, c10::string_view provider) {
   const char* op = "conv2d";
   if (auto impl = delegate(provider, op, false))
     return python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                   at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, int64_t)>(*impl)
-        .call(x, w, bias, stride, padding, dilation, groups);
+                                   at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, int64_t, c10::string_view)>(
+               *impl)
+        .call(x, w, bias, stride, padding, dilation, groups, activation);
+  const Act act = parse_act(activation, op);
   AMX_CHECK(x.dim() == 4, op, "x must be [B, C, H, W], got ", shape(x.sizes()));
   check_float(op, "x", x);
   AMX_CHECK(w.dim() == 4 && w.scalar_type() == x.scalar_type(), op, "weight must be a 4-D ", dtype_name(x.scalar_type()),
@@ -195,17 +214,19 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<
                   (bias->scalar_type() == x.scalar_type() || bias->scalar_type() == at::kFloat),
               op, "bias must be (", w.size(0), ",) in ", dtype_name(x.scalar_type()), " or float32, got ",
               dtype_name(bias->scalar_type()), " ", shape(bias->sizes()));
-  if (auto direct = conv2d_direct(x, w, bias, stride, padding, dilation, groups)) return *direct;
+  if (auto direct = conv2d_direct(x, w, bias, stride, padding, dilation, groups, act)) return *direct;
   if (x.scalar_type() == at::kBFloat16 && active_tier() == Tier::Fp32) {
     std::optional<at::Tensor> b32;
     if (bias.has_value()) b32 = bias->to(at::kFloat);
-    return at::conv2d(x.to(at::kFloat), w.to(at::kFloat), b32, stride, padding, dilation, groups).to(at::kBFloat16);
+    auto y = at::conv2d(x.to(at::kFloat), w.to(at::kFloat), b32, stride, padding, dilation, groups);
+    return activate_(y, act).to(at::kBFloat16);
   }
   std::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->to(x.scalar_type());
   // A channels-last x (the direct kernel's output) with a channels-last weight: oneDNN's NHWC kernel.
   const bool nhwc = x.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
-  return at::conv2d(x, nhwc ? w.contiguous(at::MemoryFormat::ChannelsLast) : w, b, stride, padding, dilation, groups);
+  auto y = at::conv2d(x, nhwc ? w.contiguous(at::MemoryFormat::ChannelsLast) : w, b, stride, padding, dilation, groups);
+  return activate_(y, act);
 }
 
 // --- varlen_attention ---------------------------------------------------------------------------------

@@ -393,12 +393,12 @@ void scaled_bf16(const float* x, int64_t n, float c, bf16* out) { scaled_row<bf1
 
 void scaled_f32(const float* x, int64_t n, float c, float* out) { scaled_row<float>(x, n, c, out); }
 
-// A convolution's channels-last outputs from its taps: out[i * ldo + c] = bias[c] + sum_k
-// taps[k * n + i] * wt[k * cout + c] for i < n positions, c < cout channels; fp32 accumulation
+// A convolution's channels-last outputs from its taps: out[i * ldo + c] = act(bias[c] + sum_k
+// taps[k * n + i] * wt[k * cout + c]) for i < n positions, c < cout channels; fp32 accumulation
 // over channel vectors (the weights of a K x 32 block stay in L1), rounded once.
 template <typename T>
-void conv_cols(const float* taps, int64_t K, int64_t n, const float* wt, const float* bias, int64_t cout, T* out,
-               int64_t ldo) {
+void conv_cols(const float* taps, int64_t K, int64_t n, const float* wt, const float* bias, int64_t cout, Act act,
+               T* out, int64_t ldo) {
   for (int64_t i = 0; i < n; ++i) {
     T* o = out + i * ldo;
     int64_t c = 0;
@@ -409,25 +409,25 @@ void conv_cols(const float* taps, int64_t K, int64_t n, const float* wt, const f
         a = at::vec::fmadd(fVec::loadu(wt + k * cout + c), t, a);
         e = at::vec::fmadd(fVec::loadu(wt + k * cout + c + kF), t, e);
       }
-      store2(o + c, a, e);
+      store2(o + c, activate(a, act), activate(e, act));
     }
     for (; c < cout; c += kF) {
       const int cnt = int(std::min<int64_t>(kF, cout - c));
       fVec a = bias ? fVec::loadu(bias + c, cnt) : fVec(0.f);
       for (int64_t k = 0; k < K; ++k) a = at::vec::fmadd(fVec::loadu(wt + k * cout + c, cnt), fVec(taps[k * n + i]), a);
-      store_n(o + c, a, cnt);
+      store_n(o + c, activate(a, act), cnt);
     }
   }
 }
 
 void conv_cols_bf16(const float* taps, int64_t K, int64_t n, const float* wt, const float* bias, int64_t cout,
-                    bf16* out, int64_t ldo) {
-  conv_cols<bf16>(taps, K, n, wt, bias, cout, out, ldo);
+                    Act act, bf16* out, int64_t ldo) {
+  conv_cols<bf16>(taps, K, n, wt, bias, cout, act, out, ldo);
 }
 
 void conv_cols_f32(const float* taps, int64_t K, int64_t n, const float* wt, const float* bias, int64_t cout,
-                   float* out, int64_t ldo) {
-  conv_cols<float>(taps, K, n, wt, bias, cout, out, ldo);
+                   Act act, float* out, int64_t ldo) {
+  conv_cols<float>(taps, K, n, wt, bias, cout, act, out, ldo);
 }
 
 // dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols: a transpose of 32-bit values (fp32, or
