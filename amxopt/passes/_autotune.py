@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from amxopt.config import AmxConfig
 from amxopt.ops import build, native
@@ -73,33 +73,38 @@ def randn(shape, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(shape) * scale).to(dtype)
 
 
-def channels_last(value: torch.Tensor) -> bool:
-    """Whether a 4-D (fake) tensor is laid out channels-last, as the direct conv2d writes its output:
-    the next convolution takes another kernel on it (oneDNN's NHWC), so its timing must see it too."""
-    return (
-        value.dim() == 4
-        and statically_known_true(value.stride(1) == 1)
-        and not statically_known_true(value.stride(3) == 1)
-    )
+def _layout(value: torch.Tensor) -> str:
+    """``""`` for a contiguous tensor, else ``:strides AxBxC``: a transposed view (attention's q, k, v
+    in Wan) or a channels-last activation (after the direct conv2d) takes other kernels than a
+    contiguous one, so the cache keys them apart."""
+    shape, strides = concrete(value.shape), concrete(value.stride())
+    expected, step = [], 1
+    for size in reversed(shape):
+        expected.append(step)
+        step *= size
+    dense = all(n == 1 or s == e for n, s, e in zip(shape, strides, reversed(expected)))
+    return "" if dense else ":strides " + "x".join(map(str, strides))
 
 
 def materialize(value, scale: float = 1.0):
-    """A random real tensor like ``value`` (a node's fake tensor; channels-last kept), or ``value``
-    itself if not a tensor."""
+    """A random real tensor like ``value`` (a node's fake tensor), with its shape and strides (the
+    kernels on both sides of a timing see the layout the graph gives them), or ``value`` itself if
+    not a tensor."""
     if not isinstance(value, torch.Tensor):
         return value
-    t = randn(concrete(value.shape), value.dtype, scale)
-    return t.contiguous(memory_format=torch.channels_last) if channels_last(value) else t
+    shape, strides = concrete(value.shape), concrete(value.stride())
+    if 0 in strides:  # a broadcast (expanded) view: random values along its other dims, expanded
+        base = [1 if st == 0 else n for n, st in zip(shape, strides)]
+        return randn(base, value.dtype, scale).expand(shape)
+    real = torch.empty_strided(shape, strides, dtype=value.dtype)
+    return real.copy_(randn(shape, value.dtype, scale))
 
 
 def describe(*tensors) -> str:
-    """``1x784x1024:bf16, 4096x1024:bf16`` for the cache key and the report (``:channels_last`` where
-    a 4-D tensor is)."""
+    """``1x784x1024:bf16, 4096x1024:bf16`` for the cache key and the report (plus the strides of a
+    tensor that is not contiguous)."""
     return ", ".join(
-        "x".join(map(str, concrete(t.shape)))
-        + ":"
-        + str(t.dtype).removeprefix("torch.")
-        + (":channels_last" if channels_last(t) else "")
+        "x".join(map(str, concrete(t.shape))) + ":" + str(t.dtype).removeprefix("torch.") + _layout(t)
         if t is not None
         else "-"
         for t in tensors

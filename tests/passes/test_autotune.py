@@ -105,3 +105,24 @@ def test_a_slow_and_far_behind_side_is_decided_by_the_warm_up():
     calls.update(amxopt=0, aten=0)
     _autotune._time(side("amxopt", 0.004), side("aten", 0.004))
     assert calls["amxopt"] == calls["aten"] > 2
+
+
+def test_timed_inputs_have_the_layout_of_the_graph():
+    """A transposed view (Wan's q, k, v), a channels-last activation (after the direct conv2d), a
+    slice and a broadcast view are timed in their own layout, and keyed apart from contiguous ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fakes = [
+            torch.empty(1, 40, 3, 8).transpose(1, 2),
+            torch.empty(2, 6, 4, 5).contiguous(memory_format=torch.channels_last),
+            torch.empty(4, 10)[:, :6],
+            torch.empty(1, 5, 1, 8).expand(2, 5, 3, 8),
+        ]
+        contiguous = torch.empty(2, 6, 4, 5)
+    for fake in fakes:
+        real = _autotune.materialize(fake)
+        assert not isinstance(real, type(fake)) and real.shape == fake.shape and real.stride() == fake.stride()
+        assert real.float().std() > 0.5  # random values, not the storage's leftovers
+        assert _autotune.describe(fake) != _autotune.describe(torch.empty(fake.shape)), fake.stride()
+    assert _autotune.describe(contiguous) == "2x6x4x5:float32"
