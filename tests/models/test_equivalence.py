@@ -28,7 +28,8 @@ CASES = {
     "tiny-qwen3-omni-vision": (dict(attention=3, patch_embed=1, rms_norm=0), [64, (64, 128)]),
     # 3 convs, each with its gelu fused
     "tiny-qwen3-omni-audio": (
-        dict(linear=2 * 6 + 3, attention=2, layer_norm=2 * 2 + 1, conv2d=3), [2, 3.3, [1.2, 0.4]]
+        dict(linear=2 * 6 + 3, attention=2, layer_norm=2 * 2 + 1, conv2d=3),
+        [2, 3.3, [1.2, 0.4]],
     ),
     "tiny-wan": (
         dict(attention=4, patch_embed=1, rms_norm=8, layer_norm=2, modulate=5, residual=4, rotary=4),
