@@ -720,3 +720,33 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params, act):
 def test_conv2d_bad_input_raises(provider, call, match):
     with pytest.raises(ValueError, match=match):
         call(provider)
+
+
+@pytest.mark.parametrize("threads", [3, 8])
+def test_results_do_not_depend_on_the_thread_count(provider, threads):
+    """The GEMM and attention share their work items between threads, which take items from each
+    other's shares once their own is done: with more threads than cores (and than some ops' items)
+    every item is still computed once, the same way, so the results are bitwise those of one thread."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(100, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(200, 64, generator=g).to(torch.bfloat16)
+    packed = ops.pack_linear_weight(w, provider)
+    q, k, v = (torch.randn(150, 4, 32, generator=g).to(torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, 40, 150], dtype=torch.int32)
+
+    def run():
+        return (
+            ops.linear(x, packed, None, "gelu", 200, provider),
+            ops.varlen_attention(q, k, v, cu, cu, 110, 110, 0.2, True, provider),
+        )
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = run()
+        torch.set_num_threads(threads)
+        for _ in range(3):
+            for a, e in zip(run(), expected):
+                assert torch.equal(a, e)
+    finally:
+        torch.set_num_threads(before)

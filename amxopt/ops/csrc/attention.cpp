@@ -165,12 +165,12 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
     else
       return vk.softmax_row_f32(s, visible, n, scale, m, l, p);
   };
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t b, int64_t e) {
+  parallel_shares(int64_t(items.size()), [&](auto next) {
     Scratch<T> qa(BQ * Dp), pa(BQ * BK);  // brgemm operands: cache-line aligned (common.h)
     Scratch<float> S_(BQ * BK), acc(BQ * D);
     std::vector<float> row_max(BQ), row_sum(BQ);
     std::fill_n(qa.data(), BQ * Dp, T(0.f));  // an odd head dim's padding column stays zero
-    for (int64_t it = b; it < e; ++it) {
+    for (int64_t it; (it = next()) >= 0;) {
       const auto [s, h, r0, rows] = items[it];
       const Segment& sg = segs[s];
       const T* Kp = k_of(s, h / group);

@@ -1,4 +1,5 @@
-// What this CPU runs: the widest vector ISA for the VecKernels table, and the best bf16 tier.
+// What this CPU runs: the widest vector ISA for the VecKernels table, and the best bf16 tier; and
+// how its threads share work (WorkShares).
 // Read once from CPUID (through the compiler's __builtin_cpu_supports, which also checks that the OS
 // saves the registers); AMX additionally needs the kernel's permission for the tile state, which
 // at::cpu::init_amx() requests (arch_prctl), as oneDNN would on its first AMX kernel.
@@ -63,6 +64,38 @@ const VecKernels& vec() {
                                : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? kVecAvx2
                                                                                                  : kVecDefault;
   return k;
+}
+
+namespace {
+
+constexpr uint64_t pack_range(uint64_t front, uint64_t back) { return front | back << 32; }
+
+}  // namespace
+
+WorkShares::WorkShares(int64_t n, int64_t parts) : ranges_(std::max<int64_t>(parts, 1)) {
+  TORCH_CHECK(n < (int64_t(1) << 32), "amxopt: too many work items (", n, ")");
+  const int64_t np = int64_t(ranges_.size());
+  for (int64_t p = 0; p < np; ++p) ranges_[p].v.store(pack_range(n * p / np, n * (p + 1) / np));
+}
+
+int64_t WorkShares::take(int64_t p) {
+  // Own share, from the front.
+  uint64_t r = ranges_[p].v.load();
+  while (uint32_t(r) < (r >> 32))
+    if (ranges_[p].v.compare_exchange_weak(r, r + 1)) return int64_t(uint32_t(r));
+  // Then one item at a time from the back of the share with the most left.
+  while (true) {
+    int64_t victim = -1;
+    uint64_t most = 0;
+    for (int64_t q = 0; q < int64_t(ranges_.size()); ++q) {
+      const uint64_t v = ranges_[q].v.load(), left = (v >> 32) - std::min<uint64_t>(uint32_t(v), v >> 32);
+      if (left > most) most = left, victim = q;
+    }
+    if (victim < 0) return -1;
+    uint64_t v = ranges_[victim].v.load();
+    const uint64_t front = uint32_t(v), back = v >> 32;
+    if (front < back && ranges_[victim].v.compare_exchange_weak(v, pack_range(front, back - 1))) return int64_t(back - 1);
+  }
 }
 
 }  // namespace amxopt

@@ -5,7 +5,7 @@
 // and the hand-written AVX-512-BF16 kernel's; anything else keeps the plain [N, K] matrix.
 // Engines, by tier (common.h):
 //   amx          per (32-row x 32-column) tile, A read in place, work items of 32 rows x 4 column
-//                blocks over at::parallel_for; each tile by the hand-written AMX kernel of
+//                blocks over the threads (parallel_shares); each tile by the hand-written AMX kernel of
 //                gemm_amx.cpp where K % 32 == 0, else by oneDNN's brgemm (the kernel has no per-call
 //                dispatch: Wan's K = 64 patch embedding ran 2-2.6x faster on it, larger K the same
 //                within noise, 2 threads of an AMX Xeon); M <= 4 goes to the AVX-512-BF16 kernel
@@ -55,11 +55,11 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, 
     for (int64_t r = 0; r < tail; ++r) std::copy(src + r * lda, src + r * lda + K, pad.data() + r * K);
     std::fill(pad.data() + tail * K, pad.data() + kBrgemmM * K, bf16(0.f));
   }
-  at::parallel_for(0, ngroups * mtiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_shares(ngroups * mtiles, [&](auto next) {
     alignas(64) float acc[kBrgemmM * kNB];  // whole cache lines for the C tiles (see Scratch)
     std::optional<AmxTiles> held;
     if (tiles) held.emplace();
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t; (t = next()) >= 0;) {
       const int64_t g = t / mtiles, m0 = (t % mtiles) * kBrgemmM, mb = std::min(kBrgemmM, M - m0);
       const bool padded = tiles && mb < kBrgemmM;
       const bf16* a = padded ? pad.data() : A + m0 * lda;
@@ -86,9 +86,9 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const floa
   const int64_t mchunks = (M + kBlkM - 1) / kBlkM, mc = (((M + mchunks - 1) / mchunks + 15) / 16) * 16;
   const auto& v = vec();
   // Column group major, so each thread's share of items is whole column groups of every chunk.
-  at::parallel_for(0, ngroups * mchunks, 1, [&](int64_t begin, int64_t end) {
+  parallel_shares(ngroups * mchunks, [&](auto next) {
     Scratch<float> acc(mc * kBlkN);
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t; (t = next()) >= 0;) {
       const int64_t n0 = (t / mchunks) * kBlkN, m0 = (t % mchunks) * mc;
       const int64_t rows = std::min(mc, M - m0), nb0 = n0 / kNB, nb1 = std::min(nblocks, nb0 + kBlkN / kNB);
       if (rows <= 0) continue;
