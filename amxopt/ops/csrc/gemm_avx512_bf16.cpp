@@ -9,7 +9,8 @@
 // park in a per-tile fp32 buffer. Epilogue: + bias (fp32), activation (gelu / gelu_tanh / silu),
 // round to bf16. Work is split over tiles of kMT rows x kNG column blocks, column-major (a thread keeps
 // kNG weight panels hot while it sweeps rows; each A chunk fetched serves kNG panels, which matters
-// once A outgrows the caches, e.g. Wan's 1280 x 8960 FFN input), with at::parallel_for.
+// once A outgrows the caches, e.g. Wan's 1280 x 8960 FFN input), shared between the threads by
+// parallel_shares (common.h).
 #include "avx512_bf16.h"
 
 #include <vector>
@@ -86,9 +87,9 @@ void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* b
   const int64_t kc_pairs = kKC / 2;
   auto a_buf = pack_a(A, lda, M, K);
   const uint32_t* Ap = reinterpret_cast<const uint32_t*>(a_buf.data_ptr<int32_t>());
-  at::parallel_for(0, ngroups * mtiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_shares(ngroups * mtiles, [&](auto next) {
     std::vector<float> acc_buf(kMT * kNG * kNB);  // partial sums of a tile between K blocks
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t; (t = next()) >= 0;) {
       const int64_t g = t / mtiles, mt = t % mtiles;
       const int64_t nb_end = std::min(nblocks, (g + 1) * kNG);
       const int64_t m0 = mt * kMT, m_end = std::min(M, m0 + kMT);
