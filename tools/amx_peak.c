@@ -5,34 +5,13 @@
  * Build and run:  gcc -O2 -mamx-tile -mamx-bf16 -fopenmp amx_peak.c -o amx_peak && ./amx_peak
  * Prints the total TFLOP/s over all threads (best of 3), or nothing and exit code 1 where the kernel
  * does not grant the AMX tile state. */
-#include <immintrin.h>
 #include <omp.h>
-#include <stdint.h>
 #include <stdio.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-struct tile_config {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t bytes_per_row[16];
-  uint8_t rows[16];
-} __attribute__((packed));
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
+#include "amx_tiles.h"
 
 int main(void) {
-  if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 1;
+  if (!amx_permitted()) return 1;
   const long iters = 4000000;
   double best = 0;
   for (int rep = 0; rep < 3; ++rep) {
@@ -40,14 +19,7 @@ int main(void) {
     int threads = 1;
 #pragma omp parallel
     {
-      struct tile_config cfg;
-      memset(&cfg, 0, sizeof cfg);
-      cfg.palette = 1;
-      for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = 16;
-        cfg.bytes_per_row[t] = 64;
-      }
-      _tile_loadconfig(&cfg);
+      configure_tiles();
       static __attribute__((aligned(64))) const uint16_t src[16 * 32] = {0};
       _tile_loadd(4, src, 64);
       _tile_loadd(5, src, 64);

@@ -11,39 +11,13 @@
  * Build and run:  gcc -O2 -mamx-tile -mamx-bf16 -fopenmp amx_tile_probe.c -o probe && ./probe [M K N]
  * (default 768 1024 1536, one thread's share of the 784 x 1024 x 3072 linear; M a multiple of 32, K
  * of 32, N of 128). Exit code 1 where the kernel does not grant the AMX tile state. */
-#include <immintrin.h>
 #include <omp.h>
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx_tiles.h"
+
 #define ROUNDS 11
-
-struct tile_config {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} __attribute__((packed));
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static void configure(void) {
-  struct tile_config c;
-  memset(&c, 0, sizeof c);
-  c.palette = 1;
-  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
-}
 
 /* C[32 x 32] = A[32 x K] (row stride lda bytes) x one VNNI panel ([K/2][32][2], 128-byte rows). */
 static void block(const char* a, long lda, const char* b, long K, float* c) {
@@ -107,7 +81,7 @@ int main(int argc, char** argv) {
     fprintf(stderr, "amx_tile_probe: M must be a multiple of 32, K of 32 and >= 1024, N of 128\n");
     return 2;
   }
-  if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return 1;
+  if (!amx_permitted()) return 1;
   A = aligned_alloc(4096, M * K * 2);
   memset(A, 0, M * K * 2);
   for (int t = 0; t < 2; ++t) Bs[t] = aligned_alloc(4096, K * N * 2), memset(Bs[t], 0, K * N * 2);
@@ -117,7 +91,7 @@ int main(int argc, char** argv) {
   {
     const int me = omp_get_thread_num();
     float* c = aligned_alloc(64, 32 * 32 * 4);
-    configure();
+    configure_tiles();
     _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
