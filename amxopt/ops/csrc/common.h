@@ -50,11 +50,11 @@ class Scratch {
   T* p_;
 };
 
-// Work items [0, n) over at::parallel_for's threads, for items of about equal size. Each thread
-// starts on its own contiguous share (as a static split would give it, so a thread's items share
-// their operands in its caches) and, when that is done, takes items one at a time from the back of
-// the share with the most left. On shared cores a neighbour can slow one core for a while (2
-// threads of an AMX Xeon VM ran one GEMM loop at 0.62x to 2.02x of one thread's speed); with a
+// Work items [0, n) over at::parallel_for's threads. Each thread starts on its own contiguous share
+// (as a static split would give it, so a thread's items share their operands in its caches) and,
+// when that is done, takes items one at a time from the back of the share with the most left (items
+// may differ in size: causal attention's). On shared cores a neighbour can slow one core for a while
+// (2 threads of an AMX Xeon VM ran one GEMM loop at 0.62x to 2.02x of one thread's speed); with a
 // static split the other core then waits at the end.
 class WorkShares {
  public:
