@@ -3,10 +3,11 @@
 // spectrogram (30 x 1 x 128 x 100 -> 480 channels). oneDNN runs that one at about 0.01 TFLOP/s
 // (118 ms on 2 cores of an AMX Xeon): a K = 9 reduction leaves its GEMM kernels nothing to block.
 // Here each (image, output row) gathers its K rows of taps once (fp32, zeros where the window hangs
-// over the padding); each output position's channels are the taps' weighted sum, bias first, rounded
-// once after the fused activation, if any (vec(): conv_cols). The output is channels-last: one contiguous block per (image, output row),
-// and oneDNN runs the next convolution on a channels-last input faster (the Omni encoder's second
-// conv, 480 -> 480 channels: 102 against 179 ms). Parallel over image x output row.
+// over the padding); each output position's channels are the taps' weighted sum, bias first, then
+// the fused activation if any, rounded once (vec(): conv_cols). The output is channels-last: one
+// contiguous block per (image, output row), and oneDNN runs the next convolution on a channels-last
+// input faster (the Omni encoder's second conv, 480 -> 480 channels: 102 against 179 ms). Parallel
+// over image x output row.
 #include "common.h"
 
 namespace amxopt {

@@ -94,7 +94,8 @@ int64_t WorkShares::take(int64_t p) {
     if (victim < 0) return -1;
     uint64_t v = ranges_[victim].v.load();
     const uint64_t front = uint32_t(v), back = v >> 32;
-    if (front < back && ranges_[victim].v.compare_exchange_weak(v, pack_range(front, back - 1))) return int64_t(back - 1);
+    if (front < back && ranges_[victim].v.compare_exchange_weak(v, pack_range(front, back - 1)))
+      return int64_t(back - 1);
   }
 }
 
