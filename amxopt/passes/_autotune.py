@@ -5,8 +5,19 @@ is on and the provider is ``native``): both sides run on random inputs of the no
 example sizes behind symbolic dims), a warm-up call each (which decides alone when a side takes
 over 0.2 s and is 3x behind), then interleaved rounds (short ops repeated to 2 ms a sample) until
 one side is clearly faster (1.5x after two rounds), five rounds are done or 5 s have passed; the
-best sample of each side decides (noise on a shared machine only adds time). The pass keeps the
-ATen node, with the timings as its reason, when ATen wins.
+best sample of each side decides (noise on a shared machine only adds time).
+
+ATen must win clearly, and twice: it is kept only where it is more than ``_MARGIN`` (10%) faster,
+in the first timing and again in a second, independent one (the less favourable of the two to ATen
+is reported; a lead of 3x needs no second). Nearer than that, amxopt's op stays. Isolated best-of timings favour ATen's kernels:
+measured on a 2-core AMX Xeon VM, in one process each, Wan2.1-1.3B with every rewrite kept (autotune
+off) ran 1.71x eager bf16 against 1.54x as autotuned (212 nodes left to ATen), and Qwen3-Omni's
+audio encoder 1.36x against 1.21x (67 left); the decisions it had lost were within a few % (Wan's
+FFN-down linear 0.95x, Qwen3-VL's 0.97x) or a burst of noise (an Omni linear once timed at 0.66x
+and then at 0.94x). In a model, amxopt's kernels also see the other core slowed by a neighbour
+and take over its work (common.h, ``WorkShares``), which a best sample does not show: over 200
+interleaved calls, Omni's FFN-down linear ran at 0.99x ATen by the best samples, 1.22x by the
+means. The pass keeps the ATen node, with the timings as its reason, when ATen wins.
 
 Decisions are cached on disk (``AmxConfig.autotune_cache``, default ``~/.cache/amxopt``), keyed by
 the CPU model, torch version, the kernels' build fingerprint, the active tier and the op's shapes,
@@ -38,6 +49,8 @@ _DECISIVE = 1.5  # a ratio this far from 1 after two rounds settles it
 _SAMPLE_S = 2e-3  # short ops are repeated within a sample up to this long
 _SLOW_S, _FAR = 0.2, 3.0  # a warm-up call this slow, and this far behind the other side, settles it
 _BUDGET_S = 5.0  # rounds stop after this long (after the first)
+_MARGIN = 0.1  # ATen is kept only where it is faster than this, twice (module docstring)
+_POLICY = "ATen by 10%, twice"  # in the cache key: decisions taken by another rule are timed again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +64,13 @@ class Timing:
 
     @property
     def amxopt_wins(self) -> bool:
-        return self.amxopt_ms <= self.aten_ms
+        return self.amxopt_ms <= self.aten_ms * (1 + _MARGIN)
 
     def __str__(self) -> str:
+        tie = " [within 10%: amxopt kept]" if self.aten_ms < self.amxopt_ms and self.amxopt_wins else ""
         return (
             f"{self.op}: amxopt {self.amxopt_ms:.3g} ms, ATen {self.aten_ms:.3g} ms "
-            f"({self.aten_ms / max(self.amxopt_ms, 1e-9):.2f}x){' [cached]' if self.cached else ''}"
+            f"({self.aten_ms / max(self.amxopt_ms, 1e-9):.2f}x){tie}{' [cached]' if self.cached else ''}"
         )
 
 
@@ -177,11 +191,13 @@ def compare(op: str, config: AmxConfig, run_amxopt: Callable[[], object], run_at
     """Time both sides of one rewrite (or read the cached result); ``op`` names kind and shapes."""
     path = _cache_file(config)
     table = _load(path)
-    key = f"{_context()}|{native.active_tier()}|{op}"
+    key = f"{_context()}|{_POLICY}|{native.active_tier()}|{op}"
     if key in table:
         amx_ms, aten_ms = table[key]
         return Timing(op, amx_ms, aten_ms, cached=True)
     amx_ms, aten_ms = _time(run_amxopt, run_aten)
+    if not Timing(op, amx_ms, aten_ms).amxopt_wins and amx_ms < _FAR * aten_ms:  # confirm ATen's lead
+        amx_ms, aten_ms = max((amx_ms, aten_ms), _time(run_amxopt, run_aten), key=lambda t: t[1] / t[0])
     table[key] = [amx_ms, aten_ms]
     _store(path, table)
     timing = Timing(op, amx_ms, aten_ms)

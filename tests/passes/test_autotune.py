@@ -73,6 +73,25 @@ def test_amxopt_is_kept_where_it_is_faster(tmp_path, monkeypatch):
         )
 
 
+def test_aten_must_win_by_a_margin_and_twice(tmp_path, monkeypatch):
+    # A near-tie stays amxopt's, and says so.
+    monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: (1.05, 1.0))
+    opt, _ = _optimize(_model(), tmp_path / "tie")
+    assert not opt.report.left and all(w == "amxopt" for w, _ in opt.report.choices)
+    assert all("within 10%: amxopt kept" in t for _, t in opt.report.choices), str(opt.report)
+    # A lead in the first timing only (a burst of noise on amxopt's samples) is timed again and lost.
+    timings = iter([(2.0, 1.0), (1.0, 1.02)] * 6)
+    monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: next(timings))
+    opt, _ = _optimize(_model(), tmp_path / "burst")
+    assert not opt.report.left and len(opt.report.choices) == 6, str(opt.report)
+    assert all("amxopt 1 ms, ATen 1.02 ms" in t for _, t in opt.report.choices)
+    # Two leads: ATen kept, reported with the timing less favourable to it.
+    timings = iter([(2.0, 1.0), (1.5, 1.0)] * 6)
+    monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: next(timings))
+    opt, _ = _optimize(_model(), tmp_path / "twice")
+    assert len(opt.report.left) == 6 and all("amxopt 1.5 ms, ATen 1 ms (0.67x)" in e.detail for e in opt.report.left)
+
+
 def test_autotune_off_times_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(_autotune, "_time", lambda *a: pytest.fail("timed with autotune=False"))
     opt, _ = _optimize(_model(), tmp_path, autotune=False)
