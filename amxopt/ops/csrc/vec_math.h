@@ -44,19 +44,19 @@ inline at::vec::Vectorized<float> exp_fast(at::vec::Vectorized<float> x) {
 #endif
 }
 
-// 2^t for t <= 0 (larger t is correct too, up to 2^127), at most 7.5e-5 relative error (degree-3
-// minimax of 2^r on [-1/2, 1/2]): for values rounded to bf16 next, whose rounding error is up to
-// 2^-9 = 2e-3 (the softmax's P on the AMX tier). 8 instructions with the caller's fmsub folding
-// log2(e) into the scale. NaN gives 0.
+// 2^t for t <= 0 (larger t is correct too, up to 2^127), at most 7.5e-5 relative error: for values
+// rounded to bf16 next, whose rounding error is up to 2^-9 = 2e-3 (the softmax's P on the AMX tier).
+// vreduceps splits off r = t - floor(t) in [0, 1), a degree-3 minimax polynomial gives 2^r, and
+// vscalefps multiplies by 2^floor(t) itself (0 below the fp32 range): 6 instructions with the
+// caller's fmsub folding log2(e) into the scale, against 8 with a separate round, subtract and clamp.
+// NaN stays NaN.
 inline at::vec::Vectorized<float> exp2_for_bf16(at::vec::Vectorized<float> t) {
-#if defined(__AVX512F__)
-  const __m512 v = _mm512_max_ps(__m512(t), _mm512_set1_ps(-127.f));
-  const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(v, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(5.51716685295105e-2f), r, _mm512_set1_ps(2.426111251115799e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.932609677314758e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999280571937561e-1f));
-  return _mm512_scalef_ps(p, n);
+#if defined(__AVX512DQ__)
+  const __m512 r = _mm512_reduce_ps(__m512(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(7.8024164094e-2f), r, _mm512_set1_ps(2.2606782266e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9583319469e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.9992526318e-1f));
+  return _mm512_scalef_ps(p, __m512(t));
 #else
   return (t * at::vec::Vectorized<float>(float(M_LN2))).exp_u20();
 #endif
