@@ -111,7 +111,9 @@ def timed(fn, inputs) -> tuple[object, float]:
     return out, time.perf_counter() - t
 
 
-def bench_model(name: str, size, repeats: int, with_compile: bool = True, without: tuple[str, ...] = ()) -> dict:
+def bench_model(
+    name: str, size, repeats: int, with_compile: bool = True, without: tuple[str, ...] = (), autotune_off: bool = False
+) -> dict:
     print(f"\n## {name}: {DEFAULT_MODELS.get(name, (None, ''))[1]}", flush=True)
     fp32 = models.build_model(name, torch.float32)
     bf16 = models.build_model(name, torch.bfloat16)
@@ -139,6 +141,9 @@ def bench_model(name: str, size, repeats: int, with_compile: bool = True, withou
             passes = [p.__name__ for p in DEFAULT_PASSES if p.__name__ not in without]
             ablated = amxopt.optimize(bf16, x16, amxopt.AmxConfig(keep_source=True, passes=passes))
             variants[f"amxopt bf16 without {'+'.join(without)}"] = (ablated, x16)
+        if autotune_off:  # every rewrite kept: what autotune's choices add or cost, measured in this run
+            every = amxopt.optimize(bf16, x16, amxopt.AmxConfig(keep_source=True, autotune=False))
+            variants["amxopt bf16, autotune off"] = (every, x16)
         outputs = {}
         for label, (fn, inputs) in variants.items():  # warm-up (and torch.compile's compilation)
             outputs[label], secs = timed(fn, inputs)
@@ -214,6 +219,11 @@ def main() -> None:
         help="also run amxopt with these passes (comma-separated, e.g. replace_glue) left out, interleaved",
     )
     parser.add_argument(
+        "--autotune-off",
+        action="store_true",
+        help="also run amxopt with autotune off (every rewrite kept), interleaved: what autotune's choices are worth",
+    )
+    parser.add_argument(
         "--no-compile",
         dest="with_compile",
         action="store_false",
@@ -238,7 +248,14 @@ def main() -> None:
             results = [bench_e2e(name, args.repeats)]
         else:
             results = [
-                bench_model(name, DEFAULT_MODELS.get(name, (None,))[0], args.repeats, args.with_compile, without)
+                bench_model(
+                    name,
+                    DEFAULT_MODELS.get(name, (None,))[0],
+                    args.repeats,
+                    args.with_compile,
+                    without,
+                    args.autotune_off,
+                )
             ]
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
