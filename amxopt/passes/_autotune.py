@@ -15,14 +15,15 @@ with every rewrite kept (autotune off) ran 1.71x eager bf16 against 1.54x as aut
 plain best-of rule (212 nodes left to ATen), and Qwen3-Omni's audio encoder 1.36x against 1.21x
 (67 left); the decisions lost were within a few % (Wan's FFN-down linear 0.95x, Qwen3-VL's 0.97x)
 or a burst of noise (an Omni linear once timed at 0.66x, then at 0.91-0.96x in 7 of 8 repeats).
-With this rule: Wan 1.61x tuned (1 node left) against 1.60x, Omni 1.37x against 1.38x. In a model, amxopt's kernels also see the other core slowed by a neighbour
-and take over its work (common.h, ``WorkShares``), which a best sample does not show: over 200
-interleaved calls, Omni's FFN-down linear ran at 0.99x ATen by the best samples, 1.22x by the
-means. The pass keeps the ATen node, with the timings as its reason, when ATen wins.
+With this rule: Wan 1.61x tuned (1 node left) against 1.60x, Omni 1.37x against 1.38x. In a
+model, amxopt's kernels also see the other core slowed by a neighbour and take over its work
+(common.h, ``WorkShares``), which a best sample does not show: over 200 interleaved calls, Omni's
+FFN-down linear ran at 0.99x ATen by the best samples, 1.22x by the means. The pass keeps the ATen
+node, with the timings as its reason, when ATen wins.
 
 Decisions are cached on disk (``AmxConfig.autotune_cache``, default ``~/.cache/amxopt``), keyed by
-the CPU model, torch version, the kernels' build fingerprint, the active tier and the op's shapes,
-so a second ``optimize()`` of the same model times nothing.
+the CPU model, torch version, the kernels' build fingerprint, this rule, the active tier and the
+op's shapes, so a second ``optimize()`` of the same model times nothing.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ _DECISIVE = 1.5  # a ratio this far from 1 after two rounds settles it
 _SAMPLE_S = 2e-3  # short ops are repeated within a sample up to this long
 _SLOW_S, _FAR = 0.2, 3.0  # a warm-up call this slow, and this far behind the other side, settles it
 _BUDGET_S = 5.0  # rounds stop after this long (after the first)
-_MARGIN = 0.1  # ATen is kept only where it is faster than this, twice (module docstring)
+_MARGIN = 0.1  # ATen is kept only where it is faster by more than this, twice (module docstring)
 _POLICY = f"ATen by {_MARGIN:.0%}, twice"  # in the cache key: decisions taken by another rule are timed again
 
 
