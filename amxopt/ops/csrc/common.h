@@ -166,7 +166,7 @@ struct AmxTiles {
   AmxTiles& operator=(const AmxTiles&) = delete;
 };
 // acc[32 x 32] (fp32, 32 apart) = A[32 x K] (lda) x one 32-column VNNI panel ([K/2][32][2]);
-// K % 32 == 0, all 32 rows of A readable. Only inside an AmxTiles scope.
+// K > 0 and K % 32 == 0, all 32 rows of A readable. Only inside an AmxTiles scope.
 void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc);
 // The same for 16 rows: acc rows 0-15 only.
 void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc);

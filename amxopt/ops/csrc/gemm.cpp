@@ -47,7 +47,7 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, 
                  int64_t N, int64_t K, Act act) {
   const int64_t nblocks = (N + kNB - 1) / kNB, ngroups = (nblocks + kBrgemmG - 1) / kBrgemmG;
   const int64_t mtiles = (M + kBrgemmM - 1) / kBrgemmM, panel = K * kNB, tail = M % kBrgemmM;
-  const bool tiles = K % 32 == 0 && amx_tiles_usable();
+  const bool tiles = K > 0 && K % 32 == 0 && amx_tiles_usable();
   const auto& v = vec();
   Scratch<bf16> pad(tiles && tail ? kBrgemmM * K : 0);
   if (tiles && tail) {
