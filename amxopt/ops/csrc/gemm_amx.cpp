@@ -5,10 +5,12 @@
 // Why not oneDNN's brgemm for this block: a brgemm call costs about 0.25 us of dispatch and tile
 // configuration, which dominates small blocks: Wan's K = 64 patch embedding ran 2-2.6x faster here
 // (6.97-8.98x Conv3d against 3.40x). At large K the two measured the same (784 x 1024 x 3072: 1.84
-// against 1.86 TFLOP/s for eager, 2 threads of an AMX Xeon) until this kernel issued its tile loads
-// ahead of the products (tile_block): 5 alternating processes, 2 threads, against eager bf16, went
-// from 0.93x to 1.35x at 784 x 1024 x 3072 and from 1.63x to 1.87x at M = 16. Software prefetch of
-// the next A columns on top measured slower (1.62x against 1.66x), as did streaming loads for A.
+// against 1.86 TFLOP/s for eager, 2 threads of an AMX Xeon) before this kernel issued its tile
+// loads ahead of the products (tile_block): paired calls in one process, 2 threads, put the
+// pipelined loop 1.03-1.06x ahead of the plain one at M = 784 and 1280, level at M = 16 (where the
+// weight stream is the limit). Tried in the same way and dropped: software prefetch of A 2 or 4
+// steps ahead (0.69-0.86x), of B (0.93-0.98x), TILELOADDT1 for A (0.93-1.07x, no clear sign), and
+// 2 or 8 column blocks per work item instead of 4 (0.74-1.03x).
 // Packing A per K step (one sequential stream instead of 32 rows 2 KB apart) measured the same or
 // slower (0.91-1.02x eager against 0.96-1.13x), so A is read in place.
 //
