@@ -536,8 +536,9 @@ def test_patch_embed_is_conv3d_channels_last(provider):
 # --- 5. blocking boundaries, layouts and inputs the first review found untested -------------------
 # The native engines block their loops (csrc/gemm.cpp: 4-row small-M path, 256-row and 256-column fp32
 # tiles, 32-row x 4-block brgemm tiles, and from K = 6144 balanced row chunks of at most 256 x
-# 256-column groups x K steps of 1024; the AVX-512-BF16 kernel: 512-deep K blocks, 96-row tiles;
-# attention: 48-query x 256-key blocks, and 256 x 512 on AMX); these shapes cross every one of them.
+# 256-column groups x K steps of 1024 (on AMX tiles from 17 rows if K % 32 == 0); the AVX-512-BF16
+# kernel: 512-deep K blocks, 96-row tiles; attention: 48-query x 256-key blocks, and 256 x 512 on
+# AMX); these shapes cross every one of them.
 
 _GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
     (4, 64, 33),  # the last small-M row count, N one past a 32-column block
@@ -547,6 +548,9 @@ _GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
     (45, 1024, 96),  # AMX tile kernel: 32 K steps, a 13-row tail tile (zero-padded copy)
     (260, 40, 264),  # M past a 256-row sgemm tile, N past 8 blocks
     (300, 6200, 300),  # K-blocked brgemm: 2 row chunks (160 + 140), 6 K steps + a tail of 56, N past a group
+    # K-blocked on AMX tiles: chunks of 208 (a 16-row tile at 192) + 182 (a padded last tile), a 32 tail
+    (390, 6176, 300),
+    (16, 6144, 40),  # K-blocked with too few rows for the tile kernel: brgemm calls
 ]
 
 

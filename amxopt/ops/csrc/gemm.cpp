@@ -13,8 +13,9 @@
 //                (AMX tiles do not pay off for a few rows). A work item holds its 4 B panels and
 //                an A tile, 320 x K bytes, which passes a 2 MB L2 near K = 5600: from K = 6144 on,
 //                K is blocked too, in work items of (up to 256 rows) x 256 columns whose fp32
-//                accumulator takes the partial products of K steps of 1024, so that the A chunk,
-//                the B block and the accumulator stay in L2. Measured in one process on an AMX
+//                accumulator takes the partial products of K steps of 1024 (the tile kernel adding
+//                to it, brgemm calls at M <= 16), so that the A chunk, the B block and the
+//                accumulator stay in L2. Measured in one process on an AMX
 //                Xeon, two rounds: 1280 x 8960 x 1536 at 0.98-1.09x eager blocked, 0.69-0.70x with
 //                whole-K calls; 390 x 7680 x 1280 at 0.90-0.99x / 0.76-0.82x; but 784 x 4096 x
 //                1024 at 0.83-0.94x / 1.08-1.17x.
@@ -92,26 +93,52 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const floa
   const int64_t nblocks = (N + kNB - 1) / kNB, panel = K * kNB, ngroups = (N + kBlkN - 1) / kBlkN;
   // Row chunks of nearly equal size (whole AMX tiles of 16 rows): 390 rows are 208 + 182, not 256 + 134.
   const int64_t mchunks = (M + kBlkM - 1) / kBlkM, mc = (((M + mchunks - 1) / mchunks + 15) / 16) * 16;
+  // The tile kernel, accumulating over the K steps in acc, where the rows fill its tiles: in-process
+  // A/B, 2 threads of an AMX Xeon, against brgemm calls: 1.11-1.13x at 390-1560 x 6144-8960, level at
+  // M = 16, 0.87x at M = 5 (a 16-row tile for 5 rows).
+  const bool tiles = M > 16 && K % 32 == 0 && amx_tiles_usable();
   const auto& v = vec();
   // Column group major, so each thread's share of items is whole column groups of every chunk.
   parallel_shares(ngroups * mchunks, [&](auto next) {
     Scratch<float> acc(mc * kBlkN);
+    std::optional<AmxTiles> held;
+    if (tiles) held.emplace();
+    Scratch<bf16> pad(tiles ? kBrgemmM * K : 0);  // a row tile that would read past A's last row
     for (int64_t t; (t = next()) >= 0;) {
       const int64_t n0 = (t / mchunks) * kBlkN, m0 = (t % mchunks) * mc;
       const int64_t rows = std::min(mc, M - m0), nb0 = n0 / kNB, nb1 = std::min(nblocks, nb0 + kBlkN / kNB);
       if (rows <= 0) continue;
+      // The tile kernels read 16 or 32 whole rows: a last row tile short of A's end runs on a zero-padded copy.
+      const int64_t last = (rows - 1) / kBrgemmM * kBrgemmM, last_rows = rows - last;
+      const bool padded = tiles && m0 + last + (last_rows <= 16 ? 16 : kBrgemmM) > M;
+      if (padded) {
+        const bf16* src = A + (m0 + last) * lda;
+        for (int64_t r = 0; r < last_rows; ++r) std::copy(src + r * lda, src + r * lda + K, pad.data() + r * K);
+        std::fill(pad.data() + last_rows * K, pad.data() + kBrgemmM * K, bf16(0.f));
+      }
       for (int64_t k0 = 0; k0 < K; k0 += kBlkK) {
         const int64_t kk = std::min(kBlkK, K - k0);
         for (int64_t nb = nb0; nb < nb1; ++nb)
-          for (int64_t r = 0; r < rows; r += kBrgemmM)
-            at::native::cpublas::brgemm(std::min(kBrgemmM, rows - r), kNB, kk, lda, kNB, kBlkN, k0 > 0,
-                                        A + (m0 + r) * lda + k0, Wp + nb * panel + k0 * kNB,
-                                        acc.data() + r * kBlkN + (nb - nb0) * kNB, true);
+          for (int64_t r = 0; r < rows; r += kBrgemmM) {
+            const int64_t mr = std::min(kBrgemmM, rows - r);
+            const bf16* b = Wp + nb * panel + k0 * kNB;
+            float* c = acc.data() + r * kBlkN + (nb - nb0) * kNB;
+            if (!tiles) {
+              at::native::cpublas::brgemm(mr, kNB, kk, lda, kNB, kBlkN, k0 > 0, A + (m0 + r) * lda + k0, b, c, true);
+              continue;
+            }
+            const bool own = padded && r == last;
+            const bf16* a = own ? pad.data() + k0 : A + (m0 + r) * lda + k0;
+            if (mr <= 16)
+              amx_tile_16x32(a, own ? K : lda, b, kk, c, kBlkN, k0 > 0);
+            else
+              amx_tile_32x32(a, own ? K : lda, b, kk, c, kBlkN, k0 > 0);
+          }
       }
       v.epilogue_bf16(acc.data(), kBlkN, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, rows,
                       std::min(kBlkN, N - n0));
     }
-    at::native::cpublas::brgemm_release(true);
+    if (!tiles) at::native::cpublas::brgemm_release(true);
   });
 }
 

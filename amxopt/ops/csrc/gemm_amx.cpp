@@ -69,14 +69,25 @@ namespace {
 // right after the last product reading its tile and one or two products before the first product
 // that needs it (the next step's A0 and B0 go out before the current step's A1 products), so that
 // the loads' latency hides behind the products instead of adding to them.
+// acc has ldc floats per row; with accumulate, the products add to what acc holds.
 template <int Rows>
-void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc) {
+void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc, bool accumulate) {
   constexpr bool both = Rows == 32;
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (both) {
-    _tile_zero(2);
-    _tile_zero(3);
+  const int64_t sc = ldc * 4;
+  if (accumulate) {
+    _tile_loadd(0, acc, sc);
+    _tile_loadd(1, acc + 16, sc);
+    if constexpr (both) {
+      _tile_loadd(2, acc + 16 * ldc, sc);
+      _tile_loadd(3, acc + 16 * ldc + 16, sc);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (both) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
   }
   const char* a0 = reinterpret_cast<const char*>(A);
   const char* a1 = reinterpret_cast<const char*>(A + 16 * lda);
@@ -100,23 +111,24 @@ void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float*
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  constexpr int64_t ldc = 32 * 4;
-  _tile_stored(0, acc, ldc);
-  _tile_stored(1, acc + 16, ldc);
+  _tile_stored(0, acc, sc);
+  _tile_stored(1, acc + 16, sc);
   if constexpr (both) {
-    _tile_stored(2, acc + 16 * 32, ldc);
-    _tile_stored(3, acc + 16 * 32 + 16, ldc);
+    _tile_stored(2, acc + 16 * ldc, sc);
+    _tile_stored(3, acc + 16 * ldc + 16, sc);
   }
 }
 
 }  // namespace
 
-void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc) {
-  tile_block<32>(A, lda, panel, K, acc);
+void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc,
+                    bool accumulate) {
+  tile_block<32>(A, lda, panel, K, acc, ldc, accumulate);
 }
 
-void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc) {
-  tile_block<16>(A, lda, panel, K, acc);
+void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc,
+                    bool accumulate) {
+  tile_block<16>(A, lda, panel, K, acc, ldc, accumulate);
 }
 
 }  // namespace amxopt
