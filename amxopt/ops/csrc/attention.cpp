@@ -5,6 +5,7 @@
 // O += P V, are at::native::cpublas::brgemm calls. T is their element type:
 //   bf16   the amx tier: B operands in the VNNI layout ([K / 2][ldb][2]) that brgemm runs on AMX
 //          tiles; P V's reduction padded to a whole AMX tile (32 keys), as SGLang's CPU kernels do;
+//          with a head dim that is a multiple of 32, both GEMMs run on gemm_amx.cpp's tile kernel;
 //   float  the fp32 tier and fp32 inputs: plain B operands ([K][ldb]), oneDNN's AVX2 / AVX-512 fp32
 //          brgemm (bf16 inputs are converted while packing, the output is rounded back once).
 //
@@ -165,7 +166,15 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
     else
       return vk.softmax_row_f32(s, visible, n, scale, m, l, p);
   };
+  // On AMX tiles with a head dim of whole tiles: both block GEMMs by gemm_amx.cpp's tile kernel, 32
+  // rows x 32 columns at a time (16 rows for a short last tile: the buffers hold BQ rows, so whole
+  // tiles past `rows` stay inside them, and their rows are never read). In-process A/B against the
+  // brgemm calls, 2 threads of an AMX Xeon: 1.05x at 16 x 784 x 64, 1.01x at 12 x 1280 x 128 and at
+  // 8 segments of 104, 1.15x causal (4 segments up to 600, 16 x 64).
+  const bool tiles = vnni && D % 32 == 0 && amx_tiles_usable();
   parallel_shares(int64_t(items.size()), [&](auto next) {
+    std::optional<AmxTiles> held;
+    if (tiles) held.emplace();
     Scratch<T> qa(BQ * Dp), pa(BQ * BK);  // brgemm operands: cache-line aligned (common.h)
     Scratch<float> S_(BQ * BK), acc(BQ * D);
     std::vector<float> row_max(BQ), row_sum(BQ);
@@ -195,12 +204,32 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
       for (int64_t j0 = 0; j0 < key_end; j0 += BK) {
         const int64_t nk = std::min(BK, key_end - j0), nk_r = round_up(nk, kTileK<T>);
         const int64_t ldb = std::min(BK, sg.keys - j0);  // this key block's packed width
-        at::native::cpublas::brgemm(rows, nk, Dp, Dp, ldb, BK, false, qa.data(), Kp + j0 * Dp, S_.data(), vnni);
+        if constexpr (vnni) {
+          if (tiles) {
+            for (int64_t r = 0; r < rows; r += 32)
+              for (int64_t c = 0; c < nk; c += 32)
+                (rows - r <= 16 ? amx_tile_16x32 : amx_tile_32x32)(qa.data() + r * Dp, Dp, Kp + j0 * Dp + 2 * c, Dp,
+                                                                   S_.data() + r * BK + c, BK, false, ldb);
+          } else {
+            at::native::cpublas::brgemm(rows, nk, Dp, Dp, ldb, BK, false, qa.data(), Kp + j0 * Dp, S_.data(), vnni);
+          }
+        } else {
+          at::native::cpublas::brgemm(rows, nk, Dp, Dp, ldb, BK, false, qa.data(), Kp + j0 * Dp, S_.data(), vnni);
+        }
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t visible = causal ? std::clamp<int64_t>(r0 + i + shift + 1 - j0, 0, nk) : nk;
           const float corr =
               softmax_row(S_.data() + i * BK, visible, nk_r, &row_max[i], &row_sum[i], pa.data() + i * BK);
           if (j0 > 0 && corr != 1.f) vk.scaled_f32(acc.data() + i * D, D, corr, acc.data() + i * D);
+        }
+        if constexpr (vnni) {
+          if (tiles) {
+            for (int64_t r = 0; r < rows; r += 32)
+              for (int64_t c = 0; c < D; c += 32)
+                (rows - r <= 16 ? amx_tile_16x32 : amx_tile_32x32)(pa.data() + r * BK, BK, Vp + j0 * D + 2 * c, nk_r,
+                                                                   acc.data() + r * D + c, D, j0 > 0, D);
+            continue;
+          }
         }
         at::native::cpublas::brgemm(rows, D, nk_r, BK, D, D, j0 > 0, pa.data(), Vp + j0 * D, acc.data(), vnni);
       }
@@ -213,7 +242,7 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
           vk.scaled_f32(acc.data() + i * D, D, inv, orow);
       }
     }
-    at::native::cpublas::brgemm_release(vnni);
+    if (!tiles) at::native::cpublas::brgemm_release(vnni);
   });
   return out;
 }
@@ -223,7 +252,7 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
 const char* attention_engine(Tier tier, const at::Tensor& q) {
   const bool bf = q.scalar_type() == at::kBFloat16;
   if (bf && tier == Tier::Avx512Bf16) return "avx512_bf16 flash kernel";
-  if (bf && tier == Tier::Amx) return "flash attention on oneDNN brgemm in bf16 (AMX tiles)";
+  if (bf && tier == Tier::Amx) return "flash attention on AMX tiles (amxopt tile kernel if head dim % 32 == 0, else oneDNN brgemm)";
   return "flash attention on oneDNN brgemm in fp32";
 }
 

@@ -165,13 +165,14 @@ struct AmxTiles {
   AmxTiles(const AmxTiles&) = delete;
   AmxTiles& operator=(const AmxTiles&) = delete;
 };
-// acc[32 x 32] (fp32, ldc apart) = A[32 x K] (lda) x one 32-column VNNI panel ([K/2][32][2]), or
-// += with accumulate; K > 0 and K % 32 == 0, all 32 rows of A readable. Only inside an AmxTiles scope.
+// acc[32 x 32] (fp32, ldc apart) = A[32 x K] (lda) x 32 columns of a VNNI B ([K/2][ldb][2]: a weight
+// panel has ldb = 32), or += with accumulate; K > 0 and K % 32 == 0, all 32 rows of A readable. Only
+// inside an AmxTiles scope.
 void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc = 32,
-                    bool accumulate = false);
+                    bool accumulate = false, int64_t ldb = 32);
 // The same for 16 rows: acc rows 0-15 only.
 void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc = 32,
-                    bool accumulate = false);
+                    bool accumulate = false, int64_t ldb = 32);
 
 // --- drivers shared between translation units -----------------------------------------------------
 // conv.cpp: amxopt.conv2d computed directly, into a channels-last output, where Cin x kh x kw <=

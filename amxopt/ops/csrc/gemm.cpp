@@ -190,7 +190,7 @@ const char* gemm_engine(Tier tier, int64_t M) {
   switch (tier) {
     case Tier::Amx:
       return M <= kSmallM ? "avx512_bf16 microkernel (small M)"
-                          : "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 6144: K-blocked brgemm)";
+                          : "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 6144: blocked in K)";
     case Tier::Avx512Bf16:
       return "avx512_bf16 microkernel";
     case Tier::Fp32:

@@ -69,9 +69,11 @@ namespace {
 // right after the last product reading its tile and one or two products before the first product
 // that needs it (the next step's A0 and B0 go out before the current step's A1 products), so that
 // the loads' latency hides behind the products instead of adding to them.
-// acc has ldc floats per row; with accumulate, the products add to what acc holds.
+// B has ldb columns per k pair (32 for a weight panel); acc has ldc floats per row; with
+// accumulate, the products add to what acc holds.
 template <int Rows>
-void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc, bool accumulate) {
+void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t ldb, int64_t K, float* acc, int64_t ldc,
+                bool accumulate) {
   constexpr bool both = Rows == 32;
   const int64_t sc = ldc * 4;
   if (accumulate) {
@@ -92,19 +94,19 @@ void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float*
   const char* a0 = reinterpret_cast<const char*>(A);
   const char* a1 = reinterpret_cast<const char*>(A + 16 * lda);
   const char* b = reinterpret_cast<const char*>(panel);
-  const int64_t sa = lda * 2;  // bytes between A rows; a B row (one k pair of 32 columns) is 128 bytes
+  const int64_t sa = lda * 2, sb = ldb * 4;  // bytes between A rows, between B rows (k pairs)
   _tile_loadd(4, a0, sa);
-  _tile_loadd(6, b, 128);
-  int64_t k = 0;  // k pairs of step k start 64 * k bytes into the panel
+  _tile_loadd(6, b, sb);
+  int64_t k = 0;  // the k pairs of step k start sb * k / 2 bytes into B
   for (;; k += 32) {
-    _tile_loadd(7, b + 64 * k + 64, 128);
+    _tile_loadd(7, b + sb * k / 2 + 64, sb);
     if constexpr (both) _tile_loadd(5, a1 + 2 * k, sa);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (k + 32 == K) break;
     _tile_loadd(4, a0 + 2 * k + 64, sa);
     if constexpr (both) _tile_dpbf16ps(2, 5, 6);
-    _tile_loadd(6, b + 64 * k + 2048, 128);
+    _tile_loadd(6, b + sb * (k / 2 + 16), sb);
     if constexpr (both) _tile_dpbf16ps(3, 5, 7);
   }
   if constexpr (both) {
@@ -122,13 +124,13 @@ void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float*
 }  // namespace
 
 void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc,
-                    bool accumulate) {
-  tile_block<32>(A, lda, panel, K, acc, ldc, accumulate);
+                    bool accumulate, int64_t ldb) {
+  tile_block<32>(A, lda, panel, ldb, K, acc, ldc, accumulate);
 }
 
 void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc,
-                    bool accumulate) {
-  tile_block<16>(A, lda, panel, K, acc, ldc, accumulate);
+                    bool accumulate, int64_t ldb) {
+  tile_block<16>(A, lda, panel, ldb, K, acc, ldc, accumulate);
 }
 
 }  // namespace amxopt
