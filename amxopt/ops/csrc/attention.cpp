@@ -252,7 +252,8 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
 const char* attention_engine(Tier tier, const at::Tensor& q) {
   const bool bf = q.scalar_type() == at::kBFloat16;
   if (bf && tier == Tier::Avx512Bf16) return "avx512_bf16 flash kernel";
-  if (bf && tier == Tier::Amx) return "flash attention on AMX tiles (amxopt tile kernel if head dim % 32 == 0, else oneDNN brgemm)";
+  if (bf && tier == Tier::Amx)
+    return "flash attention on AMX tiles (amxopt tile kernel if head dim % 32 == 0, else oneDNN brgemm)";
   return "flash attention on oneDNN brgemm in fp32";
 }
 

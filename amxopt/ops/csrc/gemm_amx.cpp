@@ -1,6 +1,7 @@
-// A hand-written AMX tile kernel for the GEMM engine's blocks: acc[32 x 32] = A[32 x K] x one VNNI
-// column panel, in 2 x 2 tiles (4 fp32 C tiles, 2 A tiles, 2 B tiles), K in steps of 32. Compiled
-// with the AMX flags (amxopt/ops/build.py); called only on the amx tier, after amx_tiles_usable().
+// A hand-written AMX tile kernel for the GEMM engine's blocks and attention's block GEMMs: acc[32 x
+// 32] (+)= A[32 x K] x 32 columns of a VNNI B, in 2 x 2 tiles (4 fp32 C tiles, 2 A tiles, 2 B
+// tiles), K in steps of 32. Compiled with the AMX flags (amxopt/ops/build.py); called only on the
+// amx tier, after amx_tiles_usable().
 //
 // Why not oneDNN's brgemm for this block: a brgemm call costs about 0.25 us of dispatch and tile
 // configuration, which dominates small blocks: Wan's K = 64 patch embedding ran 2-2.6x faster here
