@@ -65,11 +65,12 @@ AmxTiles::~AmxTiles() { _tile_release(); }
 namespace {
 
 // acc rows [0, Rows) of a 32-column block: Rows = 32 uses both A tiles (4 C tiles), 16 the first.
-// Software-pipelined: tile registers are not renamed, so a load into a tile waits until the last
-// product reading it has finished, and a product waits for its loads. Each load is therefore issued
-// right after the last product reading its tile and one or two products before the first product
-// that needs it (the next step's A0 and B0 go out before the current step's A1 products), so that
-// the loads' latency hides behind the products instead of adding to them.
+// Software-pipelined: a load into a tile cannot start before the last product reading that tile
+// is done (8 tile registers, no renaming to rely on), and a product waits for its loads; placed
+// right before the products that use them, the loads' latency adds to every step. Each load is
+// therefore issued right after the last product reading its tile and one or two products before
+// the first product that needs it (the next step's A0 and B0 go out before the current step's A1
+// products), so that the latency hides behind the products.
 // B has ldb columns per k pair (32 for a weight panel); acc has ldc floats per row; with
 // accumulate, the products add to what acc holds.
 template <int Rows>
