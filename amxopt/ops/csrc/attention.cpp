@@ -172,6 +172,16 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
   // brgemm calls, 2 threads of an AMX Xeon: 1.05x at 16 x 784 x 64, 1.01x at 12 x 1280 x 128 and at
   // 8 segments of 104, 1.15x causal (4 segments up to 600, 16 x 64).
   const bool tiles = vnni && D % 32 == 0 && amx_tiles_usable();
+  // c[rows x cols] (+)= a[rows x k] x b (VNNI, ldb columns per k pair) on the tile kernel.
+  auto on_tiles = [&](const T* a, int64_t lda, const T* b, int64_t ldb, int64_t k, float* c, int64_t ldc,
+                      int64_t rows, int64_t cols, bool accumulate) {
+    if constexpr (vnni) {
+      for (int64_t r = 0; r < rows; r += 32)
+        for (int64_t j = 0; j < cols; j += 32)
+          (rows - r <= 16 ? amx_tile_16x32 : amx_tile_32x32)(a + r * lda, lda, b + 2 * j, k, c + r * ldc + j, ldc,
+                                                             accumulate, ldb);
+    }
+  };
   parallel_shares(int64_t(items.size()), [&](auto next) {
     std::optional<AmxTiles> held;
     if (tiles) held.emplace();
@@ -204,34 +214,20 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
       for (int64_t j0 = 0; j0 < key_end; j0 += BK) {
         const int64_t nk = std::min(BK, key_end - j0), nk_r = round_up(nk, kTileK<T>);
         const int64_t ldb = std::min(BK, sg.keys - j0);  // this key block's packed width
-        if constexpr (vnni) {
-          if (tiles) {
-            for (int64_t r = 0; r < rows; r += 32)
-              for (int64_t c = 0; c < nk; c += 32)
-                (rows - r <= 16 ? amx_tile_16x32 : amx_tile_32x32)(qa.data() + r * Dp, Dp, Kp + j0 * Dp + 2 * c, Dp,
-                                                                   S_.data() + r * BK + c, BK, false, ldb);
-          } else {
-            at::native::cpublas::brgemm(rows, nk, Dp, Dp, ldb, BK, false, qa.data(), Kp + j0 * Dp, S_.data(), vnni);
-          }
-        } else {
+        if (tiles)
+          on_tiles(qa.data(), Dp, Kp + j0 * Dp, ldb, Dp, S_.data(), BK, rows, nk, false);
+        else
           at::native::cpublas::brgemm(rows, nk, Dp, Dp, ldb, BK, false, qa.data(), Kp + j0 * Dp, S_.data(), vnni);
-        }
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t visible = causal ? std::clamp<int64_t>(r0 + i + shift + 1 - j0, 0, nk) : nk;
           const float corr =
               softmax_row(S_.data() + i * BK, visible, nk_r, &row_max[i], &row_sum[i], pa.data() + i * BK);
           if (j0 > 0 && corr != 1.f) vk.scaled_f32(acc.data() + i * D, D, corr, acc.data() + i * D);
         }
-        if constexpr (vnni) {
-          if (tiles) {
-            for (int64_t r = 0; r < rows; r += 32)
-              for (int64_t c = 0; c < D; c += 32)
-                (rows - r <= 16 ? amx_tile_16x32 : amx_tile_32x32)(pa.data() + r * BK, BK, Vp + j0 * D + 2 * c, nk_r,
-                                                                   acc.data() + r * D + c, D, j0 > 0, D);
-            continue;
-          }
-        }
-        at::native::cpublas::brgemm(rows, D, nk_r, BK, D, D, j0 > 0, pa.data(), Vp + j0 * D, acc.data(), vnni);
+        if (tiles)
+          on_tiles(pa.data(), BK, Vp + j0 * D, D, nk_r, acc.data(), D, rows, D, j0 > 0);
+        else
+          at::native::cpublas::brgemm(rows, D, nk_r, BK, D, D, j0 > 0, pa.data(), Vp + j0 * D, acc.data(), vnni);
       }
       for (int64_t i = 0; i < rows; ++i) {
         S* orow = O + (sg.q0 + r0 + i) * H * D + h * D;

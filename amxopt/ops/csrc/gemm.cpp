@@ -41,6 +41,13 @@ constexpr int64_t kBlkM = 256, kBlkN = 256, kBlkK = 1024;  // its work item (row
 constexpr int64_t kFp32G = 8;     // column blocks unpacked together by the fp32 engine
 constexpr int64_t kFp32M = 256;   // rows per sgemm call of the fp32 engine
 
+// rows (< kBrgemmM) rows of A from src, zero padded to a whole 32-row tile of K columns: the tile
+// kernels read 16 or 32 whole rows, so a row tile that would read past A's end runs on this copy.
+void pad_tile(const bf16* src, int64_t lda, int64_t rows, int64_t K, bf16* dst) {
+  for (int64_t r = 0; r < rows; ++r) std::copy(src + r * lda, src + r * lda + K, dst + r * K);
+  std::fill(dst + rows * K, dst + kBrgemmM * K, bf16(0.f));
+}
+
 // Work items of 32 rows x 4 column blocks; each 32 x 32 block by the hand-written tile kernel
 // (gemm_amx.cpp) where K % 32 == 0 and the process may use AMX tiles, else by one brgemm call. The
 // tile kernel reads whole 16-row tiles: the last row tile, when M is not a multiple of 32, is copied
@@ -58,11 +65,7 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, 
   const bool rows_first = K <= kRowsFirstK;
   const auto& v = vec();
   Scratch<bf16> pad(tiles && tail ? kBrgemmM * K : 0);
-  if (tiles && tail) {
-    const bf16* src = A + (M - tail) * lda;
-    for (int64_t r = 0; r < tail; ++r) std::copy(src + r * lda, src + r * lda + K, pad.data() + r * K);
-    std::fill(pad.data() + tail * K, pad.data() + kBrgemmM * K, bf16(0.f));
-  }
+  if (tiles && tail) pad_tile(A + (M - tail) * lda, lda, tail, K, pad.data());
   parallel_shares(ngroups * mtiles, [&](auto next) {
     alignas(64) float acc[kBrgemmM * kNB];  // whole cache lines for the C tiles (see Scratch)
     std::optional<AmxTiles> held;
@@ -97,25 +100,23 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const floa
   // A/B, 2 threads of an AMX Xeon, against brgemm calls: 1.11-1.13x at 390-1560 x 6144-8960, level at
   // M = 16, 0.87x at M = 5 (a 16-row tile for 5 rows).
   const bool tiles = M > 16 && K % 32 == 0 && amx_tiles_usable();
+  // Row tiles start every kBrgemmM rows of a chunk; the one holding A's last row reads 16 or 32 whole
+  // rows, and past A's end it runs on a padded copy (pad_row: its first row, or -1).
+  const int64_t last_m0 = (M - 1) / mc * mc, pad_row = last_m0 + (M - 1 - last_m0) / kBrgemmM * kBrgemmM;
+  const int64_t pad_rows = M - pad_row;
+  const bool padded = tiles && pad_row + (pad_rows <= 16 ? 16 : kBrgemmM) > M;
+  Scratch<bf16> pad(padded ? kBrgemmM * K : 0);
+  if (padded) pad_tile(A + pad_row * lda, lda, pad_rows, K, pad.data());
   const auto& v = vec();
   // Column group major, so each thread's share of items is whole column groups of every chunk.
   parallel_shares(ngroups * mchunks, [&](auto next) {
     Scratch<float> acc(mc * kBlkN);
     std::optional<AmxTiles> held;
     if (tiles) held.emplace();
-    Scratch<bf16> pad(tiles ? kBrgemmM * K : 0);  // a row tile that would read past A's last row
     for (int64_t t; (t = next()) >= 0;) {
       const int64_t n0 = (t / mchunks) * kBlkN, m0 = (t % mchunks) * mc;
       const int64_t rows = std::min(mc, M - m0), nb0 = n0 / kNB, nb1 = std::min(nblocks, nb0 + kBlkN / kNB);
       if (rows <= 0) continue;
-      // The tile kernels read 16 or 32 whole rows: a last row tile short of A's end runs on a zero-padded copy.
-      const int64_t last = (rows - 1) / kBrgemmM * kBrgemmM, last_rows = rows - last;
-      const bool padded = tiles && m0 + last + (last_rows <= 16 ? 16 : kBrgemmM) > M;
-      if (padded) {
-        const bf16* src = A + (m0 + last) * lda;
-        for (int64_t r = 0; r < last_rows; ++r) std::copy(src + r * lda, src + r * lda + K, pad.data() + r * K);
-        std::fill(pad.data() + last_rows * K, pad.data() + kBrgemmM * K, bf16(0.f));
-      }
       for (int64_t k0 = 0; k0 < K; k0 += kBlkK) {
         const int64_t kk = std::min(kBlkK, K - k0);
         for (int64_t nb = nb0; nb < nb1; ++nb)
@@ -127,7 +128,7 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const floa
               at::native::cpublas::brgemm(mr, kNB, kk, lda, kNB, kBlkN, k0 > 0, A + (m0 + r) * lda + k0, b, c, true);
               continue;
             }
-            const bool own = padded && r == last;
+            const bool own = padded && m0 + r == pad_row;
             const bf16* a = own ? pad.data() + k0 : A + (m0 + r) * lda + k0;
             if (mr <= 16)
               amx_tile_16x32(a, own ? K : lda, b, kk, c, kBlkN, k0 > 0);
