@@ -484,11 +484,15 @@ def test_varlen_causal_bottom_right_when_k_longer(provider):
         assert not torch.allclose(out2[first_affected:], out[first_affected:])
 
 
-def test_varlen_causal_q_longer_than_k_rows_without_keys_are_zero(provider):
-    q, k, v, cu_q, cu_k, mq, mk, scale, _, p = _varlen_args(provider, [5], [2], 2, 1, 8, True, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lq,lk,d", [(5, 2, 8), (100, 40, 64)])
+def test_varlen_causal_q_longer_than_k_rows_without_keys_are_zero(provider, dtype, lq, lk, d):
+    # 100 x 40: whole 32-row steps of the AMX tile path see no key, and one step sees some.
+    q, k, v, cu_q, cu_k, mq, mk, scale, _, p = _varlen_args(provider, [lq], [lk], 2, 1, d, True, dtype)
     out = ops.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, scale, True, p)
-    assert_close_dtype(out, attention_oracle(q, k, v, cu_q, cu_k, scale, True), torch.float32)
-    assert not out[:3].any()
+    assert_close_dtype(out, attention_oracle(q, k, v, cu_q, cu_k, scale, True), dtype)
+    assert not out[: lq - lk].any()
+    assert out[lq - lk :].any(dim=-1).all()
 
 
 def test_varlen_empty_segments(provider):
@@ -570,11 +574,11 @@ def test_linear_across_blocking_boundaries(provider, shape, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 9])
 def test_attention_across_blocking_boundaries(provider, dtype, causal, head_dim):
-    # A segment of 600 queries and keys: more than one key block on every tier (256 keys in fp32, 512
-    # in bf16 on AMX; the last one padded) and 3 to 10 query blocks; one of 97, short ones: 4 heads
-    # give far more work items than threads. An odd head dim takes the element-wise packing (bf16
-    # pairs padded with a zero).
-    lens = [600, 97, 1, 50]
+    # A segment of 2100 queries and keys: more than one key block on every tier (256 keys in fp32, 512
+    # in bf16 on brgemm, 2048 on AMX tiles; the last one padded) and 9 to 33 query blocks; one of 97,
+    # short ones: 4 heads give far more work items than threads. An odd head dim takes the
+    # element-wise packing (bf16 pairs padded with a zero).
+    lens = [2100, 97, 1, 50]
     args = _varlen_args(provider, lens, lens, 4, 2, head_dim, causal, dtype)
     out = ops.varlen_attention(*args)
     q, k, v, cu_q, cu_k, _, _, scale, _, _ = args

@@ -50,6 +50,29 @@ class Scratch {
   T* p_;
 };
 
+// A per-thread scratch buffer of at least n elements (uninitialised, cache-line aligned), kept for
+// the thread's later calls and grown when a call needs more; Slot tells apart the buffers one call
+// holds at once. For the per-thread buffers of the kernels' parallel regions: freed after each call,
+// a few hundred KB come back from mmap and page-fault on every touch (an AMX Xeon VM: 1300-1900
+// faults per call of 8 x 104 attention, half of its time).
+template <typename T, int Slot>
+T* thread_scratch(int64_t n) {
+  struct Buffer {
+    T* p = nullptr;
+    int64_t size = 0;
+    ~Buffer() { ::operator delete(p, std::align_val_t{64}); }
+  };
+  thread_local Buffer b;
+  if (n > b.size) {
+    ::operator delete(b.p, std::align_val_t{64});
+    b.p = nullptr;  // stays consistent if the new one throws
+    b.size = 0;
+    b.p = static_cast<T*>(::operator new(sizeof(T) * n, std::align_val_t{64}));
+    b.size = n;
+  }
+  return b.p;
+}
+
 // Work items [0, n) over at::parallel_for's threads. Each thread starts on its own contiguous share
 // (as a static split would give it, so a thread's items share their operands in its caches) and,
 // when that is done, takes items one at a time from the back of the share with the most left (items
@@ -120,8 +143,9 @@ struct VecKernels {
   void (*scaled_f32)(const float* x, int64_t n, float c, float* out);
   // dst[j * ldd + i] = src[i * lds + j] (i < rows, j < cols) for 32-bit values: fp32, or bf16 pairs.
   void (*transpose32)(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows, int64_t cols);
-  // One VNNI pair row of n columns from two rows a, b (dst[2e] = a[e], dst[2e + 1] = b[e]; null = zeros).
-  void (*interleave_bf16)(const bf16* a, const bf16* b, bf16* dst, int64_t n);
+  // One VNNI pair row of n columns from two rows a, b (a[e] then b[e]; null = zeros), its columns in
+  // panels of 32 that start `panel` bf16 apart (64: one contiguous row).
+  void (*interleave_bf16)(const bf16* a, const bf16* b, int64_t n, int64_t panel, bf16* dst);
   // A convolution's channels-last outputs from gathered taps (conv.cpp): out[i * ldo + c] = bias[c] +
   // sum_k taps[k * n + i] * wt[k * cout + c] for i < n, c < cout, in fp32, then the activation,
   // rounded once (bias may be null).
@@ -165,14 +189,13 @@ struct AmxTiles {
   AmxTiles(const AmxTiles&) = delete;
   AmxTiles& operator=(const AmxTiles&) = delete;
 };
-// acc[32 x 32] (fp32, ldc apart) = A[32 x K] (lda) x 32 columns of a VNNI B ([K/2][ldb][2]: a weight
-// panel has ldb = 32), or += with accumulate; K > 0 and K % 32 == 0, all 32 rows of A readable. Only
-// inside an AmxTiles scope.
+// acc[32 x 32] (fp32, ldc apart) = A[32 x K] (lda) x a VNNI panel of 32 columns ([K/2][32][2]), or
+// += with accumulate; K > 0 and K % 32 == 0, all 32 rows of A readable. Only inside an AmxTiles scope.
 void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc = 32,
-                    bool accumulate = false, int64_t ldb = 32);
+                    bool accumulate = false);
 // The same for 16 rows: acc rows 0-15 only.
 void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc = 32,
-                    bool accumulate = false, int64_t ldb = 32);
+                    bool accumulate = false);
 
 // --- drivers shared between translation units -----------------------------------------------------
 // conv.cpp: amxopt.conv2d computed directly, into a channels-last output, where Cin x kh x kw <=

@@ -110,7 +110,7 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const floa
   const auto& v = vec();
   // Column group major, so each thread's share of items is whole column groups of every chunk.
   parallel_shares(ngroups * mchunks, [&](auto next) {
-    Scratch<float> acc(mc * kBlkN);
+    float* acc = thread_scratch<float, 0>(mc * kBlkN);
     std::optional<AmxTiles> held;
     if (tiles) held.emplace();
     for (int64_t t; (t = next()) >= 0;) {
@@ -123,7 +123,7 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const floa
           for (int64_t r = 0; r < rows; r += kBrgemmM) {
             const int64_t mr = std::min(kBrgemmM, rows - r);
             const bf16* b = Wp + nb * panel + k0 * kNB;
-            float* c = acc.data() + r * kBlkN + (nb - nb0) * kNB;
+            float* c = acc + r * kBlkN + (nb - nb0) * kNB;
             if (!tiles) {
               at::native::cpublas::brgemm(mr, kNB, kk, lda, kNB, kBlkN, k0 > 0, A + (m0 + r) * lda + k0, b, c, true);
               continue;
@@ -136,7 +136,7 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const floa
               amx_tile_32x32(a, own ? K : lda, b, kk, c, kBlkN, k0 > 0);
           }
       }
-      v.epilogue_bf16(acc.data(), kBlkN, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, rows,
+      v.epilogue_bf16(acc, kBlkN, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, rows,
                       std::min(kBlkN, N - n0));
     }
     if (!tiles) at::native::cpublas::brgemm_release(true);
@@ -167,19 +167,19 @@ void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const float* b
   }
   const int64_t ngroups = (nblocks + kFp32G - 1) / kFp32G, ldb = kFp32G * kNB;
   at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> b(K * ldb), acc(std::min(M, kFp32M) * ldb);
+    float *b = thread_scratch<float, 0>(K * ldb), *acc = thread_scratch<float, 1>(std::min(M, kFp32M) * ldb);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t nb0 = g * kFp32G, nb1 = std::min(nblocks, nb0 + kFp32G), n0 = nb0 * kNB;
       const int64_t cols = std::min(N, nb1 * kNB) - n0;
-      for (int64_t nb = nb0; nb < nb1; ++nb) v.unpack_vnni(Wp + nb * panel, pairs, b.data() + (nb - nb0) * kNB, ldb);
+      for (int64_t nb = nb0; nb < nb1; ++nb) v.unpack_vnni(Wp + nb * panel, pairs, b + (nb - nb0) * kNB, ldb);
       const int64_t gcols = (nb1 - nb0) * kNB;
-      auto bt = at::from_blob(b.data(), {K, gcols}, {ldb, 1}, at::kFloat);
+      auto bt = at::from_blob(b, {K, gcols}, {ldb, 1}, at::kFloat);
       for (int64_t m0 = 0; m0 < M; m0 += kFp32M) {
         const int64_t mt = std::min(kFp32M, M - m0);
         // ATen's sgemm (MKL), single-threaded inside this parallel region.
-        auto ct = at::from_blob(acc.data(), {mt, gcols}, at::kFloat);
+        auto ct = at::from_blob(acc, {mt, gcols}, at::kFloat);
         at::mm_out(ct, at::from_blob(Af + m0 * K, {mt, K}, at::kFloat), bt);
-        v.epilogue_bf16(acc.data(), gcols, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, mt, cols);
+        v.epilogue_bf16(acc, gcols, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, mt, cols);
       }
     }
   });

@@ -71,11 +71,10 @@ namespace {
 // therefore issued right after the last product reading its tile and one or two products before
 // the first product that needs it (the next step's A0 and B0 go out before the current step's A1
 // products), so that the latency hides behind the products.
-// B has ldb columns per k pair (32 for a weight panel); acc has ldc floats per row; with
-// accumulate, the products add to what acc holds.
+// B is a panel of 32 columns ([K / 2][32][2]); acc has ldc floats per row; with accumulate, the
+// products add to what acc holds.
 template <int Rows>
-void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t ldb, int64_t K, float* acc, int64_t ldc,
-                bool accumulate) {
+void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc, bool accumulate) {
   constexpr bool both = Rows == 32;
   const int64_t sc = ldc * 4;
   if (accumulate) {
@@ -96,7 +95,7 @@ void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t ldb, int6
   const char* a0 = reinterpret_cast<const char*>(A);
   const char* a1 = reinterpret_cast<const char*>(A + 16 * lda);
   const char* b = reinterpret_cast<const char*>(panel);
-  const int64_t sa = lda * 2, sb = ldb * 4;  // bytes between A rows, between B rows (k pairs)
+  const int64_t sa = lda * 2, sb = 128;  // bytes between A rows, between B rows (k pairs)
   _tile_loadd(4, a0, sa);
   _tile_loadd(6, b, sb);
   int64_t k = 0;  // the k pairs of step k start sb * k / 2 bytes into B
@@ -126,13 +125,13 @@ void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t ldb, int6
 }  // namespace
 
 void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc,
-                    bool accumulate, int64_t ldb) {
-  tile_block<32>(A, lda, panel, ldb, K, acc, ldc, accumulate);
+                    bool accumulate) {
+  tile_block<32>(A, lda, panel, K, acc, ldc, accumulate);
 }
 
 void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc,
-                    bool accumulate, int64_t ldb) {
-  tile_block<16>(A, lda, panel, ldb, K, acc, ldc, accumulate);
+                    bool accumulate) {
+  tile_block<16>(A, lda, panel, K, acc, ldc, accumulate);
 }
 
 }  // namespace amxopt

@@ -452,17 +452,22 @@ void transpose32(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t
 #endif
 }
 
-// One VNNI pair row: dst[2e] = a[e], dst[2e + 1] = b[e] for e < n; a null row reads as zeros.
-void interleave_bf16(const bf16* a, const bf16* b, bf16* dst, int64_t n) {
+// One VNNI pair row of n columns, in panels of 32 columns that start `panel` bf16 apart: the pair
+// of column e at dst + (e / 32) * panel + 2 (e % 32), a[e] first, b[e] second; a null row reads as
+// zeros. panel = 64 writes one contiguous row.
+void interleave_bf16(const bf16* a, const bf16* b, int64_t n, int64_t panel, bf16* dst) {
   const uint16_t* ua = reinterpret_cast<const uint16_t*>(a);
   const uint16_t* ub = reinterpret_cast<const uint16_t*>(b);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-  if (a && b) {
-    for (int64_t e = 0; e < n; ++e) d[e] = uint32_t(ua[e]) | uint32_t(ub[e]) << 16;
-  } else if (a) {
-    for (int64_t e = 0; e < n; ++e) d[e] = ua[e];
-  } else {
-    std::fill(d, d + n, 0u);
+  for (int64_t e0 = 0; e0 < n; e0 += 32) {
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst + e0 / 32 * panel);
+    const int64_t m = std::min<int64_t>(32, n - e0);
+    if (a && b) {
+      for (int64_t e = 0; e < m; ++e) d[e] = uint32_t(ua[e0 + e]) | uint32_t(ub[e0 + e]) << 16;
+    } else if (a) {
+      for (int64_t e = 0; e < m; ++e) d[e] = ua[e0 + e];
+    } else {
+      std::fill(d, d + m, 0u);
+    }
   }
 }
 
