@@ -144,7 +144,12 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
   // KB), in steps of 32 query rows (16 for a short last tile: the buffers hold whole tiles past
   // `rows`, whose rows are never read).
   const bool tiles = vnni && D % 32 == 0 && k.stride(2) == 1 && v.stride(2) == 1 && amx_tiles_usable();
-  const int64_t BK = tiles ? kTilesBK : kBK<T>, step = tiles ? kStepRows : BQ;
+  // On tiles, key blocks no wider than the longest segment needs, so that short segments' score
+  // rows lie close together (in-process A/B, 2 threads of an AMX Xeon: 1.18x at 8 segments of 104,
+  // 1.06x causal with segments up to 600).
+  int64_t max_keys = kKeyPad;
+  for (int64_t s = 0; s < nseg; ++s) max_keys = std::max(max_keys, round_up(bk[s + 1] - bk[s], kKeyPad));
+  const int64_t BK = tiles ? std::min(max_keys, kTilesBK) : kBK<T>, step = tiles ? kStepRows : BQ;
   // Row strides of the score and P buffers, padded past a multiple of 4 KB so that a tile's 16 rows
   // do not share a few cache sets.
   const int64_t lds = BK + 16, ldp = BK + 32;
