@@ -545,7 +545,8 @@ def test_patch_embed_is_conv3d_channels_last(provider):
 # AMX); these shapes cross every one of them.
 
 _GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
-    (4, 64, 33),  # the last small-M row count, N one past a 32-column block
+    (4, 64, 33),  # the last small-M row count off AMX, N one past a 32-column block
+    (2, 1024, 40),  # AMX: 2 rows on a zero-padded 16-row tile, 32 K steps (M = 1 stays on AVX-512-BF16)
     (5, 66, 64),  # the first blocked row count
     (13, 1030, 70),  # K > 512 (two K blocks and a tail); 13 rows = a 12-row chunk + 1
     (97, 96, 300),  # M one past a 96-row tile; N past a 256-column group

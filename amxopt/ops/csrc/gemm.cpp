@@ -9,8 +9,8 @@
 //                K <= 128); each tile by the hand-written AMX kernel of
 //                gemm_amx.cpp where K % 32 == 0, else by oneDNN's brgemm (the kernel has no per-call
 //                dispatch: Wan's K = 64 patch embedding ran 2-2.6x faster on it, larger K the same
-//                within noise, 2 threads of an AMX Xeon); M <= 4 goes to the AVX-512-BF16 kernel
-//                (AMX tiles do not pay off for a few rows). A work item holds its 4 B panels and
+//                within noise, 2 threads of an AMX Xeon); M = 1 (M <= 4 from K = 6144) goes to the
+//                AVX-512-BF16 kernel (one row does not fill a tile). A work item holds its 4 B panels and
 //                an A tile, 320 x K bytes, which passes a 2 MB L2 near K = 5600: from K = 6144 on,
 //                K is blocked too, in work items of (up to 256 rows) x 256 columns whose fp32
 //                accumulator takes the partial products of K steps of 1024 (the tile kernel adding
@@ -33,6 +33,9 @@ namespace amxopt {
 namespace {
 
 constexpr int64_t kSmallM = 4;    // rows up to which the weight-streaming kernels win
+// On AMX, rows up to which the AVX-512-BF16 kernel beats 16-row tiles (in-process A/B, 2 threads of an
+// AMX Xeon, tiles against it: 0.91x at M = 1, 1.23x at M = 2, 1.41x at M = 4; K = 1536, N = 1536).
+constexpr int64_t kAmxSmallM = 1;
 constexpr int64_t kBrgemmM = 32;  // rows per brgemm call (2 AMX tiles of 16 rows)
 constexpr int64_t kBrgemmG = 4;   // column blocks per brgemm work item (A tile reused 4 times)
 constexpr int64_t kRowsFirstK = 128;  // K up to which gemm_blocks hands out row tiles first
@@ -190,7 +193,7 @@ void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const float* b
 const char* gemm_engine(Tier tier, int64_t M) {
   switch (tier) {
     case Tier::Amx:
-      return M <= kSmallM ? "avx512_bf16 microkernel (small M)"
+      return M <= kAmxSmallM ? "avx512_bf16 microkernel (small M)"
                           : "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 6144: blocked in K)";
     case Tier::Avx512Bf16:
       return "avx512_bf16 microkernel";
@@ -206,7 +209,7 @@ void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf
   switch (tier) {
     case Tier::Amx:
       if (M > kSmallM && K >= kBlockedK) return gemm_brgemm_kblocked(A, lda, Wp, bias, C, ldc, M, N, K, act);
-      if (M > kSmallM) return gemm_blocks(A, lda, Wp, bias, C, ldc, M, N, K, act);
+      if (M > kAmxSmallM && K < kBlockedK) return gemm_blocks(A, lda, Wp, bias, C, ldc, M, N, K, act);
       [[fallthrough]];
     case Tier::Avx512Bf16:
       return gemm_avx512_bf16(A, lda, Wp, bias, C, ldc, M, N, K, act);

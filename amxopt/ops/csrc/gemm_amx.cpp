@@ -72,9 +72,11 @@ namespace {
 // the first product that needs it (the next step's A0 and B0 go out before the current step's A1
 // products), so that the latency hides behind the products.
 // B is a panel of 32 columns ([K / 2][32][2]); acc has ldc floats per row; with accumulate, the
-// products add to what acc holds.
+// products add to what acc holds. With stream (16 rows: 2 products per 2 KB step of B, which then
+// comes from memory, not the caches), each step prefetches the next one's B.
 template <int Rows>
 void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc, bool accumulate) {
+  constexpr bool stream = Rows == 16;
   constexpr bool both = Rows == 32;
   const int64_t sc = ldc * 4;
   if (accumulate) {
@@ -100,6 +102,8 @@ void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float*
   _tile_loadd(6, b, sb);
   int64_t k = 0;  // the k pairs of step k start sb * k / 2 bytes into B
   for (;; k += 32) {
+    if (stream)  // the next step's 2 KB of B into L1 (32 lines), as far ahead as its first use
+      for (int l = 0; l < 32; ++l) _mm_prefetch(b + sb * (k / 2 + 16) + 64 * l, _MM_HINT_T0);
     _tile_loadd(7, b + sb * k / 2 + 64, sb);
     if constexpr (both) _tile_loadd(5, a1 + 2 * k, sa);
     _tile_dpbf16ps(0, 4, 6);
