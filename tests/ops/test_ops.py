@@ -552,6 +552,7 @@ _GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
     (97, 96, 300),  # M one past a 96-row tile; N past a 256-column group
     (45, 1024, 96),  # AMX tile kernel: 32 K steps, a 13-row tail tile (zero-padded copy)
     (260, 40, 264),  # M past a 256-row sgemm tile, N past 8 blocks
+    (40, 4096, 72),  # K-blocked on AMX from K = 4096 at <= 256 rows: a padded 8-row tile, N past 2 blocks
     (300, 6200, 300),  # K-blocked brgemm: 2 row chunks (160 + 140), 6 K steps + a tail of 56, N past a group
     # K-blocked on AMX tiles: chunks of 208 (a 16-row tile at 192) + 182 (a padded last tile), a 32 tail
     (390, 6176, 300),
