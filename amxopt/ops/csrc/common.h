@@ -230,17 +230,30 @@ at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& wei
 at::Tensor gated_residual_native(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gate);
 at::Tensor rotary_native(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 
-// Row r of a [rows, D] view of x -> the element offset of the matching row of an fp32 operand
-// broadcast to x's leading dims (gate, scale, cos, ...): its row strides, 0 where it broadcasts.
+// The multi-index of row r of a [rows, D] view over x's leading dims: found once (divisions), then
+// advanced row by row with a carry, so that each operand's row offset costs a few multiply-adds.
+class LeadingIndex {
+ public:
+  LeadingIndex(at::IntArrayRef x_sizes, int64_t r);  // x's full sizes; row r of its leading dims
+  void next();
+  int64_t offset(const std::vector<int64_t>& strides) const;  // strides over the leading dims
+
+ private:
+  std::vector<int64_t> sizes_, idx_;
+};
+
+// The matching row of an fp32 operand broadcast to x's leading dims (gate, scale, cos, ...): its row
+// strides, 0 where it broadcasts.
 class BroadcastRows {
  public:
   // `p` broadcasts to x.sizes()[:-1] + [width]; it is held as a contiguous fp32 copy where needed.
   BroadcastRows(const at::Tensor& p, at::IntArrayRef x_sizes, int64_t width);
-  const float* row(int64_t r) const;
+  const float* at(const LeadingIndex& i) const { return base_ + i.offset(strides_); }
 
  private:
   at::Tensor data_;
-  std::vector<int64_t> sizes_, strides_;  // x's leading dims, p's strides over them
+  const float* base_;
+  std::vector<int64_t> strides_;  // p's strides over x's leading dims
 };
 
 }  // namespace amxopt

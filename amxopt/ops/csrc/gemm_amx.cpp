@@ -73,7 +73,8 @@ namespace {
 // products), so that the latency hides behind the products.
 // B is a panel of 32 columns ([K / 2][32][2]); acc has ldc floats per row; with accumulate, the
 // products add to what acc holds. With stream (16 rows: 2 products per 2 KB step of B, which then
-// comes from memory, not the caches), each step prefetches the next one's B.
+// comes from memory, not the caches), each step prefetches the next one's B (in-process A/B, 2
+// threads of an AMX Xeon: 1.07-1.10x at M = 16; 2-3 steps ahead, or into L2, 0.96-1.06x).
 template <int Rows>
 void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc, bool accumulate) {
   constexpr bool stream = Rows == 16;

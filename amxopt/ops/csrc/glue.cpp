@@ -5,6 +5,48 @@
 #include "common.h"
 
 namespace amxopt {
+LeadingIndex::LeadingIndex(at::IntArrayRef x_sizes, int64_t r)
+    : sizes_(x_sizes.begin(), x_sizes.end() - 1), idx_(sizes_.size()) {
+  for (int64_t d = int64_t(sizes_.size()) - 1; d >= 0; --d) {
+    idx_[d] = r % sizes_[d];
+    r /= sizes_[d];
+  }
+}
+
+void LeadingIndex::next() {
+  for (int64_t d = int64_t(sizes_.size()) - 1; d >= 0; --d) {
+    if (++idx_[d] < sizes_[d]) return;
+    idx_[d] = 0;
+  }
+}
+
+int64_t LeadingIndex::offset(const std::vector<int64_t>& strides) const {
+  int64_t off = 0;
+  for (size_t d = 0; d < idx_.size(); ++d) off += idx_[d] * strides[d];
+  return off;
+}
+
+namespace {
+
+// The rows of x read in place through its own strides (a q or k slice of a fused QKV output is not
+// a [rows, D] view, and reshape would copy it); a copy only when the last dim is strided.
+class StridedRows {
+ public:
+  explicit StridedRows(const at::Tensor& x) : x_(x.size(-1) > 1 && x.stride(-1) != 1 ? x.contiguous() : x) {
+    strides_.assign(x_.strides().begin(), x_.strides().end() - 1);
+  }
+  template <typename T>
+  const T* at(const LeadingIndex& i) const {
+    return static_cast<const T*>(base_) + i.offset(strides_);
+  }
+
+ private:
+  at::Tensor x_;
+  const void* base_ = x_.data_ptr();
+  std::vector<int64_t> strides_;
+};
+
+}  // namespace
 
 BroadcastRows::BroadcastRows(const at::Tensor& p, at::IntArrayRef x_sizes, int64_t width) {
   std::vector<int64_t> full(x_sizes.begin(), x_sizes.end());
@@ -12,48 +54,26 @@ BroadcastRows::BroadcastRows(const at::Tensor& p, at::IntArrayRef x_sizes, int64
   auto q = p.to(at::kFloat);
   if (q.stride(-1) != 1) q = q.contiguous();  // its own shape: a strided slice such as freqs[..., 0::2]
   data_ = q;
+  base_ = data_.data_ptr<float>();
   auto e = q.expand(full);
-  sizes_.assign(full.begin(), full.end() - 1);
   strides_.assign(e.strides().begin(), e.strides().end() - 1);
 }
-
-const float* BroadcastRows::row(int64_t r) const {
-  int64_t off = 0;
-  for (int64_t d = int64_t(sizes_.size()) - 1; d >= 0; --d) {
-    off += (r % sizes_[d]) * strides_[d];
-    r /= sizes_[d];
-  }
-  return data_.data_ptr<float>() + off;
-}
-
-namespace {
-
-// x as contiguous rows of D (a copy only when the last dim is strided).
-at::Tensor rows_of(const at::Tensor& x) {
-  const int64_t D = x.size(-1);
-  auto x2 = x.reshape({-1, D});
-  return D > 0 && x2.stride(1) != 1 ? x2.contiguous() : x2;
-}
-
-}  // namespace
 
 at::Tensor gated_residual_native(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gate) {
   const int64_t D = x.size(-1);
   auto out = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return out;
-  auto x2 = rows_of(x), y2 = rows_of(y);
+  const StridedRows xr(x), yr(y);
   const BroadcastRows g(gate, x.sizes(), D);
   const auto& v = vec();
   const bool bf = x.scalar_type() == at::kBFloat16;
-  const int64_t ldx = x2.stride(0), ldy = y2.stride(0);
-  at::parallel_for(0, x2.size(0), 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+  at::parallel_for(0, x.numel() / D, 16, [&](int64_t r0, int64_t r1) {
+    LeadingIndex i(x.sizes(), r0);
+    for (int64_t r = r0; r < r1; ++r, i.next()) {
       if (bf)
-        v.residual_bf16(x2.data_ptr<bf16>() + r * ldx, y2.data_ptr<bf16>() + r * ldy, g.row(r),
-                        out.data_ptr<bf16>() + r * D, D);
+        v.residual_bf16(xr.at<bf16>(i), yr.at<bf16>(i), g.at(i), out.data_ptr<bf16>() + r * D, D);
       else
-        v.residual_f32(x2.data_ptr<float>() + r * ldx, y2.data_ptr<float>() + r * ldy, g.row(r),
-                       out.data_ptr<float>() + r * D, D);
+        v.residual_f32(xr.at<float>(i), yr.at<float>(i), g.at(i), out.data_ptr<float>() + r * D, D);
     }
   });
   return out;
@@ -63,20 +83,18 @@ at::Tensor rotary_native(const at::Tensor& x, const at::Tensor& cos, const at::T
   const int64_t D = x.size(-1);
   auto out = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return out;
-  auto x2 = rows_of(x);
+  const StridedRows xr(x);
   const int64_t width = cos.size(-1), hi = width == D ? D / 2 : 0;  // ops.cpp checked: D / 2 or D
   const BroadcastRows c(cos, x.sizes(), width), s(sin, x.sizes(), width);
   const auto& v = vec();
   const bool bf = x.scalar_type() == at::kBFloat16;
-  const int64_t ld = x2.stride(0);
-  at::parallel_for(0, x2.size(0), 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+  at::parallel_for(0, x.numel() / D, 16, [&](int64_t r0, int64_t r1) {
+    LeadingIndex i(x.sizes(), r0);
+    for (int64_t r = r0; r < r1; ++r, i.next()) {
       if (bf)
-        v.rotary_bf16(x2.data_ptr<bf16>() + r * ld, out.data_ptr<bf16>() + r * D, D, c.row(r), s.row(r), hi,
-                      interleaved);
+        v.rotary_bf16(xr.at<bf16>(i), out.data_ptr<bf16>() + r * D, D, c.at(i), s.at(i), hi, interleaved);
       else
-        v.rotary_f32(x2.data_ptr<float>() + r * ld, out.data_ptr<float>() + r * D, D, c.row(r), s.row(r), hi,
-                     interleaved);
+        v.rotary_f32(xr.at<float>(i), out.data_ptr<float>() + r * D, D, c.at(i), s.at(i), hi, interleaved);
     }
   });
   return out;

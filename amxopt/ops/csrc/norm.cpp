@@ -29,9 +29,10 @@ at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& wei
     std::vector<float> buf(D);
     // Unmodulated: the chunk at once; modulated: row by row, each with its scale and shift rows.
     const int64_t step = sc ? 1 : r1 - r0;
-    for (int64_t r = r0; r < r1; r += step) {
-      const float* s = sc ? sc->row(r) : nullptr;
-      const float* t = sh ? sh->row(r) : nullptr;
+    LeadingIndex i(x.sizes(), r0);
+    for (int64_t r = r0; r < r1; r += step, i.next()) {
+      const float* s = sc ? sc->at(i) : nullptr;
+      const float* t = sh ? sh->at(i) : nullptr;
       if (bf)
         v.norm_bf16(x2.data_ptr<bf16>() + r * ld, ld, y.data_ptr<bf16>() + r * D, step, D, w, b, s, t, float(eps),
                     rms, buf.data());
