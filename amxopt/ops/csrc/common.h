@@ -242,18 +242,24 @@ class LeadingIndex {
   std::vector<int64_t> sizes_, idx_;
 };
 
-// The matching row of an fp32 operand broadcast to x's leading dims (gate, scale, cos, ...): its row
-// strides, 0 where it broadcasts.
-class BroadcastRows {
+// The matching row of an operand laid over x's leading dims, read in place through its own strides
+// (a q or k slice of a fused QKV output is not a [rows, D] view, and reshape would copy it); a copy
+// only where its last dim is strided.
+class OperandRows {
  public:
-  // `p` broadcasts to x.sizes()[:-1] + [width]; it is held as a contiguous fp32 copy where needed.
-  BroadcastRows(const at::Tensor& p, at::IntArrayRef x_sizes, int64_t width);
-  const float* at(const LeadingIndex& i) const { return base_ + i.offset(strides_); }
+  explicit OperandRows(const at::Tensor& t);  // t's leading dims are x's
+  // An fp32 operand `p` broadcast to x.sizes()[:-1] + [width] (gate, scale, cos, ...): stride 0 where
+  // it broadcasts.
+  static OperandRows broadcast(const at::Tensor& p, at::IntArrayRef x_sizes, int64_t width);
+  template <typename T>
+  const T* at(const LeadingIndex& i) const {
+    return static_cast<const T*>(base_) + i.offset(strides_);
+  }
 
  private:
-  at::Tensor data_;
-  const float* base_;
-  std::vector<int64_t> strides_;  // p's strides over x's leading dims
+  at::Tensor t_;
+  const void* base_;
+  std::vector<int64_t> strides_;  // over x's leading dims
 };
 
 }  // namespace amxopt

@@ -26,54 +26,35 @@ int64_t LeadingIndex::offset(const std::vector<int64_t>& strides) const {
   return off;
 }
 
-namespace {
+OperandRows::OperandRows(const at::Tensor& t)
+    : t_(t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t), base_(t_.data_ptr()) {
+  strides_.assign(t_.strides().begin(), t_.strides().end() - 1);
+}
 
-// The rows of x read in place through its own strides (a q or k slice of a fused QKV output is not
-// a [rows, D] view, and reshape would copy it); a copy only when the last dim is strided.
-class StridedRows {
- public:
-  explicit StridedRows(const at::Tensor& x) : x_(x.size(-1) > 1 && x.stride(-1) != 1 ? x.contiguous() : x) {
-    strides_.assign(x_.strides().begin(), x_.strides().end() - 1);
-  }
-  template <typename T>
-  const T* at(const LeadingIndex& i) const {
-    return static_cast<const T*>(base_) + i.offset(strides_);
-  }
-
- private:
-  at::Tensor x_;
-  const void* base_ = x_.data_ptr();
-  std::vector<int64_t> strides_;
-};
-
-}  // namespace
-
-BroadcastRows::BroadcastRows(const at::Tensor& p, at::IntArrayRef x_sizes, int64_t width) {
+OperandRows OperandRows::broadcast(const at::Tensor& p, at::IntArrayRef x_sizes, int64_t width) {
   std::vector<int64_t> full(x_sizes.begin(), x_sizes.end());
   full.back() = width;
+  // Made contiguous in its own shape first (a strided slice such as freqs[..., 0::2]): the expanded
+  // view then has a unit last stride and is not copied.
   auto q = p.to(at::kFloat);
-  if (q.stride(-1) != 1) q = q.contiguous();  // its own shape: a strided slice such as freqs[..., 0::2]
-  data_ = q;
-  base_ = data_.data_ptr<float>();
-  auto e = q.expand(full);
-  strides_.assign(e.strides().begin(), e.strides().end() - 1);
+  if (q.stride(-1) != 1) q = q.contiguous();
+  return OperandRows(q.expand(full));
 }
 
 at::Tensor gated_residual_native(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gate) {
   const int64_t D = x.size(-1);
   auto out = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return out;
-  const StridedRows xr(x), yr(y);
-  const BroadcastRows g(gate, x.sizes(), D);
+  const OperandRows xr(x), yr(y), g = OperandRows::broadcast(gate, x.sizes(), D);
   const auto& v = vec();
   const bool bf = x.scalar_type() == at::kBFloat16;
   at::parallel_for(0, x.numel() / D, 16, [&](int64_t r0, int64_t r1) {
     LeadingIndex i(x.sizes(), r0);
     for (int64_t r = r0; r < r1; ++r, i.next()) {
       if (bf)
-        v.residual_bf16(xr.at<bf16>(i), yr.at<bf16>(i), g.at(i), out.data_ptr<bf16>() + r * D, D);
+        v.residual_bf16(xr.at<bf16>(i), yr.at<bf16>(i), g.at<float>(i), out.data_ptr<bf16>() + r * D, D);
       else
-        v.residual_f32(xr.at<float>(i), yr.at<float>(i), g.at(i), out.data_ptr<float>() + r * D, D);
+        v.residual_f32(xr.at<float>(i), yr.at<float>(i), g.at<float>(i), out.data_ptr<float>() + r * D, D);
     }
   });
   return out;
@@ -83,18 +64,20 @@ at::Tensor rotary_native(const at::Tensor& x, const at::Tensor& cos, const at::T
   const int64_t D = x.size(-1);
   auto out = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return out;
-  const StridedRows xr(x);
+  const OperandRows xr(x);
   const int64_t width = cos.size(-1), hi = width == D ? D / 2 : 0;  // ops.cpp checked: D / 2 or D
-  const BroadcastRows c(cos, x.sizes(), width), s(sin, x.sizes(), width);
+  const auto c = OperandRows::broadcast(cos, x.sizes(), width), s = OperandRows::broadcast(sin, x.sizes(), width);
   const auto& v = vec();
   const bool bf = x.scalar_type() == at::kBFloat16;
   at::parallel_for(0, x.numel() / D, 16, [&](int64_t r0, int64_t r1) {
     LeadingIndex i(x.sizes(), r0);
     for (int64_t r = r0; r < r1; ++r, i.next()) {
       if (bf)
-        v.rotary_bf16(xr.at<bf16>(i), out.data_ptr<bf16>() + r * D, D, c.at(i), s.at(i), hi, interleaved);
+        v.rotary_bf16(xr.at<bf16>(i), out.data_ptr<bf16>() + r * D, D, c.at<float>(i), s.at<float>(i), hi,
+                      interleaved);
       else
-        v.rotary_f32(xr.at<float>(i), out.data_ptr<float>() + r * D, D, c.at(i), s.at(i), hi, interleaved);
+        v.rotary_f32(xr.at<float>(i), out.data_ptr<float>() + r * D, D, c.at<float>(i), s.at<float>(i), hi,
+                     interleaved);
     }
   });
   return out;

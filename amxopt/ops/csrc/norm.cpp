@@ -20,8 +20,9 @@ at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& wei
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   const float* w = w32.defined() ? w32.data_ptr<float>() : nullptr;
   const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
-  std::optional<BroadcastRows> sc, sh;
-  if (scale.has_value()) sc.emplace(*scale, x.sizes(), D), sh.emplace(*shift, x.sizes(), D);
+  std::optional<OperandRows> sc, sh;
+  if (scale.has_value())
+    sc = OperandRows::broadcast(*scale, x.sizes(), D), sh = OperandRows::broadcast(*shift, x.sizes(), D);
   const auto& v = vec();
   const bool bf = x.scalar_type() == at::kBFloat16;
   const int64_t ld = x2.stride(0);
@@ -31,8 +32,8 @@ at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& wei
     const int64_t step = sc ? 1 : r1 - r0;
     LeadingIndex i(x.sizes(), r0);
     for (int64_t r = r0; r < r1; r += step, i.next()) {
-      const float* s = sc ? sc->at(i) : nullptr;
-      const float* t = sh ? sh->at(i) : nullptr;
+      const float* s = sc ? sc->at<float>(i) : nullptr;
+      const float* t = sh ? sh->at<float>(i) : nullptr;
       if (bf)
         v.norm_bf16(x2.data_ptr<bf16>() + r * ld, ld, y.data_ptr<bf16>() + r * D, step, D, w, b, s, t, float(eps),
                     rms, buf.data());
