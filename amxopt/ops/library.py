@@ -312,18 +312,23 @@ def _(x, packed_weight, bias, kernel_size, out_channels, provider="auto"):
 DIRECT_CONV_K = 64  # conv.cpp's kDirectK: Cin x kh x kw up to which the native conv2d runs directly
 
 
-def _direct_conv2d(x, weight, groups, provider) -> bool:
-    """Whether the native conv2d takes conv.cpp's direct kernel, whose output is channels-last."""
+def _channels_last_conv2d(x, weight, groups, provider) -> bool:
+    """Whether the native conv2d takes one of conv.cpp's kernels, whose output is channels-last: the
+    direct one (Cin x kh x kw <= DIRECT_CONV_K), or im2col + GEMM (bf16, even Cin x kh x kw, on the
+    amx and avx512_bf16 tiers)."""
     k = weight.shape[1] * weight.shape[2] * weight.shape[3]
     native_kernels = resolve_provider(provider) == "native" and native.available()[0]  # else the reference runs
-    return native_kernels and groups == 1 and 0 < k <= DIRECT_CONV_K and x.shape[0] > 0
+    if not native_kernels or groups != 1 or k == 0 or x.shape[0] == 0:
+        return False
+    gemm = x.dtype == torch.bfloat16 and k % 2 == 0 and native.active_tier() != "fp32"
+    return k <= DIRECT_CONV_K or gemm
 
 
 @torch.library.register_fake("amxopt::conv2d", lib=_lib)
 def _(x, weight, bias, stride, padding, dilation, groups, activation="none", provider="auto"):
     _check_conv2d(x, weight, bias, stride, padding, dilation, groups, activation)
     out = reference.conv2d(x, weight, bias, stride, padding, dilation, groups)
-    if _direct_conv2d(x, weight, groups, provider):
+    if _channels_last_conv2d(x, weight, groups, provider):
         return out.contiguous(memory_format=torch.channels_last)
     return out
 

@@ -678,6 +678,14 @@ def test_noncontiguous_inputs(provider, dtype):
         ((1, 2, 11, 40), (5, 2, 3, 5), dict(stride=[1, 3], padding=[2, 0], dilation=[2, 1], groups=1)),
         ((2, 7, 8, 9), (4, 7, 3, 3), dict(stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1)),
         ((2, 8, 8, 9), (4, 8, 3, 3), dict(stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1)),
+        # conv.cpp's im2col + GEMM (bf16, even K > 64, amx / avx512_bf16 tiers): 1200 rows (two im2col
+        # chunks of at most 1024) x 40 channels (a partial column block) at K = 288 (tile kernel); K =
+        # 120 (not a multiple of 32) with asymmetric stride / padding / dilation; a 1x1 conv; K = 81
+        # (odd: ATen's convolution)
+        ((2, 32, 24, 25), (40, 32, 3, 3), dict(stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1)),
+        ((1, 8, 11, 40), (20, 8, 3, 5), dict(stride=[1, 3], padding=[2, 0], dilation=[2, 1], groups=1)),
+        ((2, 96, 5, 7), (48, 96, 1, 1), dict(stride=[1, 1], padding=[0, 0], dilation=[1, 1], groups=1)),
+        ((2, 9, 8, 9), (4, 9, 3, 3), dict(stride=[2, 2], padding=[1, 1], dilation=[1, 1], groups=1)),
     ],
 )
 @pytest.mark.parametrize("act", ["none", "gelu"])
@@ -690,7 +698,7 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params, act):
     out = ops.conv2d(x, w, b, *params.values(), act, provider)
     assert_close_dtype(out, oracle(F.conv2d(x.double(), w.double(), b.double(), **params)), dtype)
     args = (x, w, b, *params.values(), act, provider)
-    assert_matches_fake(ops.conv2d, args, out)  # the direct kernel's output is channels-last, and its fake's
+    assert_matches_fake(ops.conv2d, args, out)  # conv.cpp's outputs are channels-last, and so are their fakes'
     # channels-last x and an fp32 bias (rounded to x's dtype first, as the reference does)
     xc, b32 = x.contiguous(memory_format=torch.channels_last), torch.randn(weight[0], generator=g)
     out = ops.conv2d(xc, w, b32, *params.values(), act, provider)

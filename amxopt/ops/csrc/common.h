@@ -205,6 +205,11 @@ constexpr int64_t kDirectK = 64;
 std::optional<at::Tensor> conv2d_direct(const at::Tensor& x, const at::Tensor& w,
                                         const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                                         at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, Act act);
+// ... and by im2col + gemm_bf16 for a bf16 x on the amx / avx512_bf16 tiers where Cin x kh x kw >
+// kDirectK is even and groups == 1, into a channels-last output (nullopt otherwise).
+std::optional<at::Tensor> conv2d_gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                                      at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
+                                      int64_t groups, Act act, Tier tier);
 // C = act(A @ W^T + bias) for a bf16 x and VNNI-packed W, on the given tier (gemm.cpp).
 void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
                int64_t N, int64_t K, Act act, Tier tier);

@@ -1,17 +1,50 @@
-// amxopt.conv2d's direct kernel for convolutions with few input values per output (Cin x kh x kw <=
-// kDirectK), such as the Qwen3-Omni audio encoder's first 3x3 stride-2 conv on the 1-channel mel
-// spectrogram (30 x 1 x 128 x 100 -> 480 channels). oneDNN runs that one at about 0.01 TFLOP/s
-// (118 ms on 2 cores of an AMX Xeon): a K = 9 reduction leaves its GEMM kernels nothing to block.
-// Here each (image, output row) gathers its K rows of taps once (fp32, zeros where the window hangs
-// over the padding); each output position's channels are the taps' weighted sum, bias first, then
-// the fused activation if any, rounded once (vec(): conv_cols). The output is channels-last: one
-// contiguous block per (image, output row), and oneDNN runs the next convolution on a channels-last
-// input faster (the Omni encoder's second conv, 480 -> 480 channels: 102 against 179 ms). Parallel
-// over image x output row.
+// amxopt.conv2d's own kernels (ops.cpp leaves every other convolution to ATen).
+//
+// Direct, for convolutions with few input values per output (Cin x kh x kw <= kDirectK), such as
+// the Qwen3-Omni audio encoder's first 3x3 stride-2 conv on the 1-channel mel spectrogram (30 x 1 x
+// 128 x 100 -> 480 channels). oneDNN runs that one at about 0.01 TFLOP/s (118 ms on 2 cores of an
+// AMX Xeon): a K = 9 reduction leaves its GEMM kernels nothing to block. Here each (image, output
+// row) gathers its K rows of taps once (fp32, zeros where the window hangs over the padding); each
+// output position's channels are the taps' weighted sum, bias first, then the fused activation if
+// any, rounded once (vec(): conv_cols). The output is channels-last: one contiguous block per
+// (image, output row). Parallel over image x output row.
+//
+// GEMM, for larger bf16 convolutions (groups 1, even Cin x kh x kw) on the amx and avx512_bf16
+// tiers: im2col rows of a channels-last x (each tap's channels one contiguous run) times the weight
+// packed as [Cout, kh x kw x Cin], by gemm_bf16, with the bias and activation in its epilogue; the
+// output is channels-last ([N x OH x OW, Cout] rows). The Omni encoder's second and third convs
+// (480 -> 480 channels, 3x3 stride 2, K = 4320): 107 against 217 ms and 41 against 46 ms for
+// oneDNN's channels-last convolution + gelu (2 threads of an AMX Xeon, one process), of which the
+// im2col is 3-14 ms. The im2col matrix is built kGemmRows rows at a time into a per-thread buffer
+// (8.8 MB at K = 4320) that is reused, never a whole [M, K] matrix (207 MB there): 256 rows a chunk
+// ran 150 ms, 4096 rows 126 ms. The weight is packed on every call (1.5 ms at 480 x 4320).
+#include <array>
+
 #include "common.h"
 
 namespace amxopt {
 namespace {
+
+constexpr int64_t kGemmRows = 1024;  // im2col rows per GEMM call of the GEMM path
+
+// The output's (OH, OW), or nullopt where ATen's convolution should report the arguments (a stride,
+// padding or dilation out of range) or the output is empty.
+std::optional<std::array<int64_t, 2>> output_size(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
+                                                  at::IntArrayRef padding, at::IntArrayRef dilation) {
+  std::array<int64_t, 2> o;
+  for (int d = 0; d < 2; ++d) {
+    if (stride[d] < 1 || padding[d] < 0 || dilation[d] < 1) return std::nullopt;
+    o[d] = (x.size(2 + d) + 2 * padding[d] - dilation[d] * (w.size(2 + d) - 1) - 1) / stride[d] + 1;
+    if (o[d] <= 0) return std::nullopt;
+  }
+  if (x.size(0) == 0) return std::nullopt;
+  return o;
+}
+
+// The bias in fp32 after a rounding to x's dtype, as the reference and ATen's path round it.
+at::Tensor rounded_bias(const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  return bias.has_value() ? bias->to(dtype).to(at::kFloat).contiguous() : at::Tensor();
+}
 
 template <typename S>
 at::Tensor conv2d_direct_impl(const at::Tensor& x, const at::Tensor& w32, const at::Tensor& b32, int64_t kh,
@@ -54,21 +87,67 @@ at::Tensor conv2d_direct_impl(const at::Tensor& x, const at::Tensor& w32, const 
   return out;
 }
 
+// Rows [m0, m0 + rows) of x's im2col matrix: row (n, oh, ow) holds, for each tap (i, j) in turn, the
+// C channels of x at (n, oh * sh - ph + i * dh, ow * sw - pw + j * dw) (zeros where the tap lies in
+// the padding). x is channels-last, so each tap's channels are one contiguous run.
+void im2col_rows(const bf16* X, int64_t C, int64_t H, int64_t W, int64_t kh, int64_t kw, const int64_t* s,
+                 const int64_t* p, const int64_t* d, int64_t OH, int64_t OW, int64_t m0, int64_t rows, bf16* A) {
+  const int64_t K = C * kh * kw;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t m = m0 + r, ow = m % OW, oh = m / OW % OH, n = m / (OW * OH);
+      bf16* dst = A + r * K;
+      for (int64_t i = 0; i < kh; ++i) {
+        const int64_t ih = oh * s[0] - p[0] + i * d[0];
+        for (int64_t j = 0; j < kw; ++j, dst += C) {
+          const int64_t iw = ow * s[1] - p[1] + j * d[1];
+          if (ih < 0 || ih >= H || iw < 0 || iw >= W)
+            std::fill(dst, dst + C, bf16(0.f));
+          else
+            std::copy_n(X + ((n * H + ih) * W + iw) * C, C, dst);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
+
+std::optional<at::Tensor> conv2d_gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                                      at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
+                                      int64_t groups, Act act, Tier tier) {
+  const int64_t C = w.size(1), kh = w.size(2), kw = w.size(3), K = C * kh * kw, Co = w.size(0);
+  if (x.scalar_type() != at::kBFloat16 || tier == Tier::Fp32 || groups != 1 || K <= kDirectK || K % 2) return std::nullopt;
+  const auto size = output_size(x, w, stride, padding, dilation);
+  if (!size) return std::nullopt;
+  const int64_t N = x.size(0), H = x.size(2), W = x.size(3), OH = (*size)[0], OW = (*size)[1];
+  auto xc = x.contiguous(at::MemoryFormat::ChannelsLast);
+  auto wp = pack_vnni(w.permute({0, 2, 3, 1}).reshape({Co, K}));
+  const auto b32 = rounded_bias(bias, x.scalar_type());
+  auto out = at::empty({N, Co, OH, OW}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  const int64_t M = N * OH * OW;
+  const int64_t s[2] = {stride[0], stride[1]}, p[2] = {padding[0], padding[1]}, d[2] = {dilation[0], dilation[1]};
+  const int64_t mc = std::min(M, kGemmRows);
+  bf16* A = thread_scratch<bf16, 0>(mc * K);
+  for (int64_t m0 = 0; m0 < M; m0 += mc) {
+    const int64_t rows = std::min(mc, M - m0);
+    im2col_rows(xc.data_ptr<bf16>(), C, H, W, kh, kw, s, p, d, OH, OW, m0, rows, A);
+    gemm_bf16(A, K, wp.data_ptr<bf16>(), b32.defined() ? b32.data_ptr<float>() : nullptr,
+              out.data_ptr<bf16>() + m0 * Co, Co, rows, Co, K, act, tier);
+  }
+  return out;
+}
 
 std::optional<at::Tensor> conv2d_direct(const at::Tensor& x, const at::Tensor& w,
                                         const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                                         at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, Act act) {
   const int64_t K = w.size(1) * w.size(2) * w.size(3), kh = w.size(2), kw = w.size(3);
   if (groups != 1 || K > kDirectK || K == 0) return std::nullopt;
-  for (int d = 0; d < 2; ++d)
-    if (stride[d] < 1 || padding[d] < 0 || dilation[d] < 1) return std::nullopt;  // ATen's own error
-  const int64_t OH = (x.size(2) + 2 * padding[0] - dilation[0] * (kh - 1) - 1) / stride[0] + 1;
-  const int64_t OW = (x.size(3) + 2 * padding[1] - dilation[1] * (kw - 1) - 1) / stride[1] + 1;
-  if (OH <= 0 || OW <= 0 || x.size(0) == 0) return std::nullopt;
+  const auto size = output_size(x, w, stride, padding, dilation);
+  if (!size) return std::nullopt;
+  const int64_t OH = (*size)[0], OW = (*size)[1];
   auto w32 = w.to(at::kFloat).reshape({w.size(0), K}).t().contiguous();  // [K][Co]
-  at::Tensor b32;  // the bias rounded to x's dtype first, as the reference and ATen's path do
-  if (bias.has_value()) b32 = bias->to(x.scalar_type()).to(at::kFloat).contiguous();
+  const auto b32 = rounded_bias(bias, x.scalar_type());
   auto xc = x.contiguous();
   if (x.scalar_type() == at::kBFloat16)
     return conv2d_direct_impl<bf16>(xc, w32, b32, kh, kw, stride, padding, dilation, OH, OW, act);
