@@ -539,7 +539,7 @@ def test_patch_embed_is_conv3d_channels_last(provider):
 
 # --- 5. blocking boundaries, layouts and inputs the first review found untested -------------------
 # The native engines block their loops (csrc/gemm.cpp: 4-row small-M path, 256-row and 256-column fp32
-# tiles, 32-row x 4-block brgemm tiles, and from K = 6144 balanced row chunks of at most 256 x
+# tiles, 32-row x 4-block brgemm tiles, and from K = 5120 balanced row chunks of at most 256 x
 # 256-column groups x K steps of 1024 (on AMX tiles from 17 rows if K % 32 == 0); the AVX-512-BF16
 # kernel: 512-deep K blocks, 96-row tiles; attention: 48-query x 256-key blocks, and 256 x 512 on
 # AMX); these shapes cross every one of them.

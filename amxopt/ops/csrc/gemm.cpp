@@ -9,16 +9,18 @@
 //                K <= 128); each tile by the hand-written AMX kernel of
 //                gemm_amx.cpp where K % 32 == 0, else by oneDNN's brgemm (the kernel has no per-call
 //                dispatch: Wan's K = 64 patch embedding ran 2-2.6x faster on it, larger K the same
-//                within noise, 2 threads of an AMX Xeon); M = 1 (M <= 4 from K = 6144) goes to
+//                within noise, 2 threads of an AMX Xeon); M = 1 (M <= 4 from K = 5120) goes to
 //                the AVX-512-BF16 kernel (one row does not fill a tile). A work item holds its 4 B
-//                panels and an A tile, 320 x K bytes, which passes a 2 MB L2 near K = 5600: from
-//                K = 6144 on (4096 for 17 to 256 rows), K is blocked too, in work items of (up to
+//                panels and an A tile, 320 x K bytes, which nears a 2 MB L2 at K = 5120: from
+//                K = 5120 on (4096 for 17 to 256 rows), K is blocked too, in work items of (up to
 //                256 rows) x 256 columns whose fp32 accumulator takes the partial products of K
 //                steps of 1024 (the tile kernel adding to it, brgemm calls at M <= 16), so that the
 //                A chunk, the B block and the accumulator stay in L2. Measured in one process on an AMX
 //                Xeon, two rounds: 1280 x 8960 x 1536 at 0.98-1.09x eager blocked, 0.69-0.70x with
 //                whole-K calls; 390 x 7680 x 1280 at 0.90-0.99x / 0.76-0.82x; but 784 x 4096 x
-//                1024 at 0.83-0.94x / 1.08-1.17x.
+//                1024 at 0.83-0.94x / 1.08-1.17x. At K = 5120 (Qwen3-Omni's fc2), blocked against
+//                whole-K, paired calls: 1.06-1.19x at M = 390, 1.01-1.13x at 784, 1.04-1.13x at 1280,
+//                1.08x at 32, weights hot or cold (cycled through more than the L3 holds).
 //   avx512_bf16  the hand-written vdpbf16ps kernel (gemm_avx512_bf16.cpp).
 //   fp32         A converted to fp32 once; per group of 8 column blocks (256 columns) the weight is
 //                unpacked to fp32 in a per-thread buffer and multiplied with ATen's sgemm in row
@@ -39,7 +41,7 @@ constexpr int64_t kAmxSmallM = 1;
 constexpr int64_t kBrgemmM = 32;  // rows per brgemm call (2 AMX tiles of 16 rows)
 constexpr int64_t kBrgemmG = 4;   // column blocks per brgemm work item (A tile reused 4 times)
 constexpr int64_t kRowsFirstK = 128;  // K up to which gemm_blocks hands out row tiles first
-constexpr int64_t kBlockedK = 6144;  // K from which the brgemm engine blocks K (gemm_brgemm_kblocked)
+constexpr int64_t kBlockedK = 5120;  // K from which the brgemm engine blocks K (gemm_brgemm_kblocked)
 // ... and from which it does so for 17 to kBlkM rows (one row chunk, on tiles; fewer rows were not
 // measured there): gemm_blocks reads all of A once per 128 columns, the blocked items once per 256
 // (in-process A/B, 2 threads of an AMX Xeon: 1.06-1.11x at 196 x 4096 x 2048-4096, Qwen3-VL's patch
@@ -199,7 +201,7 @@ const char* gemm_engine(Tier tier, int64_t M) {
   switch (tier) {
     case Tier::Amx:
       return M <= kAmxSmallM ? "avx512_bf16 microkernel (small M)"
-                             : "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 6144, or >= 4096 at 17-256 "
+                             : "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 "
                                "rows: blocked in K)";
     case Tier::Avx512Bf16:
       return "avx512_bf16 microkernel";
