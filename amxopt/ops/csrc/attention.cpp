@@ -196,7 +196,7 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t h = 0; h < H; ++h)
       for (int64_t r0 = 0; r0 < lq; r0 += qstep) items.push_back({s, h, r0, std::min(qstep, lq - r0)});
   }
-  auto out = at::empty({q.size(0), H, D}, q.options());
+  auto out = new_output({q.size(0), H, D}, q.options());
   S* O = out.data_ptr<S>();
   const float scale = float(scale_d);
   const auto& vk = vec();

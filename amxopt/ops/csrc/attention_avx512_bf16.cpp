@@ -90,7 +90,7 @@ at::Tensor varlen_attention_avx512_bf16(const at::Tensor& q, const at::Tensor& k
     for (int64_t h = 0; h < H; ++h)
       for (int64_t r = 0; r < lq; r += step) items.push_back({s, h, r, std::min(step, lq - r)});
   }
-  auto out = at::empty({q.size(0), H, D}, q.options());
+  auto out = new_output({q.size(0), H, D}, q.options());
   bf16* O = out.data_ptr<bf16>();
   const float scale = float(scale_d);
   const float neg_inf = -std::numeric_limits<float>::infinity();

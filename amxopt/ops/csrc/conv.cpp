@@ -52,7 +52,7 @@ at::Tensor conv2d_direct_impl(const at::Tensor& x, const at::Tensor& w32, const 
                               int64_t OH, int64_t OW, Act act) {
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), K = w32.size(0), Co = w32.size(1);
   const int64_t sh = stride[0], sw = stride[1], ph = padding[0], pw = padding[1], dh = dilation[0], dw = dilation[1];
-  auto out = at::empty({N, Co, OH, OW}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  auto out = new_output({N, Co, OH, OW}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
   const S* X = x.data_ptr<S>();
   S* O = out.data_ptr<S>();
   const float* Wt = w32.data_ptr<float>();
@@ -124,7 +124,7 @@ std::optional<at::Tensor> conv2d_gemm(const at::Tensor& x, const at::Tensor& w, 
   auto xc = x.contiguous(at::MemoryFormat::ChannelsLast);
   auto wp = pack_vnni(w.permute({0, 2, 3, 1}).reshape({Co, K}));
   const auto b32 = rounded_bias(bias, x.scalar_type());
-  auto out = at::empty({N, Co, OH, OW}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  auto out = new_output({N, Co, OH, OW}, x.options().memory_format(at::MemoryFormat::ChannelsLast));
   const int64_t M = N * OH * OW;
   const int64_t s[2] = {stride[0], stride[1]}, p[2] = {padding[0], padding[1]}, d[2] = {dilation[0], dilation[1]};
   const int64_t mc = std::min(M, kGemmRows);

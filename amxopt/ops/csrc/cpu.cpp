@@ -6,6 +6,8 @@
 #include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
 
+#include <sys/mman.h>
+
 #include <atomic>
 
 #include "common.h"
@@ -97,6 +99,15 @@ int64_t WorkShares::take(int64_t p) {
     if (front < back && ranges_[victim].v.compare_exchange_weak(v, pack_range(front, back - 1)))
       return int64_t(back - 1);
   }
+}
+
+at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  auto out = at::empty(sizes, options);
+  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(out.data_ptr()), end = begin + out.nbytes();
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = end & ~(kHuge - 1);
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // advice only
+  return out;
 }
 
 }  // namespace amxopt

@@ -157,7 +157,7 @@ void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const float* b
                       int64_t N, int64_t K, Act act) {
   const int64_t nblocks = (N + kNB - 1) / kNB, pairs = K / 2, panel = K * kNB;
   const auto& v = vec();
-  auto a32 = at::empty({M, K}, at::kFloat);
+  auto a32 = new_output({M, K}, at::kFloat);
   float* Af = a32.data_ptr<float>();
   at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) v.bf16_to_f32(A + r * lda, Af + r * K, K);
@@ -249,7 +249,7 @@ at::Tensor linear_plain(const at::Tensor& x2, const at::Tensor& w, const float* 
   const bool bf = x2.scalar_type() == at::kBFloat16;
   auto y = at::mm(bf ? x2.to(at::kFloat) : x2, (bf ? w.to(at::kFloat) : w).t());
   const int64_t M = y.size(0), N = y.size(1);
-  auto out = bf ? at::empty({M, N}, x2.options()) : y;
+  auto out = bf ? new_output({M, N}, x2.options()) : y;
   const auto& v = vec();
   float* acc = y.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
@@ -267,7 +267,7 @@ at::Tensor linear_2d(const at::Tensor& x2, const at::Tensor& packed, const at::T
   const float* bias = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   if (packed.dim() == 2) return linear_plain(x2, packed, bias, act);
   const int64_t M = x2.size(0), K = x2.size(1);
-  auto out = at::empty({M, N}, x2.options());
+  auto out = new_output({M, N}, x2.options());
   gemm_bf16(x2.data_ptr<bf16>(), x2.stride(0), packed.data_ptr<bf16>(), bias, out.data_ptr<bf16>(), N, M, N, K, act,
             tier);
   return out;

@@ -43,7 +43,7 @@ OperandRows OperandRows::broadcast(const at::Tensor& p, at::IntArrayRef x_sizes,
 
 at::Tensor gated_residual_native(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gate) {
   const int64_t D = x.size(-1);
-  auto out = at::empty(x.sizes(), x.options());
+  auto out = new_output(x.sizes(), x.options());
   if (x.numel() == 0) return out;
   const OperandRows xr(x), yr(y), g = OperandRows::broadcast(gate, x.sizes(), D);
   const auto& v = vec();
@@ -62,7 +62,7 @@ at::Tensor gated_residual_native(const at::Tensor& x, const at::Tensor& y, const
 
 at::Tensor rotary_native(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
   const int64_t D = x.size(-1);
-  auto out = at::empty(x.sizes(), x.options());
+  auto out = new_output(x.sizes(), x.options());
   if (x.numel() == 0) return out;
   const OperandRows xr(x);
   const int64_t width = cos.size(-1), hi = width == D ? D / 2 : 0;  // ops.cpp checked: D / 2 or D

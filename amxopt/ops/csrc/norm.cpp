@@ -13,7 +13,7 @@ at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& wei
   const int64_t D = x.size(-1);
   auto x2 = x.reshape({-1, D});
   if (D > 0 && x2.stride(1) != 1) x2 = x2.contiguous();
-  auto y = at::empty(x.sizes(), x.options());
+  auto y = new_output(x.sizes(), x.options());
   if (x2.numel() == 0) return y;
   at::Tensor w32, b32;
   if (weight.has_value()) w32 = weight->to(at::kFloat).contiguous();
