@@ -177,6 +177,31 @@ def patch_embed_cases(providers: list[str]) -> list[Case]:
     return cases
 
 
+def conv2d_cases(providers: list[str]) -> list[Case]:
+    """The Qwen3-Omni audio encoder's three 3x3 stride-2 convs with their gelu, on 30 chunks of 100
+    mel frames: the first on the 1-channel spectrogram, the next two 480 -> 480 channels on the
+    channels-last output of the one before (as in the optimized model)."""
+    cases = []
+    for shape, label in (
+        ((30, 1, 128, 100), "Omni conv1 30x1x128x100 -> 480, 3x3 s2 + gelu"),
+        ((30, 480, 64, 50), "Omni conv2 30x480x64x50 -> 480, 3x3 s2 + gelu"),
+        ((30, 480, 32, 25), "Omni conv3 30x480x32x25 -> 480, 3x3 s2 + gelu"),
+    ):
+        x = torch.randn(*shape, dtype=BF16)
+        if shape[1] > 1:
+            x = x.contiguous(memory_format=torch.channels_last)
+        conv = torch.nn.Conv2d(shape[1], 480, 3, stride=2, padding=1).to(BF16).eval()
+        w, b = conv.weight.detach(), conv.bias.detach()
+        impls = {"eager": lambda x=x, conv=conv: F.gelu(conv(x))}
+        for p in providers:
+            impls[p] = at_tier(
+                p, lambda x=x, w=w, b=b, p=provider_of(p): amx.conv2d(x, w, b, [2, 2], [1, 1], [1, 1], 1, "gelu", p)
+            )
+        outputs = shape[0] * 480 * ((shape[2] + 1) // 2) * ((shape[3] + 1) // 2)
+        cases.append(Case("conv2d", label, 2.0 * outputs * shape[1] * 9, impls))
+    return cases
+
+
 def norm_cases(providers: list[str]) -> list[Case]:
     cases = []
     for rows, d in ((784, 1024), (1280, 1536)):
@@ -224,7 +249,13 @@ def main() -> None:
         f"AVX-512-BF16 limit measured now: {peak if peak else 'n/a'} TFLOP/s; AMX limit {amx_label} TFLOP/s"
     )
     amx_limit = amx_limit or AMX_PEAK_QUOTED
-    cases = linear_cases(providers) + attention_cases(providers) + patch_embed_cases(providers) + norm_cases(providers)
+    cases = (
+        linear_cases(providers)
+        + attention_cases(providers)
+        + patch_embed_cases(providers)
+        + conv2d_cases(providers)
+        + norm_cases(providers)
+    )
     cases = [c for c in cases if args.only in (None, c.op)]
     results = []
     header = f"| op | case | impl | median ms | ratio vs eager | TFLOP/s | of AVX-512-BF16 limit | of AMX {amx_limit} |"

@@ -13,11 +13,14 @@
 // tiers: im2col rows of a channels-last x (each tap's channels one contiguous run) times the weight
 // packed as [Cout, kh x kw x Cin], by gemm_bf16, with the bias and activation in its epilogue; the
 // output is channels-last ([N x OH x OW, Cout] rows). The Omni encoder's second and third convs
-// (480 -> 480 channels, 3x3 stride 2, K = 4320): 107 against 217 ms and 41 against 46 ms for
-// oneDNN's channels-last convolution + gelu (2 threads of an AMX Xeon, one process), of which the
-// im2col is 3-14 ms. The im2col matrix is built kGemmRows rows at a time into a per-thread buffer
-// (8.8 MB at K = 4320) that is reused, never a whole [M, K] matrix (207 MB there): 256 rows a chunk
-// ran 150 ms, 4096 rows 126 ms. The weight is packed on every call (1.5 ms at 480 x 4320).
+// (480 -> 480 channels, 3x3 stride 2, K = 4320), paired calls on 2 threads of an AMX Xeon: level
+// with oneDNN's convolution + gelu on the same channels-last x (1.00-1.07x; the GEMM runs at about
+// oneDNN's 1.2-1.3 TFLOP/s there), 1.24-1.51x faster than oneDNN's on an NCHW x (as eager runs
+// them); the im2col is 3-14 ms of 77 ms. What it adds: the activation in the GEMM's epilogue, one
+// engine for linear and conv, and autotune a second candidate per shape. The im2col matrix is built
+// kGemmRows rows at a time into a per-thread buffer (8.8 MB at K = 4320) that is reused, never a
+// whole [M, K] matrix (207 MB there): chunks of 256 or 4096 rows ran slower (1.4x, 1.2x). The
+// weight is packed on every call (1.5 ms at 480 x 4320).
 #include <array>
 
 #include "common.h"
