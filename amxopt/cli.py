@@ -59,7 +59,7 @@ def _cmd_info(args) -> int:
     )
     print(f"  amxopt.linear            -> {native.gemm_engine(tier, 784)} (M=784); {native.gemm_engine(tier, 1)} (M=1)")
     print("  amxopt.patch_embed       -> the linear engine on gathered patches")
-    conv_gemm = "fp32 ATen convolution" if tier == "fp32" else "im2col + the linear engine"
+    conv_gemm = {"amx": "im2col + the linear engine", "fp32": "ATen's convolution in fp32"}.get(tier, "ATen's")
     print(f"  amxopt.conv2d            -> Cin*kh*kw <= 64: direct kernel; larger bf16: {conv_gemm}")
     print(
         f"  amxopt.varlen_attention  -> bf16: {native.attention_engine(tier, True)}; "

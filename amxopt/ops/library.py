@@ -315,12 +315,12 @@ DIRECT_CONV_K = 64  # conv.cpp's kDirectK: Cin x kh x kw up to which the native 
 def _channels_last_conv2d(x, weight, groups, provider) -> bool:
     """Whether the native conv2d takes one of conv.cpp's kernels, whose output is channels-last: the
     direct one (Cin x kh x kw <= DIRECT_CONV_K), or im2col + GEMM (bf16, even Cin x kh x kw, on the
-    amx and avx512_bf16 tiers)."""
+    amx tier)."""
     k = weight.shape[1] * weight.shape[2] * weight.shape[3]
     native_kernels = resolve_provider(provider) == "native" and native.available()[0]  # else the reference runs
     if not native_kernels or groups != 1 or k == 0 or x.shape[0] == 0:
         return False
-    gemm = x.dtype == torch.bfloat16 and k % 2 == 0 and native.active_tier() != "fp32"
+    gemm = x.dtype == torch.bfloat16 and k % 2 == 0 and native.active_tier() == "amx"
     return k <= DIRECT_CONV_K or gemm
 
 

@@ -678,7 +678,7 @@ def test_noncontiguous_inputs(provider, dtype):
         ((1, 2, 11, 40), (5, 2, 3, 5), dict(stride=[1, 3], padding=[2, 0], dilation=[2, 1], groups=1)),
         ((2, 7, 8, 9), (4, 7, 3, 3), dict(stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1)),
         ((2, 8, 8, 9), (4, 8, 3, 3), dict(stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1)),
-        # conv.cpp's im2col + GEMM (bf16, even K > 64, amx / avx512_bf16 tiers): 1200 rows (two im2col
+        # conv.cpp's im2col + GEMM (bf16, even K > 64, amx tier): 1200 rows (two im2col
         # chunks of at most 1024) x 40 channels (a partial column block) at K = 288 (tile kernel); K =
         # 120 (not a multiple of 32) with asymmetric stride / padding / dilation; a 1x1 conv; K = 81
         # (odd: ATen's convolution)

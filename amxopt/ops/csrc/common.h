@@ -213,7 +213,7 @@ constexpr int64_t kDirectK = 64;
 std::optional<at::Tensor> conv2d_direct(const at::Tensor& x, const at::Tensor& w,
                                         const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                                         at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, Act act);
-// ... and by im2col + gemm_bf16 for a bf16 x on the amx / avx512_bf16 tiers where Cin x kh x kw >
+// ... and by im2col + gemm_bf16 for a bf16 x on the amx tier where Cin x kh x kw >
 // kDirectK is even and groups == 1, into a channels-last output (nullopt otherwise).
 std::optional<at::Tensor> conv2d_gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,

@@ -9,8 +9,7 @@
 // any, rounded once (vec(): conv_cols). The output is channels-last: one contiguous block per
 // (image, output row). Parallel over image x output row.
 //
-// GEMM, for larger bf16 convolutions (groups 1, even Cin x kh x kw) on the amx and avx512_bf16
-// tiers: im2col rows of a channels-last x (each tap's channels one contiguous run) times the weight
+// GEMM, for larger bf16 convolutions (groups 1, even Cin x kh x kw) on the amx tier: im2col rows of a channels-last x (each tap's channels one contiguous run) times the weight
 // packed as [Cout, kh x kw x Cin], by gemm_bf16, with the bias and activation in its epilogue; the
 // output is channels-last ([N x OH x OW, Cout] rows). The Omni encoder's second and third convs
 // (480 -> 480 channels, 3x3 stride 2, K = 4320), paired calls on 2 threads of an AMX Xeon: level
@@ -20,7 +19,9 @@
 // engine for linear and conv, and autotune a second candidate per shape. The im2col matrix is built
 // kGemmRows rows at a time into a per-thread buffer (8.8 MB at K = 4320) that is reused, never a
 // whole [M, K] matrix (207 MB there): chunks of 256 or 4096 rows ran slower (1.4x, 1.2x). The
-// weight is packed on every call (1.5 ms at 480 x 4320).
+// weight is packed on every call (1.5 ms at 480 x 4320). Not on the avx512_bf16 tier: its GEMM
+// kernel was not measured against oneDNN's AVX-512-BF16 convolution on a CPU without AMX (a Zen 4),
+// and on the Xeon, capped to that tier, it ran at 0.12x oneDNN's (AMX) convolution.
 #include <array>
 
 #include "common.h"
@@ -120,7 +121,7 @@ std::optional<at::Tensor> conv2d_gemm(const at::Tensor& x, const at::Tensor& w, 
                                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                                       int64_t groups, Act act, Tier tier) {
   const int64_t C = w.size(1), kh = w.size(2), kw = w.size(3), K = C * kh * kw, Co = w.size(0);
-  if (x.scalar_type() != at::kBFloat16 || tier == Tier::Fp32 || groups != 1 || K <= kDirectK || K % 2) return std::nullopt;
+  if (x.scalar_type() != at::kBFloat16 || tier != Tier::Amx || groups != 1 || K <= kDirectK || K % 2) return std::nullopt;
   const auto size = output_size(x, w, stride, padding, dilation);
   if (!size) return std::nullopt;
   const int64_t N = x.size(0), H = x.size(2), W = x.size(3), OH = (*size)[0], OW = (*size)[1];
