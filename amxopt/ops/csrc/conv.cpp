@@ -9,9 +9,10 @@
 // any, rounded once (vec(): conv_cols). The output is channels-last: one contiguous block per
 // (image, output row). Parallel over image x output row.
 //
-// GEMM, for larger bf16 convolutions (groups 1, even Cin x kh x kw) on the amx tier: im2col rows of a channels-last x (each tap's channels one contiguous run) times the weight
-// packed as [Cout, kh x kw x Cin], by gemm_bf16, with the bias and activation in its epilogue; the
-// output is channels-last ([N x OH x OW, Cout] rows). The Omni encoder's second and third convs
+// GEMM, for larger bf16 convolutions (groups 1, even Cin x kh x kw) on the amx tier: im2col rows
+// of a channels-last x (each tap's channels one contiguous run) times the weight packed as [Cout,
+// kh x kw x Cin], by gemm_bf16, with the bias and activation in its epilogue; the output is
+// channels-last ([N x OH x OW, Cout] rows). The Omni encoder's second and third convs
 // (480 -> 480 channels, 3x3 stride 2, K = 4320), paired calls on 2 threads of an AMX Xeon: level
 // with oneDNN's convolution + gelu on the same channels-last x (1.00-1.07x; the GEMM runs at about
 // oneDNN's 1.2-1.3 TFLOP/s there), 1.24-1.51x faster than oneDNN's on an NCHW x (as eager runs
@@ -121,7 +122,8 @@ std::optional<at::Tensor> conv2d_gemm(const at::Tensor& x, const at::Tensor& w, 
                                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                                       int64_t groups, Act act, Tier tier) {
   const int64_t C = w.size(1), kh = w.size(2), kw = w.size(3), K = C * kh * kw, Co = w.size(0);
-  if (x.scalar_type() != at::kBFloat16 || tier != Tier::Amx || groups != 1 || K <= kDirectK || K % 2) return std::nullopt;
+  if (x.scalar_type() != at::kBFloat16 || tier != Tier::Amx || groups != 1 || K <= kDirectK || K % 2)
+    return std::nullopt;
   const auto size = output_size(x, w, stride, padding, dilation);
   if (!size) return std::nullopt;
   const int64_t N = x.size(0), H = x.size(2), W = x.size(3), OH = (*size)[0], OW = (*size)[1];

@@ -186,11 +186,11 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& packed, const std:
 // --- conv2d -----------------------------------------------------------------------------------------
 // Any 2-D convolution, computed where this CPU is fast: few input values per output (Cin x kh x kw
 // <= kDirectK, groups 1) by conv.cpp's direct kernel on every tier; a larger bf16 one (groups 1,
-// even Cin x kh x kw) as im2col + the GEMM engine on the amx tier (conv.cpp); on
-// the fp32 tier, a bf16 convolution runs in fp32 (ATen's bf16 convolution is emulated there: 30x
-// slower for the Omni audio encoder's 3x3 stride-2 convs); elsewhere ATen's (oneDNN's) convolution
-// in the input dtype. The activation is fused into conv.cpp's kernels; after ATen's convolution it
-// runs in place (on the fp32 result, before the rounding, on the fp32 tier).
+// even Cin x kh x kw) as im2col + the GEMM engine on the amx tier (conv.cpp); on the fp32 tier, a
+// bf16 convolution runs in fp32 (ATen's bf16 convolution is emulated there: 30x slower for the Omni
+// audio encoder's 3x3 stride-2 convs); elsewhere ATen's (oneDNN's) convolution in the input dtype.
+// The activation is fused into conv.cpp's kernels; after ATen's convolution it runs in place (on the
+// fp32 result, before the rounding, on the fp32 tier).
 at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                   c10::string_view activation, c10::string_view provider) {
