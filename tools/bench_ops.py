@@ -9,14 +9,17 @@ them (printed at the end: on shared cores the limits move with what the neighbou
 CPU has no AMX, the AMX column divides by the limit quoted for the Xeon the targets were set on
 (6.46 TFLOP/s).
 
-    .venv/bin/python tools/bench_ops.py [--repeats 20] [--json out.json] [--only linear]
+    .venv/bin/python tools/bench_ops.py [--repeats 20] [--json out.json] [--only linear] [--cold]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import json
+import math
 import pathlib
 import statistics
 import subprocess
@@ -41,7 +44,9 @@ class Case:
     op: str
     name: str
     flops: float  # 0 when TFLOP/s is not meaningful (memory-bound ops)
-    impls: dict[str, Callable[[], object]]  # "eager" first: the baseline
+    # "eager" first: the baseline; or a function building them when the case runs (cases whose
+    # operands would not all fit in memory at once: linear with --cold)
+    impls: dict[str, Callable[[], object]] | Callable[[], dict[str, Callable[[], object]]]
 
 
 PEAK_PROGRAMS = {  # source in tools/ -> gcc flags
@@ -101,17 +106,40 @@ def at_tier(label: str, fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def linear_cases(providers: list[str]) -> list[Case]:
+def l3_bytes() -> int:
+    """The last-level cache of this CPU (sysfs), or 64 MB where it cannot be read."""
+    try:
+        size = pathlib.Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20}[size[-1]]
+    except (OSError, ValueError, KeyError):
+        return 64 << 20
+
+
+def weight_copies(w: torch.Tensor, cold: bool) -> list[torch.Tensor]:
+    """``w`` alone, or (cold) as many distinct copies as fill twice the L3: cycled through, each call
+    reads its weight from memory, as a layer of a model larger than the caches does."""
+    if not cold:
+        return [w]
+    return [w.clone() for _ in range(max(2, math.ceil(2 * l3_bytes() / (w.numel() * w.element_size()))))]
+
+
+def linear_cases(providers: list[str], cold: bool = False) -> list[Case]:
     cases = []
     shapes = [(784, 1024, 3072), (784, 1024, 4096), (784, 4096, 1024), (1280, 1536, 8960)]
     shapes += [(m, k, n) for m in (16, 1) for k, n in ((1024, 4096), (1536, 1536))]
-    for m, k, n in shapes:
+
+    def build(m: int, k: int, n: int) -> dict[str, Callable[[], object]]:
         x, w, b = torch.randn(m, k, dtype=BF16), torch.randn(n, k, dtype=BF16) * 0.03, torch.randn(n, dtype=BF16)
-        impls = {"eager": lambda x=x, w=w, b=b: F.linear(x, w, b)}
+        ws = itertools.cycle(weight_copies(w, cold))
+        impls = {"eager": lambda: F.linear(x, next(ws), b)}
         for p in providers:
-            packed = amx.pack_linear_weight(w, provider_of(p))
-            impls[p] = at_tier(p, lambda x=x, pw=packed, b=b, n=n, p=provider_of(p): amx.linear(x, pw, b, "none", n, p))
-        cases.append(Case("linear", f"M={m} K={k} N={n}", 2.0 * m * k * n, impls))
+            packed = itertools.cycle([amx.pack_linear_weight(c, provider_of(p)) for c in weight_copies(w, cold)])
+            impls[p] = at_tier(p, lambda pw=packed, p=provider_of(p): amx.linear(x, next(pw), b, "none", n, p))
+        return impls
+
+    for m, k, n in shapes:
+        label = f"M={m} K={k} N={n}" + (" (cold weights)" if cold else "")
+        cases.append(Case("linear", label, 2.0 * m * k * n, functools.partial(build, m, k, n)))
     return cases
 
 
@@ -218,13 +246,14 @@ def norm_cases(providers: list[str]) -> list[Case]:
 
 
 def measure(case: Case, warmup: int, repeats: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in case.impls}
+    impls = case.impls() if callable(case.impls) else case.impls
+    times: dict[str, list[float]] = {name: [] for name in impls}
     with torch.no_grad():
         for _ in range(warmup):
-            for fn in case.impls.values():
+            for fn in impls.values():
                 fn()
         for _ in range(repeats):
-            for name, fn in case.impls.items():
+            for name, fn in impls.items():
                 t = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t)
@@ -237,6 +266,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--only", default=None, help="run only this op (linear, varlen_attention, ...)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="linear: every implementation cycles through its own copies of the weight (twice the L3 in all), "
+        "so that each call reads its weight from memory as in a real model",
+    )
     args = parser.parse_args()
 
     providers = variants()
@@ -250,7 +285,7 @@ def main() -> None:
     )
     amx_limit = amx_limit or AMX_PEAK_QUOTED
     cases = (
-        linear_cases(providers)
+        linear_cases(providers, args.cold)
         + attention_cases(providers)
         + patch_embed_cases(providers)
         + conv2d_cases(providers)
