@@ -451,6 +451,18 @@ def test_linear_single_row(provider, dtype):
         assert_close_dtype(out, linear_oracle(x, w, b, "gelu"), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_linear_activation_over_the_whole_range(provider, dtype, activation):
+    # Outputs from -200 to 200 (an identity weight passes x through exactly) in 48 rows, on the tile
+    # engines: the tails where e^(-z^2) or e^(-x) leave fp32's normal range, large values of both signs.
+    x = torch.linspace(-200, 200, 48 * 64).reshape(48, 64).to(dtype)
+    w = torch.eye(64, dtype=dtype)
+    out = ops.linear(x, pack(w, provider), None, activation, 64, provider)
+    assert torch.isfinite(out).all()
+    assert_close_dtype(out, linear_oracle(x, w, None, activation), dtype)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_length_one_segments(provider, causal):
     # Every segment is one query and one key: softmax over a single key is 1, so out == v (per GQA group).
