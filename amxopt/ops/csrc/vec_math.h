@@ -84,7 +84,8 @@ inline at::vec::Vectorized<float> exp2_for_bf16(at::vec::Vectorized<float> t) {
 inline __m512 gelu_erf(__m512 v) {
   const __m512 z = _mm512_min_ps(_mm512_mul_ps(_mm512_abs_ps(v), _mm512_set1_ps(float(M_SQRT1_2))),
                                  _mm512_set1_ps(8.9f));
-  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), z, _mm512_set1_ps(1.f)));
+  const __m512 d = _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), z, _mm512_set1_ps(1.f));
+  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), d);
   // A&S's q(t) = p1 + p2 t + ... + p5 t^4, halved.
   __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(0.5f * 1.061405429f), t, _mm512_set1_ps(0.5f * -1.453152027f));
   q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(0.5f * 1.421413741f));
