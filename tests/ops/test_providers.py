@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -85,6 +86,20 @@ def test_onednn_capped_below_amx_runs_the_avx512_tier():
         "torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=0.1, rtol=0.02)\n"
     )
     _run_in_fresh_process(code, ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "default"])
+def test_vector_tables_of_smaller_cpus_pass_the_op_tests(isa):
+    # AMXOPT_VEC_ISA caps the vector kernels' table (read once per process): the fp32 tier's op tests
+    # run again in a fresh process on the table of an AVX2-only CPU (Zen 3) and of one without AVX2.
+    if isa == "avx2" and not {"avx2", "fma"} <= native.cpu_flags():
+        pytest.skip("this CPU has no AVX2 / FMA")
+    _run_in_fresh_process(f"from amxopt.ops import native\nassert native.vec_isa() == {isa!r}", AMXOPT_VEC_ISA=isa)
+    tests = pathlib.Path(__file__).parent
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "native-fp32"]
+    cmd += [str(tests / "test_ops.py"), str(tests / "test_glue_ops.py")]
+    done = subprocess.run(cmd, env=dict(os.environ, AMXOPT_VEC_ISA=isa), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
 
 def test_without_the_native_library_every_op_runs_the_reference():

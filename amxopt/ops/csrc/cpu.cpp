@@ -9,6 +9,8 @@
 #include <sys/mman.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 
 #include "common.h"
 
@@ -60,11 +62,22 @@ Tier active_tier() { return Tier(std::min(int(cpu_tier()), max_tier.load())); }
 
 void set_max_tier(Tier t) { max_tier.store(int(t)); }
 
+// The CPU's best table; AMXOPT_VEC_ISA (read once) can name a lower one, so that a machine with
+// AVX-512 also runs the tables of CPUs without it (the tests do, in a fresh process).
 const VecKernels& vec() {
-  static const VecKernels& k = has_avx512() && __builtin_cpu_supports("avx512bf16")          ? kVecAvx512Bf16
-                               : has_avx512()                                                    ? kVecAvx512
-                               : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? kVecAvx2
-                                                                                                 : kVecDefault;
+  static const VecKernels& k = []() -> const VecKernels& {
+    const VecKernels* tables[] = {&kVecAvx512Bf16, &kVecAvx512, &kVecAvx2, &kVecDefault};
+    const bool usable[] = {has_avx512() && __builtin_cpu_supports("avx512bf16"), has_avx512(),
+                           __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), true};
+    const char* cap = std::getenv("AMXOPT_VEC_ISA");
+    bool capped = cap == nullptr;
+    for (int i = 0; i < 4; ++i) {
+      capped = capped || std::string(cap) == tables[i]->isa;
+      if (capped && usable[i]) return *tables[i];
+    }
+    TORCH_CHECK_VALUE(capped, "AMXOPT_VEC_ISA=", cap, ": not one of avx512_bf16, avx512, avx2, default");
+    return kVecDefault;
+  }();
   return k;
 }
 
