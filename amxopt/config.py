@@ -22,6 +22,8 @@ class AmxConfig:
             the same graph, captured several times faster. A stack that cannot be copied is traced
             block by block, and the report says why. See ``amxopt/capture/repeated.py``.
         fuse_activation: fold a following gelu/silu into ``amxopt.linear``'s epilogue.
+        fuse_residual: fold a following residual add (``h + linear(...)``, the output's shape and
+            dtype) into ``amxopt.linear``'s epilogue.
         release_weights: drop the unpacked originals from the graph once they are packed.
         keep_source: keep the source model's unpacked weights after packing. By default they are
             released (one copy of each weight in memory) and the original model can no longer be
@@ -60,6 +62,7 @@ class AmxConfig:
     dynamic: bool = True
     stamp_blocks: bool = True
     fuse_activation: bool = True
+    fuse_residual: bool = True
     release_weights: bool = True
     keep_source: bool = False
     max_recaptures: int = 8

@@ -127,19 +127,24 @@ def linear_cases(providers: list[str], cold: bool = False) -> list[Case]:
     cases = []
     shapes = [(784, 1024, 3072), (784, 1024, 4096), (784, 4096, 1024), (1280, 1536, 8960)]
     shapes += [(m, k, n) for m in (16, 1) for k, n in ((1024, 4096), (1536, 1536))]
+    # + a residual in the epilogue, against eager's linear and add (Qwen3-VL's fc2, Omni's out-proj)
+    with_residual = [(784, 4096, 1024), (390, 1280, 1280)]
 
-    def build(m: int, k: int, n: int) -> dict[str, Callable[[], object]]:
+    def build(m: int, k: int, n: int, residual: bool) -> dict[str, Callable[[], object]]:
         x, w, b = torch.randn(m, k, dtype=BF16), torch.randn(n, k, dtype=BF16) * 0.03, torch.randn(n, dtype=BF16)
+        r = torch.randn(m, n, dtype=BF16) if residual else None
         ws = itertools.cycle(weight_copies(w, cold))
-        impls = {"eager": lambda: F.linear(x, next(ws), b)}
+        impls = {"eager": (lambda: F.linear(x, next(ws), b) + r) if residual else lambda: F.linear(x, next(ws), b)}
         for p in providers:
             packed = itertools.cycle([amx.pack_linear_weight(c, provider_of(p)) for c in weight_copies(w, cold)])
-            impls[p] = at_tier(p, lambda pw=packed, p=provider_of(p): amx.linear(x, next(pw), b, "none", n, p))
+            impls[p] = at_tier(
+                p, lambda pw=packed, p=provider_of(p): amx.linear(x, next(pw), b, "none", n, p, residual=r)
+            )
         return impls
 
-    for m, k, n in shapes:
-        label = f"M={m} K={k} N={n}" + (" (cold weights)" if cold else "")
-        cases.append(Case("linear", label, 2.0 * m * k * n, functools.partial(build, m, k, n)))
+    for (m, k, n), residual in [(s, False) for s in shapes] + [(s, True) for s in with_residual]:
+        label = f"M={m} K={k} N={n}" + (" + residual" if residual else "") + (" (cold weights)" if cold else "")
+        cases.append(Case("linear", label, 2.0 * m * k * n, functools.partial(build, m, k, n, residual)))
     return cases
 
 

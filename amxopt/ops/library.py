@@ -30,7 +30,11 @@ _lib = torch.library.Library("amxopt", "DEF")
 
 _SCHEMAS = {
     "pack_linear_weight": "(Tensor weight{provider}) -> Tensor",
-    "linear": "(Tensor x, Tensor packed_weight, Tensor? bias, str activation, SymInt out_features{provider}) -> Tensor",
+    # + residual: act(x W^T + bias) + residual (the output's shape and x's dtype), rounded once.
+    "linear": (
+        "(Tensor x, Tensor packed_weight, Tensor? bias, str activation, SymInt out_features{provider}, *, "
+        "Tensor? residual=None) -> Tensor"
+    ),
     "varlen_attention": (
         "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
         "SymInt max_seqlen_k, float scale, bool causal{provider}) -> Tensor"
@@ -129,12 +133,18 @@ def _check_activation(op, activation):
     _check(activation in ACTIVATIONS, op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
-def _check_linear(x, packed_weight, bias, activation, out_features, provider):
+def _check_linear(x, packed_weight, bias, activation, out_features, provider, residual=None):
     op = "linear"
     _check_activation(op, activation)
     _check_float(op, "x", x)
     _check(x.dim() >= 1, op, f"x has shape {tuple(x.shape)}; it needs at least one dim")
     _check_gemm(op, f"x {tuple(x.shape)}", x.shape[-1], x.dtype, packed_weight, bias, out_features, provider)
+    if residual is not None:
+        out = (*x.shape[:-1], out_features)
+        _check(
+            tuple(residual.shape) == out, op, f"residual has shape {tuple(residual.shape)}, expected the output's {out}"
+        )
+        _check(residual.dtype == x.dtype, op, f"residual is {residual.dtype} but x is {x.dtype}")
 
 
 def _check_attention_shapes(q, k, v, scale):
@@ -289,8 +299,8 @@ def _(weight, provider="auto"):
 
 
 @torch.library.register_fake("amxopt::linear", lib=_lib)
-def _(x, packed_weight, bias, activation, out_features, provider="auto"):
-    _check_linear(x, packed_weight, bias, activation, out_features, provider)
+def _(x, packed_weight, bias, activation, out_features, provider="auto", *, residual=None):
+    _check_linear(x, packed_weight, bias, activation, out_features, provider, residual)
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -371,9 +381,9 @@ def _ref_pack_linear_weight(weight):
     return reference.pack_linear_weight(weight)
 
 
-def _ref_linear(x, packed_weight, bias, activation, out_features):
-    _check_linear(x, packed_weight, bias, activation, out_features, "reference")
-    return reference.linear(x, packed_weight, bias, activation, out_features)
+def _ref_linear(x, packed_weight, bias, activation, out_features, *, residual=None):
+    _check_linear(x, packed_weight, bias, activation, out_features, "reference", residual)
+    return reference.linear(x, packed_weight, bias, activation, out_features, residual)
 
 
 def _ref_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):

@@ -28,7 +28,11 @@ def linear(
     bias: torch.Tensor | None,
     activation: str,
     out_features: int,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if residual is not None:  # act(x W^T + b) + residual in fp32, rounded once
+        y = F.linear(x.float(), packed_weight.float(), None if bias is None else bias.float())
+        return (ACTIVATIONS[activation](y) + residual.float()).to(x.dtype)
     if bias is not None and bias.dtype != x.dtype:  # fp32 bias on bf16 x: add in fp32, round once
         y = (F.linear(x, packed_weight).float() + bias).to(x.dtype)
     else:

@@ -80,11 +80,11 @@ def pack_linear_weight(weight):
     return _ops().convert_weight_packed(weight.detach().contiguous())
 
 
-def linear(x, packed_weight, bias, activation, out_features):
-    library._check_linear(x, packed_weight, bias, activation, out_features, PROVIDER)
+def linear(x, packed_weight, bias, activation, out_features, *, residual=None):
+    library._check_linear(x, packed_weight, bias, activation, out_features, PROVIDER, residual)
     k = x.shape[-1]
     if not packs(out_features, k, x.dtype):
-        return reference.linear(x, packed_weight, bias, activation, out_features)
+        return reference.linear(x, packed_weight, bias, activation, out_features, residual)
     if x.numel() == 0:
         return x.new_empty((*x.shape[:-1], out_features))
     ops = _ops()
@@ -97,7 +97,9 @@ def linear(x, packed_weight, bias, activation, out_features):
         y = reference.ACTIVATIONS[activation](y).to(x.dtype)  # one rounding, after the activation
     else:
         y = reference.ACTIVATIONS[activation](ops.weight_packed_linear(x2, packed_weight, bias32, True))
-    return y.view(*x.shape[:-1], out_features)
+    y = y.view(*x.shape[:-1], out_features)
+    # SGLang's GEMM has no residual input: added after it (a second rounding).
+    return y if residual is None else (y.float() + residual.float()).to(x.dtype)
 
 
 def patch_embed(x, packed_weight, bias, kernel_size, out_channels):

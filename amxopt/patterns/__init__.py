@@ -150,6 +150,11 @@ def linear_replacement(x, weight, bias, *, activation: str, provider: str):
     return amx.linear(x, packed, bias, activation, weight.shape[0], provider)
 
 
+def linear_residual_replacement(x, weight, bias, residual, *, activation: str, provider: str):
+    packed = amx.pack_linear_weight(weight, provider)
+    return amx.linear(x, packed, bias, activation, weight.shape[0], provider, residual=residual)
+
+
 def sdpa_replacement(q, k, v, *, scale: float | None, causal: bool, provider: str):
     """``[B, H, S, D]`` dense attention as varlen attention over B equal segments."""
     b, h, s, d = q.shape

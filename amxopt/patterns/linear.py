@@ -1,9 +1,12 @@
-"""Rules: ``aten.linear`` (+ a following gelu / gelu_tanh / silu) -> ``amxopt.linear``.
+"""Rules: ``aten.linear`` (+ a following gelu / gelu_tanh / silu, or + a residual) -> ``amxopt.linear``.
 
-The activation rules come first (one per entry of ``ACTIVATION_RULES``), so a Linear whose only
-user is a fusable activation becomes one GEMM with the activation in its epilogue; they apply only
-with ``AmxConfig.fuse_activation``. Refusals: a weight computed in the graph, dtypes other than
-equal fp32/bf16, a bias of another dtype.
+The residual rules come first: a Linear whose only user is an ``add`` of a tensor of its output's
+shape and dtype (a transformer block's ``h + attn(h)``, ``h + mlp(h)``) becomes one GEMM that adds
+it in its epilogue, with ``AmxConfig.fuse_residual``. Then the activation rules (one per entry of
+``ACTIVATION_RULES``): a Linear whose only user is a fusable activation becomes one GEMM with the
+activation in its epilogue, with ``AmxConfig.fuse_activation``. Refusals: a weight computed in the
+graph, dtypes other than equal fp32/bf16, a bias of another dtype; for a residual, one that
+broadcasts or has another dtype (that add stays, after a plain ``amxopt.linear``).
 """
 
 from __future__ import annotations
@@ -11,11 +14,20 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from amxopt.ops import reference
 from amxopt.passes import _autotune
 from amxopt.passes._graph import dtype_of, is_constant, released_source, val
-from amxopt.patterns import ACTIVATION_RULES, DTYPES, ActivationRule, Match, Rule, linear_replacement
+from amxopt.patterns import (
+    ACTIVATION_RULES,
+    DTYPES,
+    ActivationRule,
+    Match,
+    Rule,
+    linear_replacement,
+    linear_residual_replacement,
+)
 
 aten = torch.ops.aten
 
@@ -31,6 +43,30 @@ def _activation_pattern(act: ActivationRule):
     return pattern
 
 
+def _residual_pattern(linear_first: bool, own_input: bool):
+    """``linear + residual`` or ``residual + linear``; with ``own_input`` the residual is the Linear's
+    input (``h + fc(h)``: the matcher binds one node to one wildcard only, so that needs its own pattern)."""
+
+    def pattern(x, weight, bias, residual):
+        y = aten.linear.default(x, weight, bias)
+        return aten.add.Tensor(y, residual) if linear_first else aten.add.Tensor(residual, y)
+
+    def own(x, weight, bias):
+        return pattern(x, weight, bias, x)
+
+    return own if own_input else pattern
+
+
+def _residual(match: Match):
+    return match.values.get("residual", match["x"])
+
+
+def _residual_applies(match: Match, config) -> bool:
+    """An add of a tensor of exactly the Linear's output shape and dtype (no broadcast, no promotion)."""
+    r, y = val(_residual(match)), val(match.root)
+    return isinstance(r, torch.Tensor) and r.dtype == y.dtype and statically_known_true(r.shape == y.shape)
+
+
 def _refusal(match: Match) -> str | None:
     x, w, b = match["x"], match["weight"], match["bias"]
     if not is_constant(w):
@@ -42,8 +78,9 @@ def _refusal(match: Match) -> str | None:
     return None
 
 
-def _timing(activation: str, match: Match, fn, config) -> _autotune.Timing | None:
-    """amxopt.linear (+ fused activation) against aten.linear + the activation, at this node's shapes."""
+def _timing(activation: str, residual: bool, match: Match, fn, config) -> _autotune.Timing | None:
+    """amxopt.linear (+ fused activation or residual) against aten.linear + the activation (or the
+    add), at this node's shapes."""
     if released_source(match["weight"]):
         return None
     xv, wv, bias = val(match["x"]), val(match["weight"]), match["bias"]
@@ -51,6 +88,14 @@ def _timing(activation: str, match: Match, fn, config) -> _autotune.Timing | Non
     w = _autotune.materialize(wv, scale=x.shape[-1] ** -0.5)
     b = _autotune.materialize(val(bias))
     packed = torch.ops.amxopt.pack_linear_weight(w, config.provider)
+    if residual:
+        r = _autotune.materialize(val(_residual(match))).reshape(x.shape[0], w.shape[0])
+        return _autotune.compare(
+            f"linear [{_autotune.describe(x, w, b)}] + residual",
+            config,
+            lambda: torch.ops.amxopt.linear(x, packed, b, "none", w.shape[0], config.provider, residual=r),
+            lambda: torch.nn.functional.linear(x, w, b) + r,
+        )
     act = reference.ACTIVATIONS[activation]
     return _autotune.compare(
         f"linear [{_autotune.describe(x, w, b)}] {activation}",
@@ -69,12 +114,28 @@ def _rule(activation: str, pattern, when: str | None) -> Rule:
         inputs=("x", "weight", "bias"),
         options=lambda match, config: {"activation": activation, "provider": config.provider},
         guard=_refusal,
-        timing=functools.partial(_timing, activation),
+        timing=functools.partial(_timing, activation, False),
         when=when,
+    )
+
+
+def _residual_rule(linear_first: bool, own_input: bool) -> Rule:
+    return Rule(
+        name="aten.linear + add",
+        kind="linear",
+        pattern=_residual_pattern(linear_first, own_input),
+        replacement=linear_residual_replacement,
+        inputs=("x", "weight", "bias", "x" if own_input else "residual"),
+        options=lambda match, config: {"activation": "none", "provider": config.provider},
+        applies=_residual_applies,
+        guard=_refusal,
+        timing=functools.partial(_timing, "none", True),
+        when="fuse_residual",
     )
 
 
 @functools.cache
 def rules() -> tuple[Rule, ...]:
+    residual = tuple(_residual_rule(first, own) for first in (True, False) for own in (True, False))
     fused = tuple(_rule(a.activation, _activation_pattern(a), "fuse_activation") for a in ACTIVATION_RULES)
-    return (*fused, _rule("none", _linear, None))
+    return (*residual, *fused, _rule("none", _linear, None))

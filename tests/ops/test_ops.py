@@ -184,6 +184,14 @@ def test_opcheck(provider, case):
     torch.library.opcheck(op, args)
 
 
+def test_opcheck_linear_residual(provider):
+    x, w = torch.randn(2, 3, 6, dtype=_bf), torch.randn(5, 6, dtype=_bf)
+    residual = torch.randn(5, 3, 2, dtype=_bf).permute(2, 1, 0)  # a non-contiguous residual
+    torch.library.opcheck(
+        ops.linear, (x, pack(w, provider), torch.randn(5), "gelu", 5, provider), {"residual": residual}
+    )
+
+
 def test_opcheck_rms_norm_noncontiguous_x(provider):
     torch.library.opcheck(ops.rms_norm, (torch.randn(8, 6).t(), None, 1e-6, provider))
 
@@ -306,6 +314,14 @@ ERROR_CASES = {
     ),
     "linear-bias-2d": (lambda p: _lin(p, bias=torch.randn(1, 4)), r"amxopt\.linear: bias has shape \(1, 4\)"),
     "linear-activation": (lambda p: _lin(p, act="relu"), r"amxopt\.linear: activation must be one of .*'relu'"),
+    "linear-residual-shape": (
+        lambda p: ops.linear(_X, pack(_W, p), None, "none", 4, p, residual=torch.randn(1, 4)),
+        r"amxopt\.linear: residual has shape \(1, 4\), expected the output's \(3, 4\)",
+    ),
+    "linear-residual-dtype": (
+        lambda p: ops.linear(_X, pack(_W, p), None, "none", 4, p, residual=torch.randn(3, 4, dtype=_bf)),
+        r"amxopt\.linear: residual is torch\.bfloat16 but x is torch\.float32",
+    ),
     # varlen_attention
     "varlen-fp16": (lambda p: _attn(p, q=_Q.half()), r"amxopt\.varlen_attention: q must be .*, got torch\.float16"),
     "varlen-int-k": (
@@ -461,6 +477,21 @@ def test_linear_activation_over_the_whole_range(provider, dtype, activation):
     out = ops.linear(x, pack(w, provider), None, activation, 64, provider)
     assert torch.isfinite(out).all()
     assert_close_dtype(out, linear_oracle(x, w, None, activation), dtype)
+
+
+# Every engine's epilogue: M = 1 (AVX-512-BF16 kernel on AMX), small M, tiles with a padded tail,
+# K-blocked, odd K (plain weight).
+@pytest.mark.parametrize("shape", [(1, 64, 40), (5, 64, 96), (45, 1024, 96), (300, 6200, 300), (13, 33, 70)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_residual_matches_oracle(provider, dtype, shape):
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m + k + n)
+    x = torch.randn(2, m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    residual = torch.randn(2, n, m, generator=g).to(dtype).transpose(1, 2)  # strided rows
+    out = ops.linear(x, pack(w, provider), b, "gelu", n, provider, residual=residual)
+    assert_close_dtype(out, linear_oracle(x, w, b, "gelu") + residual.double(), dtype)
 
 
 @pytest.mark.parametrize("causal", [False, True])

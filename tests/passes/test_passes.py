@@ -92,6 +92,39 @@ def test_replace_linear_does_not_fuse_multi_user_activation():
     assert_same(gm, gi, model)
 
 
+class ResidualBlock(nn.Module):
+    """``h + fc(h)`` and ``fc(h) + h`` (both orders), then an add that broadcasts (not fused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = x + self.fc1(x)
+        h = self.fc2(h) + h
+        return self.fc3(h) + h  # [.., 1] + [.., 16]: broadcasts
+
+
+def test_replace_linear_fuses_residual_add():
+    model = ResidualBlock().eval()
+    gm, gi = captured(model, {"x": torch.randn(3, 5, 16)})
+    assert run(replace_linear, gm)
+    linears = [n for n in gm.graph.nodes if n.target == amx.linear.default]
+    assert len(linears) == 3 and count(gm, aten.linear.default) == 0
+    assert sum("residual" in n.kwargs for n in linears) == 2
+    assert count(gm, aten.add.Tensor) == 1  # the broadcasting add stays
+    assert_same(gm, gi, model)
+
+
+def test_replace_linear_without_fuse_residual_keeps_the_adds():
+    model = ResidualBlock().eval()
+    gm, gi = captured(model, {"x": torch.randn(3, 5, 16)})
+    assert replace_linear(gm, dataclasses.replace(CONFIG, fuse_residual=False)).modified
+    assert not any("residual" in n.kwargs for n in gm.graph.nodes if n.target == amx.linear.default)
+    assert count(gm, aten.add.Tensor) == 3
+    assert_same(gm, gi, model)
+
+
 class DynamicWeight(nn.Module):
     def __init__(self):
         super().__init__()

@@ -111,13 +111,28 @@ void parallel_shares(int64_t n, const Body& body) {
   });
 }
 
+// What a GEMM does to its fp32 accumulator before the one rounding to the output's dtype T: + bias
+// (fp32, per column; or null), the activation, then + residual (T, rows ldr apart; or null).
+template <class T>
+struct Epilogue {
+  const float* bias = nullptr;
+  Act act = Act::None;
+  const T* residual = nullptr;
+  int64_t ldr = 0;
+  // The epilogue of the output block that starts at row m, column n.
+  Epilogue at(int64_t m, int64_t n) const {
+    return {bias ? bias + n : nullptr, act, residual ? residual + m * ldr + n : nullptr, ldr};
+  }
+};
+
 // --- per-ISA vector kernels (vec_kernels.h, compiled once per ISA) -------------------------------
 struct VecKernels {
   const char* isa;
-  // out[r][c] = act(acc[r][c] + bias[c]) for r < rows, c < cols (bias fp32 or null); acc is scratch.
-  void (*epilogue_bf16)(float* acc, int64_t lda, const float* bias, Act act, bf16* out, int64_t ldo, int64_t rows,
+  // out[r][c] = act(acc[r][c] + bias[c]) + residual[r][c] for r < rows, c < cols (e's block: e.at(...)
+  // of the output's); acc is scratch.
+  void (*epilogue_bf16)(float* acc, int64_t lda, const Epilogue<bf16>& e, bf16* out, int64_t ldo, int64_t rows,
                         int64_t cols);
-  void (*epilogue_f32)(float* acc, int64_t lda, const float* bias, Act act, float* out, int64_t ldo, int64_t rows,
+  void (*epilogue_f32)(float* acc, int64_t lda, const Epilogue<float>& e, float* out, int64_t ldo, int64_t rows,
                        int64_t cols);
   void (*bf16_to_f32)(const bf16* src, float* dst, int64_t n);
   // One VNNI column block ([pairs][kNB][2] bf16) -> fp32 [2 * pairs][ldd] (its kNB columns).
@@ -179,9 +194,9 @@ void set_max_tier(Tier t);
 const VecKernels& vec();  // the widest vector ISA this CPU runs
 
 // --- hand-written AVX-512-BF16 kernels (*_avx512_bf16.cpp) ---------------------------------------
-// C[M, N] (ldc) = act(A[M, K] (lda) @ W^T + bias), W packed VNNI; K even.
-void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
-                      int64_t N, int64_t K, Act act);
+// C[M, N] (ldc) = A[M, K] (lda) @ W^T with the epilogue e, W packed VNNI; K even.
+void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
+                      int64_t M, int64_t N, int64_t K);
 at::Tensor varlen_attention_avx512_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale,
                                         bool causal);
@@ -218,16 +233,17 @@ std::optional<at::Tensor> conv2d_direct(const at::Tensor& x, const at::Tensor& w
 std::optional<at::Tensor> conv2d_gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                                       int64_t groups, Act act, Tier tier);
-// C = act(A @ W^T + bias) for a bf16 x and VNNI-packed W, on the given tier (gemm.cpp).
-void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
-               int64_t N, int64_t K, Act act, Tier tier);
+// C = A @ W^T with the epilogue e for a bf16 x and VNNI-packed W, on the given tier (gemm.cpp).
+void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc, int64_t M,
+               int64_t N, int64_t K, Tier tier);
 // Which engine gemm_bf16 uses for M rows on `tier` (for `amxopt info` and the benches).
 const char* gemm_engine(Tier tier, int64_t M);
 at::Tensor pack_vnni(const at::Tensor& w);  // [N, K] bf16, K even -> VNNI
-// act(x2 @ W^T + bias) for x2 [M, K] with unit column stride; packed VNNI (bf16) or plain [N, K];
-// bias32 fp32 contiguous or undefined.
+// act(x2 @ W^T + bias) + residual for x2 [M, K] with unit column stride; packed VNNI (bf16) or
+// plain [N, K]; bias32 fp32 contiguous or undefined; residual [M, N] in x2's dtype with unit column
+// stride, or undefined.
 at::Tensor linear_2d(const at::Tensor& x2, const at::Tensor& packed, const at::Tensor& bias32, Act act, int64_t N,
-                     Tier tier);
+                     Tier tier, const at::Tensor& residual = at::Tensor());
 // attention.cpp
 at::Tensor varlen_attention_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale,

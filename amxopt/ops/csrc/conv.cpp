@@ -138,8 +138,8 @@ std::optional<at::Tensor> conv2d_gemm(const at::Tensor& x, const at::Tensor& w, 
   for (int64_t m0 = 0; m0 < M; m0 += mc) {
     const int64_t rows = std::min(mc, M - m0);
     im2col_rows(xc.data_ptr<bf16>(), C, H, W, kh, kw, s, p, d, OH, OW, m0, rows, A);
-    gemm_bf16(A, K, wp.data_ptr<bf16>(), b32.defined() ? b32.data_ptr<float>() : nullptr,
-              out.data_ptr<bf16>() + m0 * Co, Co, rows, Co, K, act, tier);
+    gemm_bf16(A, K, wp.data_ptr<bf16>(), {b32.defined() ? b32.data_ptr<float>() : nullptr, act},
+              out.data_ptr<bf16>() + m0 * Co, Co, rows, Co, K, tier);
   }
   return out;
 }

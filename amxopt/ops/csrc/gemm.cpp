@@ -63,8 +63,8 @@ void pad_tile(const bf16* src, int64_t lda, int64_t rows, int64_t K, bf16* dst) 
 // tile kernel reads whole 16-row tiles: the last row tile, when M is not a multiple of 32, is copied
 // once into a zero-padded buffer and, at 16 rows or fewer, runs on the 16-row kernel; only its own
 // rows reach the epilogue.
-void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
-                 int64_t N, int64_t K, Act act) {
+void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc, int64_t M,
+                 int64_t N, int64_t K) {
   const int64_t nblocks = (N + kNB - 1) / kNB, ngroups = (nblocks + kBrgemmG - 1) / kBrgemmG;
   const int64_t mtiles = (M + kBrgemmM - 1) / kBrgemmM, panel = K * kNB, tail = M % kBrgemmM;
   const bool tiles = K > 0 && K % 32 == 0 && amx_tiles_usable();
@@ -94,15 +94,15 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, 
           amx_tile_16x32(a, la, Wp + nb * panel, K, acc);
         else
           amx_tile_32x32(a, la, Wp + nb * panel, K, acc);
-        v.epilogue_bf16(acc, kNB, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, mb, std::min(kNB, N - n0));
+        v.epilogue_bf16(acc, kNB, e.at(m0, n0), C + m0 * ldc + n0, ldc, mb, std::min(kNB, N - n0));
       }
     }
     if (!tiles) at::native::cpublas::brgemm_release(true);
   });
 }
 
-void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc,
-                          int64_t M, int64_t N, int64_t K, Act act) {
+void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
+                          int64_t M, int64_t N, int64_t K) {
   const int64_t nblocks = (N + kNB - 1) / kNB, panel = K * kNB, ngroups = (N + kBlkN - 1) / kBlkN;
   // Row chunks of nearly equal size (whole AMX tiles of 16 rows): 390 rows are 208 + 182, not 256 + 134.
   const int64_t mchunks = (M + kBlkM - 1) / kBlkM, mc = (((M + mchunks - 1) / mchunks + 15) / 16) * 16;
@@ -146,15 +146,14 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const floa
               amx_tile_32x32(a, own ? K : lda, b, kk, c, kBlkN, k0 > 0);
           }
       }
-      v.epilogue_bf16(acc, kBlkN, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, rows,
-                      std::min(kBlkN, N - n0));
+      v.epilogue_bf16(acc, kBlkN, e.at(m0, n0), C + m0 * ldc + n0, ldc, rows, std::min(kBlkN, N - n0));
     }
     if (!tiles) at::native::cpublas::brgemm_release(true);
   });
 }
 
-void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
-                      int64_t N, int64_t K, Act act) {
+void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
+                      int64_t M, int64_t N, int64_t K) {
   const int64_t nblocks = (N + kNB - 1) / kNB, pairs = K / 2, panel = K * kNB;
   const auto& v = vec();
   auto a32 = new_output({M, K}, at::kFloat);
@@ -169,7 +168,7 @@ void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const float* b
         const int64_t n0 = nb * kNB;
         for (int64_t r = 0; r < M; ++r) {
           v.gemv_vnni(Af + r * K, Wp + nb * panel, pairs, acc);
-          v.epilogue_bf16(acc, kNB, bias ? bias + n0 : nullptr, act, C + r * ldc + n0, ldc, 1, std::min(kNB, N - n0));
+          v.epilogue_bf16(acc, kNB, e.at(r, n0), C + r * ldc + n0, ldc, 1, std::min(kNB, N - n0));
         }
       }
     });
@@ -189,7 +188,7 @@ void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const float* b
         // ATen's sgemm (MKL), single-threaded inside this parallel region.
         auto ct = at::from_blob(acc, {mt, gcols}, at::kFloat);
         at::mm_out(ct, at::from_blob(Af + m0 * K, {mt, K}, at::kFloat), bt);
-        v.epilogue_bf16(acc, gcols, bias ? bias + n0 : nullptr, act, C + m0 * ldc + n0, ldc, mt, cols);
+        v.epilogue_bf16(acc, gcols, e.at(m0, n0), C + m0 * ldc + n0, ldc, mt, cols);
       }
     }
   });
@@ -211,19 +210,19 @@ const char* gemm_engine(Tier tier, int64_t M) {
   return "?";
 }
 
-void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
-               int64_t N, int64_t K, Act act, Tier tier) {
+void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc, int64_t M,
+               int64_t N, int64_t K, Tier tier) {
   if (M == 0 || N == 0) return;
   switch (tier) {
     case Tier::Amx:
       if (M > kSmallM && (K >= kBlockedK || (K >= kBlockedSmallK && M > 16 && M <= kBlkM)))
-        return gemm_brgemm_kblocked(A, lda, Wp, bias, C, ldc, M, N, K, act);
-      if (M > kAmxSmallM && K < kBlockedK) return gemm_blocks(A, lda, Wp, bias, C, ldc, M, N, K, act);
+        return gemm_brgemm_kblocked(A, lda, Wp, e, C, ldc, M, N, K);
+      if (M > kAmxSmallM && K < kBlockedK) return gemm_blocks(A, lda, Wp, e, C, ldc, M, N, K);
       [[fallthrough]];
     case Tier::Avx512Bf16:
-      return gemm_avx512_bf16(A, lda, Wp, bias, C, ldc, M, N, K, act);
+      return gemm_avx512_bf16(A, lda, Wp, e, C, ldc, M, N, K);
     case Tier::Fp32:
-      return gemm_fp32_engine(A, lda, Wp, bias, C, ldc, M, N, K, act);
+      return gemm_fp32_engine(A, lda, Wp, e, C, ldc, M, N, K);
   }
 }
 
@@ -243,33 +242,38 @@ at::Tensor pack_vnni(const at::Tensor& w) {
   return out;
 }
 
-// y = act(x2 @ W^T + bias) for a plain [N, K] weight (fp32 models, odd K): ATen's GEMM in fp32,
-// then the shared epilogue in place.
-at::Tensor linear_plain(const at::Tensor& x2, const at::Tensor& w, const float* bias, Act act) {
+// y = act(x2 @ W^T + bias) + residual for a plain [N, K] weight (fp32 models, odd K): ATen's GEMM in
+// fp32, then the shared epilogue in place.
+at::Tensor linear_plain(const at::Tensor& x2, const at::Tensor& w, const float* bias, Act act,
+                        const at::Tensor& residual) {
   const bool bf = x2.scalar_type() == at::kBFloat16;
   auto y = at::mm(bf ? x2.to(at::kFloat) : x2, (bf ? w.to(at::kFloat) : w).t());
-  const int64_t M = y.size(0), N = y.size(1);
+  const int64_t M = y.size(0), N = y.size(1), ldr = residual.defined() ? residual.stride(0) : 0;
   auto out = bf ? new_output({M, N}, x2.options()) : y;
   const auto& v = vec();
   float* acc = y.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    if (bf)
-      v.epilogue_bf16(acc + r0 * N, N, bias, act, out.data_ptr<bf16>() + r0 * N, N, r1 - r0, N);
-    else
-      v.epilogue_f32(acc + r0 * N, N, bias, act, acc + r0 * N, N, r1 - r0, N);
+    if (bf) {
+      const Epilogue<bf16> e{bias, act, residual.defined() ? residual.data_ptr<bf16>() : nullptr, ldr};
+      v.epilogue_bf16(acc + r0 * N, N, e.at(r0, 0), out.data_ptr<bf16>() + r0 * N, N, r1 - r0, N);
+    } else {
+      const Epilogue<float> e{bias, act, residual.defined() ? residual.data_ptr<float>() : nullptr, ldr};
+      v.epilogue_f32(acc + r0 * N, N, e.at(r0, 0), acc + r0 * N, N, r1 - r0, N);
+    }
   });
   return out;
 }
 
 // x2 [M, K] (unit column stride) times a packed weight; bias fp32 contiguous or undefined.
 at::Tensor linear_2d(const at::Tensor& x2, const at::Tensor& packed, const at::Tensor& bias32, Act act, int64_t N,
-                     Tier tier) {
+                     Tier tier, const at::Tensor& residual) {
   const float* bias = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
-  if (packed.dim() == 2) return linear_plain(x2, packed, bias, act);
+  if (packed.dim() == 2) return linear_plain(x2, packed, bias, act, residual);
   const int64_t M = x2.size(0), K = x2.size(1);
   auto out = new_output({M, N}, x2.options());
-  gemm_bf16(x2.data_ptr<bf16>(), x2.stride(0), packed.data_ptr<bf16>(), bias, out.data_ptr<bf16>(), N, M, N, K, act,
-            tier);
+  const Epilogue<bf16> e{bias, act, residual.defined() ? residual.data_ptr<bf16>() : nullptr,
+                         residual.defined() ? residual.stride(0) : 0};
+  gemm_bf16(x2.data_ptr<bf16>(), x2.stride(0), packed.data_ptr<bf16>(), e, out.data_ptr<bf16>(), N, M, N, K, tier);
   return out;
 }
 

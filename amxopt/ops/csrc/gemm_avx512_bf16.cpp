@@ -7,7 +7,7 @@
 // in blocks of kKC so that the A chunk and the weight slice
 // (kKC/2 * 128 bytes) stay in L1 while a tile's rows are swept; between K blocks the accumulators
 // park in a per-tile fp32 buffer. Epilogue: + bias (fp32), activation (gelu / gelu_tanh / silu),
-// round to bf16. Work is split over tiles of kMT rows x kNG column blocks, column-major (a thread keeps
+// + a residual, round to bf16. Work is split over tiles of kMT rows x kNG column blocks, column-major (a thread keeps
 // kNG weight panels hot while it sweeps rows; each A chunk fetched serves kNG panels, which matters
 // once A outgrows the caches, e.g. Wan's 1280 x 8960 FFN input), shared between the threads by
 // parallel_shares (common.h).
@@ -26,8 +26,8 @@ static_assert(kMT % kMR == 0, "row tiles must hold whole microkernel row chunks"
 // Ap: packed A, kMR uint32 (bf16 pairs) per k pair, rows beyond MR ignored.
 // acc_buf: [MR][32] fp32 partial sums carried between K blocks (read unless first, written unless last).
 template <int MR>
-void microkernel(const uint32_t* Ap, const bf16* B, int64_t pairs, const float* bias, bf16* C, int64_t ldc,
-                 int64_t ncols, Act act, float* acc_buf, bool first, bool last) {
+void microkernel(const uint32_t* Ap, const bf16* B, int64_t pairs, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
+                 int64_t ncols, float* acc_buf, bool first, bool last) {
   __m512 acc[MR][2];
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) {
@@ -44,13 +44,19 @@ void microkernel(const uint32_t* Ap, const bf16* B, int64_t pairs, const float* 
   }
   const __mmask16 m0 = tail_mask(ncols), m1 = tail_mask(ncols - 16);
   __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
-  if (bias) {
-    bias0 = _mm512_maskz_loadu_ps(m0, bias);
-    if (ncols > 16) bias1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+  if (e.bias) {
+    bias0 = _mm512_maskz_loadu_ps(m0, e.bias);
+    if (ncols > 16) bias1 = _mm512_maskz_loadu_ps(m1, e.bias + 16);
   }
+  // act(acc + bias) (+ the residual), one rounding.
+  const auto out = [&](int i, int h, __m512 b, __mmask16 m) {
+    __m512 y = __m512(activate(fVec(_mm512_add_ps(acc[i][h], b)), e.act));
+    if (e.residual) y = _mm512_add_ps(y, load_bf16_masked(e.residual + i * e.ldr + 16 * h, m));
+    store_bf16_masked(C + i * ldc + 16 * h, y, m);
+  };
   for (int i = 0; i < MR; ++i) {
-    store_bf16_masked(C + i * ldc, __m512(activate(fVec(_mm512_add_ps(acc[i][0], bias0)), act)), m0);
-    if (ncols > 16) store_bf16_masked(C + i * ldc + 16, __m512(activate(fVec(_mm512_add_ps(acc[i][1], bias1)), act)), m1);
+    out(i, 0, bias0, m0);
+    if (ncols > 16) out(i, 1, bias1, m1);
   }
 }
 
@@ -76,9 +82,9 @@ at::Tensor pack_a(const bf16* A, int64_t lda, int64_t M, int64_t K) {
 
 }  // namespace
 
-// C[M, N] (rows ldc apart) = act(A[M, K] @ W^T + bias), W packed; A rows lda apart; bias fp32 or null.
-void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* bias, bf16* C, int64_t ldc, int64_t M,
-                      int64_t N, int64_t K, Act act) {
+// C[M, N] (rows ldc apart) = A[M, K] @ W^T with the epilogue e, W packed; A rows lda apart.
+void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
+                      int64_t M, int64_t N, int64_t K) {
   const int64_t nblocks = (N + kNB - 1) / kNB;
   const int64_t ngroups = (nblocks + kNG - 1) / kNG;
   const int64_t mtiles = (M + kMT - 1) / kMT;
@@ -101,9 +107,9 @@ void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const float* b
           const uint32_t* a = Ap + (m / kMR) * pairs * kMR + p0 * kMR;  // stays in L1 across the group
           for (int64_t nb = g * kNG; nb < nb_end; ++nb) {
             const int64_t n0 = nb * kNB;
-            kMicro[rows - 1](a, Wp + nb * panel + p0 * 2 * kNB, np, bias ? bias + n0 : nullptr, C + m * ldc + n0, ldc,
-                             std::min(kNB, N - n0), act, acc_buf.data() + (((m - m0) / kMR) * kNG + nb - g * kNG) * kMR * kNB, first,
-                             last);
+            kMicro[rows - 1](a, Wp + nb * panel + p0 * 2 * kNB, np, e.at(m, n0), C + m * ldc + n0, ldc,
+                             std::min(kNB, N - n0), acc_buf.data() + (((m - m0) / kMR) * kNG + nb - g * kNG) * kMR * kNB,
+                             first, last);
           }
         }
       }

@@ -136,12 +136,13 @@ at::Tensor pack_linear_weight(const at::Tensor& w, c10::string_view provider) {
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                  c10::string_view activation, int64_t out_features, c10::string_view provider) {
+                  c10::string_view activation, int64_t out_features, c10::string_view provider,
+                  const std::optional<at::Tensor>& residual) {
   const char* op = "linear";
   if (auto impl = delegate(provider, op, true))
     return python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                   c10::string_view, int64_t)>(*impl)
-        .call(x, packed, bias, activation, out_features);
+                                   c10::string_view, int64_t, const std::optional<at::Tensor>&)>(*impl)
+        .call(x, packed, bias, activation, out_features, residual);
   const Act act = parse_act(activation, op);
   check_float(op, "x", x);
   AMX_CHECK(x.dim() >= 1, op, "x has shape ", shape(x.sizes()), "; it needs at least one dim");
@@ -152,7 +153,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < x2.size(1))) x2 = x2.contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = out_features;
-  return linear_2d(x2, packed, bias32, act, out_features, active_tier()).view(sizes);
+  at::Tensor r2;
+  if (residual.has_value()) {
+    AMX_CHECK(residual->sizes() == at::IntArrayRef(sizes), op, "residual has shape ", shape(residual->sizes()),
+              ", expected the output's ", shape(sizes));
+    AMX_CHECK(residual->scalar_type() == x.scalar_type(), op, "residual is ", dtype_name(residual->scalar_type()),
+              " but x is ", dtype_name(x.scalar_type()));
+    r2 = residual->reshape({-1, out_features});
+    if (r2.stride(1) != 1 || (r2.size(0) > 1 && r2.stride(0) < out_features)) r2 = r2.contiguous();
+  }
+  return linear_2d(x2, packed, bias32, act, out_features, active_tier(), r2).view(sizes);
 }
 
 // Conv3d with kernel == stride as one GEMM: gather patches [B*T'*H'*W', C*kt*kh*kw], multiply, and

@@ -75,30 +75,59 @@ void f32_to_bf16(const float* src, bf16* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = bf16(src[i]);
 }
 
-// acc rows get bias and activation in place (fp32), then are written out (rounded once for bf16).
-void epilogue_rows(float* acc, int64_t lda, const float* bias, Act act, int64_t rows, int64_t cols) {
-  if (!bias && act == Act::None) return;
+// acc[r] += residual row r (fp32 math).
+void add_rows(float* acc, int64_t lda, const bf16* res, int64_t ldr, int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r) {
     float* a = acc + r * lda;
+    const bf16* s = res + r * ldr;
     int64_t c = 0;
-    for (; c + kF <= cols; c += kF) {
-      fVec v = fVec::loadu(a + c);
-      if (bias) v = v + fVec::loadu(bias + c);
-      activate(v, act).store(a + c);
+    for (; c + bVec::size() <= cols; c += bVec::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<bf16>(bVec::loadu(s + c));
+      (fVec::loadu(a + c) + lo).store(a + c);
+      (fVec::loadu(a + c + kF) + hi).store(a + c + kF);
     }
-    for (; c < cols; ++c) a[c] = activate(a[c] + (bias ? bias[c] : 0.f), act);
+    for (; c < cols; ++c) a[c] += float(s[c]);
   }
 }
 
-void epilogue_bf16(float* acc, int64_t lda, const float* bias, Act act, bf16* out, int64_t ldo, int64_t rows,
+void add_rows(float* acc, int64_t lda, const float* res, int64_t ldr, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* a = acc + r * lda;
+    const float* s = res + r * ldr;
+    int64_t c = 0;
+    for (; c + kF <= cols; c += kF) (fVec::loadu(a + c) + fVec::loadu(s + c)).store(a + c);
+    for (; c < cols; ++c) a[c] += s[c];
+  }
+}
+
+// acc rows get bias, activation and residual in place (fp32), then are written out (rounded once for
+// bf16).
+template <class T>
+void epilogue_rows(float* acc, int64_t lda, const Epilogue<T>& e, int64_t rows, int64_t cols) {
+  const float* bias = e.bias;
+  if (bias || e.act != Act::None)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* a = acc + r * lda;
+      int64_t c = 0;
+      for (; c + kF <= cols; c += kF) {
+        fVec v = fVec::loadu(a + c);
+        if (bias) v = v + fVec::loadu(bias + c);
+        activate(v, e.act).store(a + c);
+      }
+      for (; c < cols; ++c) a[c] = activate(a[c] + (bias ? bias[c] : 0.f), e.act);
+    }
+  if (e.residual) add_rows(acc, lda, e.residual, e.ldr, rows, cols);
+}
+
+void epilogue_bf16(float* acc, int64_t lda, const Epilogue<bf16>& e, bf16* out, int64_t ldo, int64_t rows,
                    int64_t cols) {
-  epilogue_rows(acc, lda, bias, act, rows, cols);
+  epilogue_rows(acc, lda, e, rows, cols);
   for (int64_t r = 0; r < rows; ++r) f32_to_bf16(acc + r * lda, out + r * ldo, cols);
 }
 
-void epilogue_f32(float* acc, int64_t lda, const float* bias, Act act, float* out, int64_t ldo, int64_t rows,
+void epilogue_f32(float* acc, int64_t lda, const Epilogue<float>& e, float* out, int64_t ldo, int64_t rows,
                   int64_t cols) {
-  epilogue_rows(acc, lda, bias, act, rows, cols);
+  epilogue_rows(acc, lda, e, rows, cols);
   if (out != acc || ldo != lda)
     for (int64_t r = 0; r < rows; ++r) std::copy(acc + r * lda, acc + r * lda + cols, out + r * ldo);
 }
