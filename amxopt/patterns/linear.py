@@ -64,7 +64,12 @@ def _residual(match: Match):
 def _residual_applies(match: Match, config) -> bool:
     """An add of a tensor of exactly the Linear's output shape and dtype (no broadcast, no promotion)."""
     r, y = val(_residual(match)), val(match.root)
-    return isinstance(r, torch.Tensor) and r.dtype == y.dtype and statically_known_true(r.shape == y.shape)
+    return (
+        isinstance(r, torch.Tensor)
+        and r.dtype == y.dtype
+        and r.dim() == y.dim()
+        and all(statically_known_true(a == b) for a, b in zip(r.shape, y.shape))
+    )
 
 
 def _refusal(match: Match) -> str | None:

@@ -26,7 +26,8 @@
 //                unpacked to fp32 in a per-thread buffer and multiplied with ATen's sgemm in row
 //                tiles of 256; M <= 4 uses a VNNI GEMV that reads the bf16 weight directly (the
 //                weight read is the whole cost there, so it stays bf16).
-// Every engine ends in the same epilogue: + bias (fp32), activation, one rounding to the output dtype.
+// Every engine ends in the same epilogue (common.h's Epilogue): + bias (fp32), activation, + a
+// residual (the output's dtype), one rounding to the output dtype.
 #include <ATen/native/CPUBlas.h>
 
 #include "common.h"

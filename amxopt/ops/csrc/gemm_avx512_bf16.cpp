@@ -7,10 +7,10 @@
 // in blocks of kKC so that the A chunk and the weight slice
 // (kKC/2 * 128 bytes) stay in L1 while a tile's rows are swept; between K blocks the accumulators
 // park in a per-tile fp32 buffer. Epilogue: + bias (fp32), activation (gelu / gelu_tanh / silu),
-// + a residual, round to bf16. Work is split over tiles of kMT rows x kNG column blocks, column-major (a thread keeps
-// kNG weight panels hot while it sweeps rows; each A chunk fetched serves kNG panels, which matters
-// once A outgrows the caches, e.g. Wan's 1280 x 8960 FFN input), shared between the threads by
-// parallel_shares (common.h).
+// + a residual, round to bf16. Work is split over tiles of kMT rows x kNG column blocks,
+// column-major (a thread keeps kNG weight panels hot while it sweeps rows; each A chunk fetched
+// serves kNG panels, which matters once A outgrows the caches, e.g. Wan's 1280 x 8960 FFN input),
+// shared between the threads by parallel_shares (common.h).
 #include "avx512_bf16.h"
 
 #include <vector>
@@ -107,9 +107,9 @@ void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue
           const uint32_t* a = Ap + (m / kMR) * pairs * kMR + p0 * kMR;  // stays in L1 across the group
           for (int64_t nb = g * kNG; nb < nb_end; ++nb) {
             const int64_t n0 = nb * kNB;
+            float* parked = acc_buf.data() + (((m - m0) / kMR) * kNG + nb - g * kNG) * kMR * kNB;
             kMicro[rows - 1](a, Wp + nb * panel + p0 * 2 * kNB, np, e.at(m, n0), C + m * ldc + n0, ldc,
-                             std::min(kNB, N - n0), acc_buf.data() + (((m - m0) / kMR) * kNG + nb - g * kNG) * kMR * kNB,
-                             first, last);
+                             std::min(kNB, N - n0), parked, first, last);
           }
         }
       }
