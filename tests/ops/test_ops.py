@@ -480,8 +480,11 @@ def test_linear_activation_over_the_whole_range(provider, dtype, activation):
 
 
 # Every engine's epilogue: M = 1 (AVX-512-BF16 kernel on AMX), small M, tiles with a padded tail,
-# K-blocked, odd K (plain weight).
-@pytest.mark.parametrize("shape", [(1, 64, 40), (5, 64, 96), (45, 1024, 96), (300, 6200, 300), (13, 33, 70)])
+# tiles over many work items (each block's epilogue run during the next block's products), K-blocked,
+# odd K (plain weight).
+@pytest.mark.parametrize(
+    "shape", [(1, 64, 40), (5, 64, 96), (45, 1024, 96), (50, 256, 520), (300, 6200, 300), (13, 33, 70)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_residual_matches_oracle(provider, dtype, shape):
     m, k, n = shape

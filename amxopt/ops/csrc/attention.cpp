@@ -214,7 +214,7 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
       for (int64_t r = 0; r < rows; r += 32)
         for (int64_t j = 0; j < cols; j += 32)
           (rows - r <= 16 ? amx_tile_16x32 : amx_tile_32x32)(a + r * lda, lda, b + j / 32 * panel, k,
-                                                             c + r * ldc + j, ldc, accumulate);
+                                                             c + r * ldc + j, ldc, accumulate, nullptr);
     }
   };
   parallel_shares(int64_t(items.size()), [&](auto next) {

@@ -202,6 +202,24 @@ at::Tensor varlen_attention_avx512_bf16(const at::Tensor& q, const at::Tensor& k
                                         bool causal);
 
 // --- the hand-written AMX tile kernel (gemm_amx.cpp) ----------------------------------------------
+// The epilogue of a finished block (rows x cols of fp32 acc, lda apart, into out), run a few rows at a
+// time between the K steps of the next block's tile kernel: the vector units are idle while the
+// tile unit multiplies (gemm.cpp's gemm_blocks, where it measured faster with an activation).
+struct OverlappedEpilogue {
+  const VecKernels* v = nullptr;
+  float* acc = nullptr;
+  int64_t lda = 0;
+  Epilogue<bf16> e;
+  bf16* out = nullptr;
+  int64_t ldo = 0, rows = 0, cols = 0, done = 0;
+  void run(int64_t n) {
+    n = std::min(n, rows - done);
+    if (n <= 0) return;
+    v->epilogue_bf16(acc + done * lda, lda, e.at(done, 0), out + done * ldo, ldo, n, cols);
+    done += n;
+  }
+  void finish() { run(rows - done); }
+};
 // Whether this process may use AMX tiles (an AMX CPU, and Linux granted the tile state).
 bool amx_tiles_usable();
 // Scope of one thread's use of amx_tile_32x32: loads its tile configuration (after making ATen's
@@ -214,11 +232,13 @@ struct AmxTiles {
 };
 // acc[32 x 32] (fp32, ldc apart) = A[32 x K] (lda) x a VNNI panel of 32 columns ([K/2][32][2]), or
 // += with accumulate; K > 0 and K % 32 == 0, all 32 rows of A readable. Only inside an AmxTiles scope.
+// With pending, the rows of that earlier block's epilogue are run a few at a time between the K
+// steps, all of them by the end.
 void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc = 32,
-                    bool accumulate = false);
+                    bool accumulate = false, OverlappedEpilogue* pending = nullptr);
 // The same for 16 rows: acc rows 0-15 only.
 void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc = 32,
-                    bool accumulate = false);
+                    bool accumulate = false, OverlappedEpilogue* pending = nullptr);
 
 // --- drivers shared between translation units -----------------------------------------------------
 // conv.cpp: amxopt.conv2d computed directly, into a channels-last output, where Cin x kh x kw <=

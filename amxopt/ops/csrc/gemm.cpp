@@ -27,7 +27,9 @@
 //                tiles of 256; M <= 4 uses a VNNI GEMV that reads the bf16 weight directly (the
 //                weight read is the whole cost there, so it stays bf16).
 // Every engine ends in the same epilogue (common.h's Epilogue): + bias (fp32), activation, + a
-// residual (the output's dtype), one rounding to the output dtype.
+// residual (the output's dtype), one rounding to the output dtype. On the AMX tile kernel, an
+// epilogue with an activation runs a few rows at a time between the next block's tile steps, on the
+// vector units the tile unit leaves idle (OverlappedEpilogue).
 #include <ATen/native/CPUBlas.h>
 
 #include "common.h"
@@ -77,8 +79,17 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16
   const auto& v = vec();
   Scratch<bf16> pad(tiles && tail ? kBrgemmM * K : 0);
   if (tiles && tail) pad_tile(A + (M - tail) * lda, lda, tail, K, pad.data());
+  // An activation's epilogue runs between the next block's tile steps (OverlappedEpilogue): in-process
+  // A/B, 2 threads of an AMX Xeon, against running it after each block: 1.03x at 784 x 1024 x 4096
+  // with gelu, 1.01-1.06x at 1280 x 1536 x 8960 with gelu_tanh, 1.04x with silu, 1.12x at 390 x
+  // 1280 x 5120, 1.17x at 64 x 1024 x 4096; without an activation (bias, residual) 0.93-0.99x.
+  const bool overlap = tiles && e.act != Act::None;
   parallel_shares(ngroups * mtiles, [&](auto next) {
-    alignas(64) float acc[kBrgemmM * kNB];  // whole cache lines for the C tiles (see Scratch)
+    // Whole cache lines for the C tiles (see Scratch); two, so that one block's epilogue can run
+    // during the next block's products.
+    alignas(64) float accs[2][kBrgemmM * kNB];
+    OverlappedEpilogue pending;
+    int cur = 0;
     std::optional<AmxTiles> held;
     if (tiles) held.emplace();
     for (int64_t t; (t = next()) >= 0;) {
@@ -88,16 +99,23 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16
       const bf16* a = padded ? pad.data() : A + m0 * lda;
       const int64_t la = padded ? K : lda;
       for (int64_t nb = g * kBrgemmG; nb < std::min(nblocks, (g + 1) * kBrgemmG); ++nb) {
-        const int64_t n0 = nb * kNB;
+        const int64_t n0 = nb * kNB, cols = std::min(kNB, N - n0);
+        float* acc = accs[cur];
         if (!tiles)
           at::native::cpublas::brgemm(mb, kNB, K, la, kNB, kNB, false, a, Wp + nb * panel, acc, true);
-        else if (mb <= 16)
-          amx_tile_16x32(a, la, Wp + nb * panel, K, acc);
         else
-          amx_tile_32x32(a, la, Wp + nb * panel, K, acc);
-        v.epilogue_bf16(acc, kNB, e.at(m0, n0), C + m0 * ldc + n0, ldc, mb, std::min(kNB, N - n0));
+          (mb <= 16 ? amx_tile_16x32 : amx_tile_32x32)(a, la, Wp + nb * panel, K, acc, kNB, false,
+                                                      overlap ? &pending : nullptr);
+        if (!overlap) {
+          v.epilogue_bf16(acc, kNB, e.at(m0, n0), C + m0 * ldc + n0, ldc, mb, cols);
+          continue;
+        }
+        pending.finish();
+        pending = {&v, acc, kNB, e.at(m0, n0), C + m0 * ldc + n0, ldc, mb, cols};
+        cur ^= 1;
       }
     }
+    pending.finish();
     if (!tiles) at::native::cpublas::brgemm_release(true);
   });
 }

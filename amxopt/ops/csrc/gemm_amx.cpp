@@ -76,7 +76,8 @@ namespace {
 // comes from memory, not the caches), each step prefetches the next one's B (in-process A/B, 2
 // threads of an AMX Xeon: 1.07-1.10x at M = 16; 2-3 steps ahead, or into L2, 0.96-1.06x).
 template <int Rows>
-void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc, bool accumulate) {
+void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc, bool accumulate,
+                OverlappedEpilogue* pending) {
   constexpr bool stream = Rows == 16;
   constexpr bool both = Rows == 32;
   const int64_t sc = ldc * 4;
@@ -101,6 +102,8 @@ void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float*
   const int64_t sa = lda * 2, sb = 128;  // bytes between A rows, between B rows (k pairs)
   _tile_loadd(4, a0, sa);
   _tile_loadd(6, b, sb);
+  // rows of the pending epilogue per K step, so that the last step's share ends it
+  const int64_t share = pending ? (pending->rows - pending->done + K / 32 - 1) / (K / 32) : 0;
   int64_t k = 0;  // the k pairs of step k start sb * k / 2 bytes into B
   for (;; k += 32) {
     if (stream)  // the next step's 2 KB of B into L1 (32 lines), as far ahead as its first use
@@ -109,6 +112,7 @@ void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float*
     if constexpr (both) _tile_loadd(5, a1 + 2 * k, sa);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
+    if (pending) pending->run(share);
     if (k + 32 == K) break;
     _tile_loadd(4, a0 + 2 * k + 64, sa);
     if constexpr (both) _tile_dpbf16ps(2, 5, 6);
@@ -130,13 +134,13 @@ void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float*
 }  // namespace
 
 void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc,
-                    bool accumulate) {
-  tile_block<32>(A, lda, panel, K, acc, ldc, accumulate);
+                    bool accumulate, OverlappedEpilogue* pending) {
+  tile_block<32>(A, lda, panel, K, acc, ldc, accumulate, pending);
 }
 
 void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc,
-                    bool accumulate) {
-  tile_block<16>(A, lda, panel, K, acc, ldc, accumulate);
+                    bool accumulate, OverlappedEpilogue* pending) {
+  tile_block<16>(A, lda, panel, K, acc, ldc, accumulate, pending);
 }
 
 }  // namespace amxopt
