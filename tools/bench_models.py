@@ -1,7 +1,9 @@
 """Whole-model benchmark: eager fp32, eager bf16, torch.compile (freezing, bf16) and amxopt (bf16).
 
 One model at a time, real configs with random weights (amxopt.models), the variants interleaved
-(round-robin) and the median of --repeats after a warm-up call; ratios against eager bf16. Also the
+(round-robin) and the median of --repeats after a warm-up call; ratios against eager bf16, both as
+the ratio of the medians and as the median of each round's ratio (the two calls of a round run
+seconds apart, on a machine whose speed moves in phases). Also the
 max abs error of every bf16 variant against eager fp32, and the one-time cost of torch.compile's
 first call and of amxopt.optimize.
 
@@ -163,18 +165,29 @@ def bench_model(
 
 def _summarize(name, what, provider, times, outputs, setup, counts, repeats) -> dict:
     med = {label: statistics.median(ts) for label, ts in times.items()}
+    # Each round runs every variant once, so a round's eager bf16 / variant compares two calls a few
+    # seconds apart: the median of those ratios follows the machine's slow and fast phases less than
+    # the ratio of the two medians does.
+    paired = {
+        label: statistics.median(e / t for e, t in zip(times["eager bf16"], ts, strict=True))
+        for label, ts in times.items()
+    }
     errors = {label: max_abs_error(outputs[label], outputs["eager fp32"]) for label in times if "bf16" in label}
-    print("| variant | median s | vs eager bf16 | max abs err vs fp32 |\n|---|---|---|---|")
+    print(
+        "| variant | median s | vs eager bf16 | paired rounds vs eager bf16 | max abs err vs fp32 |\n|---|---|---|---|---|"
+    )
     for label, secs in med.items():
         err = f"{errors[label]:.3e}" if label in errors else "-"
-        print(f"| {label} | {secs:.3f} | {med['eager bf16'] / secs:.2f}x | {err} |")
+        print(f"| {label} | {secs:.3f} | {med['eager bf16'] / secs:.2f}x | {paired[label]:.2f}x | {err} |")
     print("one-time: " + ", ".join(f"{k} {v:.1f} s" for k, v in setup.items()), flush=True)
     return dict(
         model=name,
         input=what,
         provider=provider,
         median_s=med,
+        rounds_s=times,
         ratio_vs_eager_bf16={k: med["eager bf16"] / v for k, v in med.items()},
+        paired_ratio_vs_eager_bf16=paired,
         max_abs_error_vs_fp32=errors,
         setup_s=setup,
         counts=counts,
