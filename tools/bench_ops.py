@@ -2,7 +2,7 @@
 
 For each case the implementations run interleaved (round-robin, so drift on a shared machine hits
 all alike), median of --repeats after --warmup calls; the ratio is eager time / op time (> 1: faster
-than PyTorch). GEMM and attention cases also report TFLOP/s as a fraction of this machine's AMX
+than PyTorch), and "paired" the median of each round's eager / op time (two calls milliseconds apart). GEMM and attention cases also report TFLOP/s as a fraction of this machine's AMX
 limit (tools/amx_peak.c) and of its AVX-512-BF16 limit (tools/avx512_bf16_peak.c), both compiled
 on the fly and measured in the same run: before the cases (the fractions use these) and again after
 them (printed at the end: on shared cores the limits move with what the neighbours run). Where the
@@ -250,7 +250,7 @@ def norm_cases(providers: list[str]) -> list[Case]:
     return cases
 
 
-def measure(case: Case, warmup: int, repeats: int) -> dict[str, float]:
+def measure(case: Case, warmup: int, repeats: int) -> dict[str, list[float]]:
     impls = case.impls() if callable(case.impls) else case.impls
     times: dict[str, list[float]] = {name: [] for name in impls}
     with torch.no_grad():
@@ -262,7 +262,7 @@ def measure(case: Case, warmup: int, repeats: int) -> dict[str, float]:
                 t = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def main() -> None:
@@ -298,10 +298,20 @@ def main() -> None:
     )
     cases = [c for c in cases if args.only in (None, c.op)]
     results = []
-    header = f"| op | case | impl | median ms | ratio vs eager | TFLOP/s | of AVX-512-BF16 limit | of AMX {amx_limit} |"
-    print("\n" + header + "\n|" + "---|" * 8)
+    header = (
+        "| op | case | impl | median ms | ratio vs eager | paired | TFLOP/s | of AVX-512-BF16 limit | "
+        f"of AMX {amx_limit} |"
+    )
+    print("\n" + header + "\n|" + "---|" * 9)
     for case in cases:
-        med = measure(case, args.warmup, args.repeats)
+        times = measure(case, args.warmup, args.repeats)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        # the median of each round's eager / impl: calls milliseconds apart, so a slow or fast phase of
+        # the machine (seconds) falls on both sides of a ratio
+        paired = {
+            name: statistics.median(e / t for e, t in zip(times["eager"], ts, strict=True))
+            for name, ts in times.items()
+        }
         for name, secs in med.items():
             tflops = case.flops / secs / 1e12 if case.flops else None
             row = dict(
@@ -310,6 +320,7 @@ def main() -> None:
                 impl=name,
                 median_ms=secs * 1e3,
                 ratio=med["eager"] / secs,
+                paired_ratio=paired[name],
                 tflops=tflops,
                 frac_avx512=tflops / peak if tflops and peak else None,
                 frac_amx=tflops / amx_limit if tflops else None,
@@ -317,7 +328,7 @@ def main() -> None:
             results.append(row)
             fmt = lambda v, f: f"{v:{f}}" if v is not None else "-"  # noqa: E731
             print(
-                f"| {case.op} | {case.name} | {name} | {secs * 1e3:.3f} | {row['ratio']:.2f}x | "
+                f"| {case.op} | {case.name} | {name} | {secs * 1e3:.3f} | {row['ratio']:.2f}x | {paired[name]:.2f}x | "
                 f"{fmt(tflops, '.3f')} | {fmt(row['frac_avx512'], '.0%')} | {fmt(row['frac_amx'], '.1%')} |",
                 flush=True,
             )
