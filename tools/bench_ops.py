@@ -3,8 +3,9 @@
 For each case the implementations run interleaved (round-robin, so drift on a shared machine hits
 all alike), median of --repeats after --warmup calls; the ratio is eager time / op time (> 1: faster
 than PyTorch), and "paired" the median of each round's eager / op time (two calls milliseconds
-apart). GEMM and attention cases also report TFLOP/s as a fraction of this machine's AMX (tools/amx_peak.c) and of its AVX-512-BF16 limit (tools/avx512_bf16_peak.c), both compiled
-on the fly and measured in the same run: before the cases (the fractions use these) and again after
+apart). GEMM and attention cases also report TFLOP/s as a fraction of this machine's AMX limit
+(tools/amx_peak.c) and of its AVX-512-BF16 limit (tools/avx512_bf16_peak.c), both compiled on the
+fly and measured in the same run: before the cases (the fractions use these) and again after
 them (printed at the end: on shared cores the limits move with what the neighbours run). Where the
 CPU has no AMX, the AMX column divides by the limit quoted for the Xeon the targets were set on
 (6.46 TFLOP/s).
