@@ -27,9 +27,9 @@
 //                tiles of 256; M <= 4 uses a VNNI GEMV that reads the bf16 weight directly (the
 //                weight read is the whole cost there, so it stays bf16).
 // Every engine ends in the same epilogue (common.h's Epilogue): + bias (fp32), activation, + a
-// residual (the output's dtype), one rounding to the output dtype. On the AMX tile kernel, an
-// epilogue with an activation runs a few rows at a time between the next block's tile steps, on the
-// vector units the tile unit leaves idle (OverlappedEpilogue).
+// residual (the output's dtype), one rounding to the output dtype. On the AMX tile kernel the
+// epilogue (with an activation, or at K < 4096) runs a few rows at a time between the next block's
+// tile steps, on the vector units the tile unit leaves idle (OverlappedEpilogue).
 #include <ATen/native/CPUBlas.h>
 
 #include "common.h"
@@ -43,6 +43,7 @@ constexpr int64_t kSmallM = 4;    // rows up to which the weight-streaming kerne
 constexpr int64_t kAmxSmallM = 1;
 constexpr int64_t kBrgemmM = 32;  // rows per brgemm call (2 AMX tiles of 16 rows)
 constexpr int64_t kBrgemmG = 4;   // column blocks per brgemm work item (A tile reused 4 times)
+constexpr int64_t kOverlapPlainK = 4096;  // K from which an epilogue without activation is not overlapped
 constexpr int64_t kRowsFirstK = 128;  // K up to which gemm_blocks hands out row tiles first
 constexpr int64_t kBlockedK = 5120;  // K from which the brgemm engine blocks K (gemm_brgemm_kblocked)
 // ... and from which it does so for 17 to kBlkM rows (one row chunk, on tiles; fewer rows were not
@@ -79,11 +80,16 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16
   const auto& v = vec();
   Scratch<bf16> pad(tiles && tail ? kBrgemmM * K : 0);
   if (tiles && tail) pad_tile(A + (M - tail) * lda, lda, tail, K, pad.data());
-  // An activation's epilogue runs between the next block's tile steps (OverlappedEpilogue): in-process
-  // A/B, 2 threads of an AMX Xeon, against running it after each block: 1.03x at 784 x 1024 x 4096
-  // with gelu, 1.01-1.06x at 1280 x 1536 x 8960 with gelu_tanh, 1.04x with silu, 1.12x at 390 x
-  // 1280 x 5120, 1.17x at 64 x 1024 x 4096; without an activation (bias, residual) 0.93-0.99x.
-  const bool overlap = tiles && e.act != Act::None;
+  // The epilogue runs between the next block's tile steps (OverlappedEpilogue), on the vector units
+  // while the tile unit drains the block's last products. In-process A/B, 2 threads, against running
+  // it after each block. With an activation, on the Emerald Rapids Xeon of earlier sessions: 1.03x at
+  // 784 x 1024 x 4096 with gelu, 1.01-1.06x at 1280 x 1536 x 8960 with gelu_tanh, 1.04x with silu,
+  // 1.12x at 390 x 1280 x 5120, 1.17x at 64 x 1024 x 4096. Without one (bias, residual) it measured
+  // 0.93-0.99x there, but on the Granite Rapids-class Xeon (CPUID model 167) of a later session
+  // 1.12-1.14x at 784 x 1024 x 3072-4096, 1.04x at 1280 x 1536 x 8960, 1.02-1.04x at M = 16, with a
+  // residual 1.07-1.11x at K = 1024-1536; at K = 4096 0.98-0.99x (with a residual too), so from
+  // there it stays after each block.
+  const bool overlap = tiles && (e.act != Act::None || K < kOverlapPlainK);
   parallel_shares(ngroups * mtiles, [&](auto next) {
     // Whole cache lines for the C tiles (see Scratch); two, so that one block's epilogue can run
     // during the next block's products.
