@@ -74,7 +74,8 @@ T* thread_scratch(int64_t n) {
 }
 
 // An uninitialised op output (at::empty) whose 2 MB-aligned interior is advised to the kernel as
-// transparent huge pages (madvise MADV_HUGEPAGE; ignored where THP is off). glibc maps every
+// transparent huge pages (madvise MADV_HUGEPAGE; ignored where THP is off), where the kernel's THP
+// defrag policy cannot make a fault wait for memory compaction (cpu.cpp). glibc maps every
 // allocation above 32 MB fresh from the kernel and frees it back, so such an output page-faults on
 // every 4 KB of its first write: the Qwen3-Omni encoder's first conv (92 MB out) took 22,500 faults
 // a call, and 47 against 68 ms with the advice (1,000 faults; in-process A/B, an AMX Xeon VM).
