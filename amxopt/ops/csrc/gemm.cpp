@@ -14,8 +14,8 @@
 //                panels and an A tile, 320 x K bytes, which nears a 2 MB L2 at K = 5120: from
 //                K = 5120 on (4096 for 17 to 256 rows), K is blocked too, in work items of (up to
 //                256 rows) x 256 columns whose fp32 accumulator takes the partial products of K
-//                steps of 1024 (the tile kernel adding to it, brgemm calls at M <= 16), so that the
-//                A chunk, the B block and the accumulator stay in L2. Measured in one process on an AMX
+//                steps of 512 (the tile kernel adding to it; steps of 1024 for brgemm calls at
+//                M <= 16), so that the A chunk, the B block and the accumulator stay in L2. Measured in one process on an AMX
 //                Xeon, two rounds: 1280 x 8960 x 1536 at 0.98-1.09x eager blocked, 0.69-0.70x with
 //                whole-K calls; 390 x 7680 x 1280 at 0.90-0.99x / 0.76-0.82x; but 784 x 4096 x
 //                1024 at 0.83-0.94x / 1.08-1.17x. At K = 5120 (Qwen3-Omni's fc2), blocked against
@@ -51,7 +51,14 @@ constexpr int64_t kBlockedK = 5120;  // K from which the brgemm engine blocks K 
 // (in-process A/B, 2 threads of an AMX Xeon: 1.06-1.11x at 196 x 4096 x 2048-4096, Qwen3-VL's patch
 // mergers; 0.95x at 784 x 4096 x 1024).
 constexpr int64_t kBlockedSmallK = 4096;
-constexpr int64_t kBlkM = 256, kBlkN = 256, kBlkK = 1024;  // its work item (rows x columns) and K step
+constexpr int64_t kBlkM = 256, kBlkN = 256;  // its work item (rows x columns)
+// ... and its K step: 512 on the tile kernel, 1024 for brgemm calls (M <= 16). In-process A/B,
+// alternating order, 2 threads of a Granite Rapids-class Xeon, 512 against 1024 on tiles: 1.10x at
+// 390 x 5120 x 1280 + residual (Omni's fc2), 1.04x at 1280 x 8960 x 1536 (Wan's FFN down), 1.13x /
+// 1.15x at 196 x 4096 x 4096 (gelu) / 2048 (Qwen3-VL's mergers), 1.10x at 784 x 5120 x 1280, 1.16x
+// at 256 x 4096 x 1024; 2048 gave 1.04-1.09x, 256 0.97-1.06x against 512. On brgemm calls, 512
+// measured 0.93x at 8 and 16 x 5120 x 1280.
+constexpr int64_t kBlkK = 512, kBlkKBrgemm = 1024;
 constexpr int64_t kFp32G = 8;     // column blocks unpacked together by the fp32 engine
 constexpr int64_t kFp32M = 256;   // rows per sgemm call of the fp32 engine
 
@@ -135,6 +142,7 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const Epil
   // A/B, 2 threads of an AMX Xeon, against brgemm calls: 1.11-1.13x at 390-1560 x 6144-8960, level at
   // M = 16, 0.87x at M = 5 (a 16-row tile for 5 rows).
   const bool tiles = M > 16 && K % 32 == 0 && amx_tiles_usable();
+  const int64_t kstep = tiles ? kBlkK : kBlkKBrgemm;
   // Row tiles start every kBrgemmM rows of a chunk; the one holding A's last row reads 16 or 32 whole
   // rows, and past A's end it runs on a padded copy (pad_row: its first row, or -1).
   const int64_t last_m0 = (M - 1) / mc * mc, pad_row = last_m0 + (M - 1 - last_m0) / kBrgemmM * kBrgemmM;
@@ -152,8 +160,8 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const Epil
       const int64_t n0 = (t / mchunks) * kBlkN, m0 = (t % mchunks) * mc;
       const int64_t rows = std::min(mc, M - m0), nb0 = n0 / kNB, nb1 = std::min(nblocks, nb0 + kBlkN / kNB);
       if (rows <= 0) continue;
-      for (int64_t k0 = 0; k0 < K; k0 += kBlkK) {
-        const int64_t kk = std::min(kBlkK, K - k0);
+      for (int64_t k0 = 0; k0 < K; k0 += kstep) {
+        const int64_t kk = std::min(kstep, K - k0);
         for (int64_t nb = nb0; nb < nb1; ++nb)
           for (int64_t r = 0; r < rows; r += kBrgemmM) {
             const int64_t mr = std::min(kBrgemmM, rows - r);
