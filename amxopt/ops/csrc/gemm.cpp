@@ -15,8 +15,9 @@
 //                K = 5120 on (4096 for 17 to 256 rows), K is blocked too, in work items of (up to
 //                256 rows) x 256 columns whose fp32 accumulator takes the partial products of K
 //                steps of 512 (the tile kernel adding to it; steps of 1024 for brgemm calls at
-//                M <= 16), so that the A chunk, the B block and the accumulator stay in L2. Measured in one process on an AMX
-//                Xeon, two rounds: 1280 x 8960 x 1536 at 0.98-1.09x eager blocked, 0.69-0.70x with
+//                M <= 16), so that the A chunk, the B block and the accumulator stay in L2.
+//                Measured in one process on an AMX Xeon, two rounds (steps of 1024 then):
+//                1280 x 8960 x 1536 at 0.98-1.09x eager blocked, 0.69-0.70x with
 //                whole-K calls; 390 x 7680 x 1280 at 0.90-0.99x / 0.76-0.82x; but 784 x 4096 x
 //                1024 at 0.83-0.94x / 1.08-1.17x. At K = 5120 (Qwen3-Omni's fc2), blocked against
 //                whole-K, paired calls: 1.06-1.19x at M = 390, 1.01-1.13x at 784, 1.04-1.13x at 1280,
