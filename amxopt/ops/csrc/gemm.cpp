@@ -29,8 +29,8 @@
 //                weight read is the whole cost there, so it stays bf16).
 // Every engine ends in the same epilogue (common.h's Epilogue): + bias (fp32), activation, + a
 // residual (the output's dtype), one rounding to the output dtype. On the AMX tile kernel the
-// epilogue (with an activation, or at K < 4096) runs a few rows at a time between the next block's
-// tile steps, on the vector units the tile unit leaves idle (OverlappedEpilogue).
+// epilogue (with an activation, or at 128 < K < 4096) runs a few rows at a time between the next
+// block's tile steps, on the vector units the tile unit leaves idle (OverlappedEpilogue).
 #include <ATen/native/CPUBlas.h>
 
 #include "common.h"
@@ -44,7 +44,8 @@ constexpr int64_t kSmallM = 4;    // rows up to which the weight-streaming kerne
 constexpr int64_t kAmxSmallM = 1;
 constexpr int64_t kBrgemmM = 32;  // rows per brgemm call (2 AMX tiles of 16 rows)
 constexpr int64_t kBrgemmG = 4;   // column blocks per brgemm work item (A tile reused 4 times)
-constexpr int64_t kOverlapPlainK = 4096;  // K from which an epilogue without activation is not overlapped
+// K from which an epilogue without activation is not overlapped (nor at K <= kRowsFirstK)
+constexpr int64_t kOverlapPlainK = 4096;
 constexpr int64_t kRowsFirstK = 128;  // K up to which gemm_blocks hands out row tiles first
 constexpr int64_t kBlockedK = 5120;  // K from which the brgemm engine blocks K (gemm_brgemm_kblocked)
 // ... and from which it does so for 17 to kBlkM rows (one row chunk, on tiles; fewer rows were not
@@ -96,8 +97,9 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16
   // 0.93-0.99x there, but on the Granite Rapids-class Xeon (CPUID model 167) of a later session
   // 1.12-1.14x at 784 x 1024 x 3072-4096, 1.04x at 1280 x 1536 x 8960, 1.02-1.04x at M = 16, with a
   // residual 1.07-1.11x at K = 1024-1536; at K = 4096 0.98-0.99x (with a residual too), so from
-  // there it stays after each block.
-  const bool overlap = tiles && (e.act != Act::None || K < kOverlapPlainK);
+  // there it stays after each block; and at K <= kRowsFirstK, where writing C dominates (5120 rows x
+  // 1536: 0.95x at K = 64, Wan's patch embedding, 0.85x at K = 128; 1.01x at K = 256).
+  const bool overlap = tiles && (e.act != Act::None || (K > kRowsFirstK && K < kOverlapPlainK));
   parallel_shares(ngroups * mtiles, [&](auto next) {
     // Whole cache lines for the C tiles (see Scratch); two, so that one block's epilogue can run
     // during the next block's products.
