@@ -50,7 +50,6 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "vec_avx512.cpp": _AVX512_VEC,
     "vec_avx512_bf16.cpp": _AVX512_BF16,
     "gemm_avx512_bf16.cpp": _AVX512_BF16,
-    "attention_avx512_bf16.cpp": _AVX512_BF16,
     "gemm_amx.cpp": ("-mamx-tile", "-mamx-bf16"),
 }
 

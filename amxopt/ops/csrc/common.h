@@ -198,9 +198,6 @@ const VecKernels& vec();  // the widest vector ISA this CPU runs
 // C[M, N] (ldc) = A[M, K] (lda) @ W^T with the epilogue e, W packed VNNI; K even.
 void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
                       int64_t M, int64_t N, int64_t K);
-at::Tensor varlen_attention_avx512_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                        const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale,
-                                        bool causal);
 
 // --- the hand-written AMX tile kernel (gemm_amx.cpp) ----------------------------------------------
 // The epilogue of a finished block (rows x cols of fp32 acc, lda apart, into out), run a few rows at a
