@@ -14,8 +14,8 @@
 // blocks (so that the A chunk and the weight slice stay in L1) lost at every shape measured on a
 // 2-core AMD EPYC (Zen 5 class: 48 KB L1d, 1 MB L2 per core), in-process A/B against whole K,
 // 2 threads: 0.87x at 784 x 4096 x 1024, 0.76x at 1280 x 8960 x 1536, 0.89x at 390 x 5120 x 1280,
-// 0.95x at 784 x 1024 x 4096, 0.69x at 8 x 4096 x 4096; blocks of 1024 and 2048 lost less, in
-// step with their number (single-threaded alike).
+// 0.94x at 784 x 1024 x 4096, 0.69x at 8 x 4096 x 4096; blocks of 1024 and 2048 lost less, in
+// step with their number (single-threaded alike). Not yet measured on a Zen 4 (32 KB L1d).
 #include "avx512_bf16.h"
 
 
