@@ -84,6 +84,13 @@ def test_onednn_capped_below_amx_runs_the_avx512_tier():
         "x, w = torch.randn(100, 64).bfloat16(), torch.randn(96, 64).bfloat16()\n"
         "y = torch.ops.amxopt.linear(x, torch.ops.amxopt.pack_linear_weight(w), None, 'none', 96)\n"
         "torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=0.1, rtol=0.02)\n"
+        # attention: oneDNN's AVX-512-BF16 brgemm, not amxopt's tile kernel (GQA, two segments)
+        "q, k, v = torch.randn(90, 4, 64).bfloat16(), torch.randn(90, 2, 64).bfloat16(), torch.randn(90, 2, 64).bfloat16()\n"
+        "cu = torch.tensor([0, 40, 90], dtype=torch.int32)\n"
+        "args = (q, k, v, cu, cu, 50, 50, 0.125, True)\n"
+        "o = torch.ops.amxopt.varlen_attention(*args)\n"
+        "ref = torch.ops.amxopt.varlen_attention(*args, provider='reference')\n"
+        "torch.testing.assert_close(o.float(), ref.float(), atol=0.03, rtol=0.02)\n"
     )
     _run_in_fresh_process(code, ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
 

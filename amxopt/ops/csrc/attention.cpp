@@ -53,8 +53,9 @@ constexpr int64_t kTileK = std::is_same_v<T, bf16> ? kKeyPad : 1;  // P V's redu
 // K of P V), by GEMM element type. bf16, on AMX tiles: 256 x 512, so that each call reuses its B
 // block over 16 row tiles and the per-call cost is spread over 16x more work (on a 2-core AMX Xeon,
 // one long segment ran at 0.84-0.93x eager SDPA with these against 0.74-0.84x with 64 x 256; about
-// 1 MB of scratch per thread). fp32: 64 x 256, whose 64 KB score block fits a 512 KB L2 (Zen 3,
-// where it was measured).
+// 1 MB of scratch per thread; on oneDNN's AVX-512-BF16 brgemm, a Zen 5-class EPYC, 64-256 rows x
+// 256-1024 keys were level within noise). fp32: 64 x 256, whose 64 KB score block fits a 512 KB L2
+// (Zen 3, where it was measured).
 template <typename T>
 constexpr int64_t kBQ = std::is_same_v<T, bf16> ? 256 : 64;
 template <typename T>
@@ -149,7 +150,8 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
   // KB), in steps of 32 query rows (16 for a short last tile: the buffers hold whole tiles past
   // `rows`, whose rows are never read). Only on the amx tier: capped below it, the tile kernel stays
   // out (oneDNN's brgemm follows ONEDNN_MAX_CPU_ISA).
-  const bool tiles = vnni && tier == Tier::Amx && D % 32 == 0 && k.stride(2) == 1 && v.stride(2) == 1 && amx_tiles_usable();
+  const bool tiles =
+      vnni && tier == Tier::Amx && D % 32 == 0 && k.stride(2) == 1 && v.stride(2) == 1 && amx_tiles_usable();
   // On tiles, key blocks no wider than the longest segment needs, so that short segments' score
   // rows lie close together (in-process A/B, 2 threads of an AMX Xeon: 1.18x at 8 segments of 104,
   // 1.06x causal with segments up to 600).
