@@ -54,9 +54,9 @@ constexpr int64_t kTileK = std::is_same_v<T, bf16> ? kKeyPad : 1;  // P V's redu
 // block over 16 row tiles and the per-call cost is spread over 16x more work (on a 2-core AMX Xeon,
 // one long segment ran at 0.84-0.93x eager SDPA with these against 0.74-0.84x with 64 x 256; about
 // 1 MB of scratch per thread; on oneDNN's AVX-512-BF16 brgemm, a Zen 5-class EPYC, 64-256 rows x
-// 256-1024 keys were level within noise, and on a Zen 4 EPYC too: 64-256 x 256-1024 within 0.94-1.04x
-// of 256 x 512 at 16 x 784 x 64, 8 segments of 104 x 20 heads, 12 x 1280 x 128). fp32: 64 x 256, whose 64 KB score block fits a 512 KB L2
-// (Zen 3, where it was measured).
+// 256-1024 keys were level within noise, and on a Zen 4 EPYC too: 64-256 x 256-1024 within
+// 0.94-1.04x of 256 x 512 at 16 x 784 x 64, 8 segments of 104 x 20 heads, 12 x 1280 x 128). fp32:
+// 64 x 256, whose 64 KB score block fits a 512 KB L2 (Zen 3, where it was measured).
 template <typename T>
 constexpr int64_t kBQ = std::is_same_v<T, bf16> ? 256 : 64;
 template <typename T>
