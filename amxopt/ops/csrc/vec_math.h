@@ -1,6 +1,6 @@
-// Vector math shared by the kernels of every ISA build (vec_kernels.h, avx512_bf16.h): the exp of the
-// softmax and the epilogue activations. Internal linkage, so builds with different flags never share
-// a definition at link time.
+// Vector math shared by the kernels of every ISA build (vec_kernels.h, gemm_avx512_bf16.cpp): the
+// exp of the softmax and the epilogue activations. Internal linkage, so builds with different flags
+// never share a definition at link time.
 //
 // exp (exp_fast): e^x = 2^n * e^r with n = round(x log2 e) and r = x - n ln 2 in [-ln2 / 2, ln2 / 2]
 // (ln 2 in two parts, so r is exact to fp32 rounding for every x); e^r by a degree-5 polynomial (a
