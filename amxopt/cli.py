@@ -51,7 +51,9 @@ def _cmd_info(args) -> int:
         return 0
     for tier in native.TIERS:
         ok, why = native.tier_supported(tier)
-        print(f"tier {tier:<12} {'runs here' if ok else 'skipped: ' + why}")
+        emulated = " on software tiles (AMXOPT_EMULATE_AMX=1: for tests, many times slower)"
+        where = emulated if tier == "amx" and ok and native.amx_emulated() else ""
+        print(f"tier {tier:<12} {'runs here' + where if ok else 'skipped: ' + why}")
     tier = native.active_tier()
     print(
         f"active tier: {tier}; vector ISA of epilogues and norms: {native.vec_isa()}; "

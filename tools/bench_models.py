@@ -243,6 +243,7 @@ def main() -> None:
         help="skip torch.compile (its first call takes minutes where bf16 is emulated, e.g. AMD Zen 3)",
     )
     args = parser.parse_args()
+    native.refuse_software_tiles("bench_models")
     without = tuple(p for p in args.without.split(",") if p)
     unknown = [p for p in without if p not in {q.__name__ for q in DEFAULT_PASSES}]
     if unknown:

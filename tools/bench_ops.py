@@ -279,6 +279,7 @@ def main() -> None:
         "so that each call reads its weight from memory as in a real model",
     )
     args = parser.parse_args()
+    native.refuse_software_tiles("bench_ops")
 
     providers = variants()
     peak = measured_peak("avx512_bf16")

@@ -45,6 +45,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "norm.cpp": (),
     "glue.cpp": (),
     "conv.cpp": (),
+    "amx_emulated.cpp": (),
     "vec_default.cpp": ("-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"),
     "vec_avx2.cpp": _AVX2,
     "vec_avx512.cpp": _AVX512_VEC,

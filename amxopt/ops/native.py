@@ -54,7 +54,10 @@ def cpu_model() -> str:
 
 
 def tier_supported(tier: str) -> tuple[bool, str]:
-    """Whether this CPU runs ``tier``, and if not, which flags it lacks."""
+    """Whether this CPU runs ``tier`` (the amx tier also on software tiles, see :func:`amx_emulated`), and if
+    not, which flags it lacks."""
+    if tier == "amx" and os.environ.get("AMXOPT_EMULATE_AMX") == "1" and load()[0] and amx_emulated():
+        return True, ""
     missing = [f for f in TIER_FLAGS[tier] if f not in cpu_flags()]
     return (not missing, f"CPU lacks {', '.join(missing)}" if missing else "")
 
@@ -95,6 +98,25 @@ def vec_isa() -> str:
     """The vector ISA of the drivers' epilogues, norms and softmax: ``avx512_bf16`` (AVX-512 with one-instruction
     bf16 rounding), ``avx512``, ``avx2`` or ``default``."""
     return _ops().vec_isa()
+
+
+def amx_emulated() -> bool:
+    """Whether the amx tier runs its tile kernel on software tiles: ``AMXOPT_EMULATE_AMX=1`` on a CPU with
+    AVX-512-BF16 and without AMX (read once per process). For tests: the amx tier's drivers and tile
+    kernel checked on CPUs without AMX, many times slower than on AMX tiles. An error on a CPU without
+    AVX-512-BF16, which the amx tier's other kernels need."""
+    return _ops().amx_emulated()
+
+
+def refuse_software_tiles(tool: str) -> None:
+    """Raise where the amx tier runs on software tiles: a benchmark's times would say nothing of AMX."""
+    if os.environ.get("AMXOPT_EMULATE_AMX") == "1" and load()[0] and amx_emulated():
+        raise RuntimeError(f"{tool}: AMXOPT_EMULATE_AMX=1 runs the amx tier on software tiles (for tests); unset it")
+
+
+def amx_emulated_blocks() -> int:
+    """How many 32-column blocks the software tiles have multiplied in this process."""
+    return _ops().amx_emulated_blocks()
 
 
 def gemm_engine(tier: str, rows: int) -> str:

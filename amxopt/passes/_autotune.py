@@ -22,8 +22,8 @@ FFN-down linear ran at 0.99x ATen by the best samples, 1.22x by the means. The p
 node, with the timings as its reason, when ATen wins.
 
 Decisions are cached on disk (``AmxConfig.autotune_cache``, default ``~/.cache/amxopt``), keyed by
-the CPU model, torch version, the kernels' build fingerprint, this rule, the active tier and the
-op's shapes, so a second ``optimize()`` of the same model times nothing.
+the CPU model, torch version, the kernels' build fingerprint (and whether AMX tiles are emulated),
+this rule, the active tier and the op's shapes, so a second ``optimize()`` of the same model times nothing.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def describe(*tensors) -> str:
 @functools.cache
 def _context() -> str:
     path = build.library_path()
-    return f"{native.cpu_model()}|torch {torch.__version__}|kernels {path.parent.name}"
+    tiles = "|software AMX tiles" if native.amx_emulated() else ""  # their timings say nothing of AMX's
+    return f"{native.cpu_model()}|torch {torch.__version__}|kernels {path.parent.name}{tiles}"
 
 
 def _cache_file(config: AmxConfig) -> pathlib.Path:

@@ -109,6 +109,55 @@ def test_vector_tables_of_smaller_cpus_pass_the_op_tests(isa):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
 
+def _skip_unless_tiles_can_be_emulated() -> None:
+    if native.cpu_tier() == "amx":
+        pytest.skip("this CPU has AMX: the amx tier's tests run on its own tiles")
+    if native.cpu_tier() != "avx512_bf16":
+        pytest.skip("the amx tier needs AVX-512-BF16 besides the tiles, even on software tiles; this CPU lacks it")
+
+
+def test_amx_tier_on_software_tiles_passes_the_op_and_model_tests():
+    # AMXOPT_EMULATE_AMX=1 (read once per process) makes the amx tier run on a CPU without AMX, its tile
+    # kernel on software tiles: the tier's drivers and the kernel's addressing are tested here too.
+    _skip_unless_tiles_can_be_emulated()
+    code = (
+        "import torch\n"
+        "from amxopt.ops import native\n"
+        "assert native.cpu_tier() == 'amx' and native.amx_emulated()\n"
+        "assert native.tier_supported('amx') == (True, '')\n"
+        "x, w = torch.randn(100, 64).bfloat16(), torch.randn(96, 64).bfloat16()\n"
+        "y = torch.ops.amxopt.linear(x, torch.ops.amxopt.pack_linear_weight(w), None, 'none', 96)\n"
+        "torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=0.1, rtol=0.02)\n"
+        # 4 row tiles (the last one padded: 16 rows on the 16-row kernel) x 3 column blocks
+        "assert native.amx_emulated_blocks() == 12, native.amx_emulated_blocks()\n"
+    )
+    _run_in_fresh_process(code, AMXOPT_EMULATE_AMX="1")
+    tests = pathlib.Path(__file__).parent
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "native-amx"]
+    cmd += [str(tests / "test_ops.py"), str(tests / "test_glue_ops.py")]
+    cmd += [str(tests.parent / "models" / f) for f in ("test_equivalence.py", "test_model_properties.py")]
+    done = subprocess.run(
+        cmd, env=dict(os.environ, AMXOPT_EMULATE_AMX="1"), capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+
+def test_software_tiles_refused_where_the_amx_tier_cannot_run():
+    if native.cpu_tier() != "fp32":
+        pytest.skip(f"this CPU runs the {native.cpu_tier()} tier; the refusal is for CPUs without AVX-512-BF16")
+    code = (
+        "try:\n"
+        "    from amxopt.ops import native\n"
+        "    native.amx_emulated()\n"
+        "except Exception as e:\n"
+        "    assert 'AMXOPT_EMULATE_AMX=1: the amx tier needs AVX-512-BF16' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('software tiles accepted without AVX-512-BF16')\n"
+    )
+    _run_in_fresh_process(code, AMXOPT_EMULATE_AMX="1")
+
+
 def test_without_the_native_library_every_op_runs_the_reference():
     # Where the C++ library cannot load, Python registers the reference as the ops' CPU kernels.
     code = (

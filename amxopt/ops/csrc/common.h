@@ -189,7 +189,10 @@ extern const VecKernels kVecAvx512Bf16;  // vec_avx512_bf16.cpp (the same + AVX5
 enum class Tier : int { Fp32 = 0, Avx512Bf16 = 1, Amx = 2 };
 const char* tier_name(Tier t);
 Tier parse_tier(const std::string& name);
-Tier cpu_tier();       // the best tier this CPU runs
+Tier cpu_tier();       // the best tier this CPU runs (amx also where amx_emulated())
+// AMXOPT_EMULATE_AMX=1 (read once) on a CPU with AVX-512-BF16 and without AMX: the amx tier runs, its
+// tile kernel on software tiles (amx_emulated.cpp). For the tests; an error on a CPU without AVX-512-BF16.
+bool amx_emulated();
 Tier active_tier();    // min(cpu_tier(), the cap set by set_max_tier)
 void set_max_tier(Tier t);
 const VecKernels& vec();  // the widest vector ISA this CPU runs
@@ -237,6 +240,13 @@ void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, fl
 // The same for 16 rows: acc rows 0-15 only.
 void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc = 32,
                     bool accumulate = false, OverlappedEpilogue* pending = nullptr);
+// The same two blocks on software tiles (amx_emulated.cpp), which the two above run instead when
+// amx_emulated(); and how many blocks they have run in this process (for the tests).
+void amx_emulated_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc,
+                        bool accumulate, OverlappedEpilogue* pending);
+void amx_emulated_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc,
+                        bool accumulate, OverlappedEpilogue* pending);
+int64_t amx_emulated_blocks();
 
 // --- drivers shared between translation units -----------------------------------------------------
 // conv.cpp: amxopt.conv2d computed directly, into a channels-last output, where Cin x kh x kw <=

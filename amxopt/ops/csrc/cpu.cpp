@@ -23,18 +23,40 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
-Tier detect_tier() {
-  if (!has_avx512() || !__builtin_cpu_supports("avx512bf16")) return Tier::Fp32;
+bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+
+bool has_amx() {
   // oneDNN packs bf16 for brgemm only where it will run it on AMX tiles.
-  if (__builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") && at::cpu::init_amx() &&
-      at::native::cpublas::could_pack(at::kBFloat16))
-    return Tier::Amx;
-  return Tier::Avx512Bf16;
+  static const bool ok = has_avx512_bf16() && __builtin_cpu_supports("amx-bf16") &&
+                         __builtin_cpu_supports("amx-tile") && at::cpu::init_amx() &&
+                         at::native::cpublas::could_pack(at::kBFloat16);
+  return ok;
+}
+
+Tier detect_tier() {
+  if (has_amx() || amx_emulated()) return Tier::Amx;
+  return has_avx512_bf16() ? Tier::Avx512Bf16 : Tier::Fp32;
 }
 
 std::atomic<int> max_tier{int(Tier::Amx)};
 
 }  // namespace
+
+bool amx_emulated() {
+  static const bool on = [] {
+    const char* env = std::getenv("AMXOPT_EMULATE_AMX");
+    const std::string value = env ? env : "";
+    TORCH_CHECK_VALUE(value.empty() || value == "0" || value == "1", "AMXOPT_EMULATE_AMX=", value,
+                      ": not 0 or 1");
+    if (value != "1" || has_amx()) return false;  // an AMX CPU runs its own tiles
+    // The amx tier also runs the AVX-512-BF16 kernels (M = 1, the vector tables): emulating the
+    // tiles alone cannot make a CPU without them run it.
+    TORCH_CHECK_VALUE(has_avx512_bf16(), "AMXOPT_EMULATE_AMX=1: the amx tier needs AVX-512-BF16 besides the tiles, ",
+                      "and this CPU lacks it (its best tier is fp32)");
+    return true;
+  }();
+  return on;
+}
 
 const char* tier_name(Tier t) {
   switch (t) {
@@ -68,7 +90,7 @@ void set_max_tier(Tier t) { max_tier.store(int(t)); }
 const VecKernels& vec() {
   static const VecKernels& k = []() -> const VecKernels& {
     const VecKernels* tables[] = {&kVecAvx512Bf16, &kVecAvx512, &kVecAvx2, &kVecDefault};
-    const bool usable[] = {has_avx512() && __builtin_cpu_supports("avx512bf16"), has_avx512(),
+    const bool usable[] = {has_avx512_bf16(), has_avx512(),
                            __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), true};
     const char* cap = std::getenv("AMXOPT_VEC_ISA");
     bool capped = cap == nullptr;
