@@ -48,13 +48,17 @@ at::Tensor gated_residual_native(const at::Tensor& x, const at::Tensor& y, const
   const OperandRows xr(x), yr(y), g = OperandRows::broadcast(gate, x.sizes(), D);
   const auto& v = vec();
   const bool bf = x.scalar_type() == at::kBFloat16;
+  // The output's base once: data_ptr<T>() checks the tensor at each call, which per 64-wide row cost
+  // rotary at 784 x 16 x 64 a quarter of its time (194-229 us against 145-158 us, 2 threads of an AMD
+  // EPYC Zen 4).
+  void* o = out.data_ptr();
   at::parallel_for(0, x.numel() / D, 16, [&](int64_t r0, int64_t r1) {
     LeadingIndex i(x.sizes(), r0);
     for (int64_t r = r0; r < r1; ++r, i.next()) {
       if (bf)
-        v.residual_bf16(xr.at<bf16>(i), yr.at<bf16>(i), g.at<float>(i), out.data_ptr<bf16>() + r * D, D);
+        v.residual_bf16(xr.at<bf16>(i), yr.at<bf16>(i), g.at<float>(i), static_cast<bf16*>(o) + r * D, D);
       else
-        v.residual_f32(xr.at<float>(i), yr.at<float>(i), g.at<float>(i), out.data_ptr<float>() + r * D, D);
+        v.residual_f32(xr.at<float>(i), yr.at<float>(i), g.at<float>(i), static_cast<float*>(o) + r * D, D);
     }
   });
   return out;
@@ -69,14 +73,15 @@ at::Tensor rotary_native(const at::Tensor& x, const at::Tensor& cos, const at::T
   const auto c = OperandRows::broadcast(cos, x.sizes(), width), s = OperandRows::broadcast(sin, x.sizes(), width);
   const auto& v = vec();
   const bool bf = x.scalar_type() == at::kBFloat16;
+  void* o = out.data_ptr();
   at::parallel_for(0, x.numel() / D, 16, [&](int64_t r0, int64_t r1) {
     LeadingIndex i(x.sizes(), r0);
     for (int64_t r = r0; r < r1; ++r, i.next()) {
       if (bf)
-        v.rotary_bf16(xr.at<bf16>(i), out.data_ptr<bf16>() + r * D, D, c.at<float>(i), s.at<float>(i), hi,
+        v.rotary_bf16(xr.at<bf16>(i), static_cast<bf16*>(o) + r * D, D, c.at<float>(i), s.at<float>(i), hi,
                       interleaved);
       else
-        v.rotary_f32(xr.at<float>(i), out.data_ptr<float>() + r * D, D, c.at<float>(i), s.at<float>(i), hi,
+        v.rotary_f32(xr.at<float>(i), static_cast<float*>(o) + r * D, D, c.at<float>(i), s.at<float>(i), hi,
                      interleaved);
     }
   });

@@ -26,6 +26,8 @@ at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& wei
   const auto& v = vec();
   const bool bf = x.scalar_type() == at::kBFloat16;
   const int64_t ld = x2.stride(0);
+  const void* xp = x2.data_ptr();  // the bases once, not per row (glue.cpp)
+  void* yp = y.data_ptr();
   at::parallel_for(0, x2.size(0), 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(D);
     // Unmodulated: the chunk at once; modulated: row by row, each with its scale and shift rows.
@@ -35,11 +37,11 @@ at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& wei
       const float* s = sc ? sc->at<float>(i) : nullptr;
       const float* t = sh ? sh->at<float>(i) : nullptr;
       if (bf)
-        v.norm_bf16(x2.data_ptr<bf16>() + r * ld, ld, y.data_ptr<bf16>() + r * D, step, D, w, b, s, t, float(eps),
-                    rms, buf.data());
+        v.norm_bf16(static_cast<const bf16*>(xp) + r * ld, ld, static_cast<bf16*>(yp) + r * D, step, D, w, b, s, t,
+                    float(eps), rms, buf.data());
       else
-        v.norm_f32(x2.data_ptr<float>() + r * ld, ld, y.data_ptr<float>() + r * D, step, D, w, b, s, t, float(eps),
-                   rms, buf.data());
+        v.norm_f32(static_cast<const float*>(xp) + r * ld, ld, static_cast<float*>(yp) + r * D, step, D, w, b, s, t,
+                   float(eps), rms, buf.data());
     }
   });
   return y;
