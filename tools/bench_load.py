@@ -169,6 +169,7 @@ def main() -> None:
     from amxopt import models
     from amxopt.ops import native
 
+    native.refuse_software_tiles("bench_load")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {native.cpu_model()}, tier {native.active_tier()}"
     )

@@ -74,7 +74,13 @@ def _run_in_fresh_process(code: str, **env: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.skipif(native.cpu_tier() != "amx", reason=f"needs an AMX CPU (best tier here: {native.cpu_tier()})")
+_SOFTWARE_TILES = native.amx_emulated()
+
+
+@pytest.mark.skipif(
+    native.cpu_tier() != "amx" or _SOFTWARE_TILES,
+    reason=f"needs an AMX CPU (best tier here: {native.cpu_tier()}{' on software tiles' if _SOFTWARE_TILES else ''})",
+)
 def test_onednn_capped_below_amx_runs_the_avx512_tier():
     # oneDNN reads ONEDNN_MAX_CPU_ISA once per process: run the check in a fresh one.
     code = (
@@ -110,13 +116,15 @@ def test_vector_tables_of_smaller_cpus_pass_the_op_tests(isa):
 
 
 def _skip_unless_tiles_can_be_emulated() -> None:
+    if _SOFTWARE_TILES:
+        pytest.skip("AMXOPT_EMULATE_AMX=1 is set for this run: the amx tier already runs on software tiles here")
     if native.cpu_tier() == "amx":
         pytest.skip("this CPU has AMX: the amx tier's tests run on its own tiles")
     if native.cpu_tier() != "avx512_bf16":
         pytest.skip("the amx tier needs AVX-512-BF16 besides the tiles, even on software tiles; this CPU lacks it")
 
 
-def test_amx_tier_on_software_tiles_passes_the_op_and_model_tests():
+def test_amx_tier_on_software_tiles_passes_the_op_and_equivalence_tests():
     # AMXOPT_EMULATE_AMX=1 (read once per process) makes the amx tier run on a CPU without AMX, its tile
     # kernel on software tiles: the tier's drivers and the kernel's addressing are tested here too.
     _skip_unless_tiles_can_be_emulated()
@@ -130,15 +138,26 @@ def test_amx_tier_on_software_tiles_passes_the_op_and_model_tests():
         "torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=0.1, rtol=0.02)\n"
         # 4 row tiles (the last one padded: 16 rows on the 16-row kernel) x 3 column blocks
         "assert native.amx_emulated_blocks() == 12, native.amx_emulated_blocks()\n"
+        # attention's tile path (head dim 64): both block GEMMs on the software tiles
+        "q, k, v = torch.randn(90, 4, 64).bfloat16(), torch.randn(90, 2, 64).bfloat16(), torch.randn(90, 2, 64).bfloat16()\n"
+        "cu = torch.tensor([0, 40, 90], dtype=torch.int32)\n"
+        "args = (q, k, v, cu, cu, 50, 50, 0.125, True)\n"
+        "o = torch.ops.amxopt.varlen_attention(*args)\n"
+        "assert native.amx_emulated_blocks() > 12, native.amx_emulated_blocks()\n"
+        "ref = torch.ops.amxopt.varlen_attention(*args, provider='reference')\n"
+        "torch.testing.assert_close(o.float(), ref.float(), atol=0.03, rtol=0.02)\n"
     )
     _run_in_fresh_process(code, AMXOPT_EMULATE_AMX="1")
     tests = pathlib.Path(__file__).parent
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", "native-amx"]  # with its summary line
-    cmd += [str(tests / "test_ops.py"), str(tests / "test_glue_ops.py")]
-    cmd += [str(tests.parent / "models" / f) for f in ("test_equivalence.py", "test_model_properties.py")]
-    done = subprocess.run(
-        cmd, env=dict(os.environ, AMXOPT_EMULATE_AMX="1"), capture_output=True, text=True, timeout=900
-    )
+    # Its own options (not pyproject's -q, nor PYTEST_ADDOPTS), so that its last line is the summary.
+    cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-k", "native-amx"]
+    cmd += [
+        str(tests / "test_ops.py"),
+        str(tests / "test_glue_ops.py"),
+        str(tests.parent / "models" / "test_equivalence.py"),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    done = subprocess.run(cmd, env=dict(env, AMXOPT_EMULATE_AMX="1"), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "skipped" not in summary, done.stdout[-2000:]

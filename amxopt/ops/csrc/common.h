@@ -221,7 +221,8 @@ struct OverlappedEpilogue {
   }
   void finish() { run(rows - done); }
 };
-// Whether this process may use AMX tiles (an AMX CPU, and Linux granted the tile state).
+// Whether this process may use AMX tiles (an AMX CPU, and Linux granted the tile state; or software
+// tiles, where amx_emulated()).
 bool amx_tiles_usable();
 // Scope of one thread's use of amx_tile_32x32: loads its tile configuration (after making ATen's
 // brgemm forget its own), releases the tiles at the end.

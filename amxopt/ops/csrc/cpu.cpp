@@ -3,6 +3,8 @@
 // Read once from CPUID (through the compiler's __builtin_cpu_supports, which also checks that the OS
 // saves the registers); AMX additionally needs the kernel's permission for the tile state, which
 // at::cpu::init_amx() requests (arch_prctl), as oneDNN would on its first AMX kernel.
+// AMXOPT_EMULATE_AMX=1 makes a CPU with AVX-512-BF16 and without usable AMX run the amx tier too,
+// its tile kernel on software tiles (amx_emulated.cpp): for the tests.
 #include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
 
@@ -34,7 +36,8 @@ bool has_amx() {
 }
 
 Tier detect_tier() {
-  if (has_amx() || amx_emulated()) return Tier::Amx;
+  const bool emulated = amx_emulated();  // first, so that a bad AMXOPT_EMULATE_AMX fails on every CPU
+  if (has_amx() || emulated) return Tier::Amx;
   return has_avx512_bf16() ? Tier::Avx512Bf16 : Tier::Fp32;
 }
 
@@ -48,7 +51,7 @@ bool amx_emulated() {
     const std::string value = env ? env : "";
     TORCH_CHECK_VALUE(value.empty() || value == "0" || value == "1", "AMXOPT_EMULATE_AMX=", value,
                       ": not 0 or 1");
-    if (value != "1" || has_amx()) return false;  // an AMX CPU runs its own tiles
+    if (value != "1" || has_amx()) return false;  // where the CPU's tiles are usable, they run
     // The amx tier also runs the AVX-512-BF16 kernels (M = 1, the vector tables): emulating the
     // tiles alone cannot make a CPU without them run it.
     TORCH_CHECK_VALUE(has_avx512_bf16(), "AMXOPT_EMULATE_AMX=1: the amx tier needs AVX-512-BF16 besides the tiles, ",

@@ -72,13 +72,15 @@ AmxTiles::~AmxTiles() {
 
 void amx_tile_32x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc,
                     bool accumulate, OverlappedEpilogue* pending) {
-  if (amx_emulated()) return amx_emulated_32x32(A, lda, panel, K, acc, ldc, accumulate, pending);
+  static const bool emulated = amx_emulated();  // a load and a branch per block, no call
+  if (emulated) return amx_emulated_32x32(A, lda, panel, K, acc, ldc, accumulate, pending);
   tile_block<32>(A, lda, panel, K, acc, ldc, accumulate, pending);
 }
 
 void amx_tile_16x32(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float* acc, int64_t ldc,
                     bool accumulate, OverlappedEpilogue* pending) {
-  if (amx_emulated()) return amx_emulated_16x32(A, lda, panel, K, acc, ldc, accumulate, pending);
+  static const bool emulated = amx_emulated();
+  if (emulated) return amx_emulated_16x32(A, lda, panel, K, acc, ldc, accumulate, pending);
   tile_block<16>(A, lda, panel, K, acc, ldc, accumulate, pending);
 }
 
