@@ -56,7 +56,7 @@ def cpu_model() -> str:
 def tier_supported(tier: str) -> tuple[bool, str]:
     """Whether this CPU runs ``tier`` (the amx tier also on software tiles, see :func:`amx_emulated`), and if
     not, which flags it lacks."""
-    if tier == "amx" and os.environ.get("AMXOPT_EMULATE_AMX") == "1" and load()[0] and amx_emulated():
+    if tier == "amx" and _software_tiles():
         return True, ""
     missing = [f for f in TIER_FLAGS[tier] if f not in cpu_flags()]
     return (not missing, f"CPU lacks {', '.join(missing)}" if missing else "")
@@ -108,9 +108,14 @@ def amx_emulated() -> bool:
     return _ops().amx_emulated()
 
 
+def _software_tiles() -> bool:
+    """:func:`amx_emulated`, without loading the library where the environment does not ask for it."""
+    return os.environ.get("AMXOPT_EMULATE_AMX") == "1" and load()[0] and amx_emulated()
+
+
 def refuse_software_tiles(tool: str) -> None:
     """Raise where the amx tier runs on software tiles: a benchmark's times would say nothing of AMX."""
-    if os.environ.get("AMXOPT_EMULATE_AMX") == "1" and load()[0] and amx_emulated():
+    if _software_tiles():
         raise RuntimeError(f"{tool}: AMXOPT_EMULATE_AMX=1 runs the amx tier on software tiles (for tests); unset it")
 
 
