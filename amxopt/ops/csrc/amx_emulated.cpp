@@ -32,26 +32,19 @@ void tile_store(int t, void* base, int64_t stride) {
   for (int r = 0; r < 16; ++r) std::memcpy(static_cast<char*>(base) + r * stride, tiles.bytes[t][r], 64);
 }
 
-float bf16_bits_to_float(uint16_t h) {
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // C (16 x 16 fp32) += A (16 rows x 16 k pairs) x B (16 k pairs x 16 columns x 2).
 void tile_dot(int c, int a, int b) {
   float C[16][16];
-  uint16_t A[16][32], B[16][32];
+  bf16 A[16][32], B[16][32];
   std::memcpy(C, tiles.bytes[c], sizeof(C));
   std::memcpy(A, tiles.bytes[a], sizeof(A));
   std::memcpy(B, tiles.bytes[b], sizeof(B));
   for (int m = 0; m < 16; ++m)
     for (int k = 0; k < 16; ++k) {
-      const float a0 = bf16_bits_to_float(A[m][2 * k]), a1 = bf16_bits_to_float(A[m][2 * k + 1]);
+      const float a0 = float(A[m][2 * k]), a1 = float(A[m][2 * k + 1]);
       for (int n = 0; n < 16; ++n) {
-        C[m][n] += a0 * bf16_bits_to_float(B[k][2 * n]);
-        C[m][n] += a1 * bf16_bits_to_float(B[k][2 * n + 1]);
+        C[m][n] += a0 * float(B[k][2 * n]);
+        C[m][n] += a1 * float(B[k][2 * n + 1]);
       }
     }
   std::memcpy(tiles.bytes[c], C, sizeof(C));

@@ -395,7 +395,6 @@ std::string cpu_tier_name() { return tier_name(cpu_tier()); }
 std::string active_tier_name() { return tier_name(active_tier()); }
 void set_max_tier_name(c10::string_view name) { set_max_tier(parse_tier(std::string(name))); }
 std::string vec_isa() { return vec().isa; }
-bool amx_emulated_op() { return amx_emulated(); }
 std::string gemm_engine_name(c10::string_view tier, int64_t rows) {
   return gemm_engine(parse_tier(std::string(tier)), rows);
 }
@@ -424,7 +423,7 @@ TORCH_LIBRARY(amxopt_native, m) {
   m.def("active_tier() -> str", &amxopt::active_tier_name);
   m.def("set_max_tier(str tier) -> ()", &amxopt::set_max_tier_name);
   m.def("vec_isa() -> str", &amxopt::vec_isa);
-  m.def("amx_emulated() -> bool", &amxopt::amx_emulated_op);
+  m.def("amx_emulated() -> bool", &amxopt::amx_emulated);
   m.def("amx_emulated_blocks() -> int", &amxopt::amx_emulated_blocks);
   m.def("gemm_engine(str tier, int rows) -> str", &amxopt::gemm_engine_name);
   m.def("attention_engine(str tier, bool bf16) -> str", &amxopt::attention_engine_name);
