@@ -113,8 +113,24 @@ def timed(fn, inputs) -> tuple[object, float]:
     return out, time.perf_counter() - t
 
 
+def in_schedule(fn, schedule: str):
+    """``fn`` run with the amx tier's tile GEMM in ``schedule``."""
+
+    def run(**inputs):
+        with native.use_amx_schedule(schedule):
+            return fn(**inputs)
+
+    return run
+
+
 def bench_model(
-    name: str, size, repeats: int, with_compile: bool = True, without: tuple[str, ...] = (), autotune_off: bool = False
+    name: str,
+    size,
+    repeats: int,
+    with_compile: bool = True,
+    without: tuple[str, ...] = (),
+    autotune_off: bool = False,
+    other_schedule: bool = False,
 ) -> dict:
     print(f"\n## {name}: {DEFAULT_MODELS.get(name, (None, ''))[1]}", flush=True)
     fp32 = models.build_model(name, torch.float32)
@@ -146,6 +162,11 @@ def bench_model(
         if autotune_off:  # every rewrite kept: what autotune's choices add or cost, measured in this run
             every = amxopt.optimize(bf16, x16, amxopt.AmxConfig(keep_source=True, autotune=False))
             variants["amxopt bf16, autotune off"] = (every, x16)
+        if other_schedule:  # the amx tier's other GEMM schedule, optimized (autotuned) and run in it
+            schedule = next(s for s in native.AMX_SCHEDULES if s != native.amx_schedule())
+            with native.use_amx_schedule(schedule):
+                other = amxopt.optimize(bf16, x16, amxopt.AmxConfig(keep_source=True))
+            variants[f"amxopt bf16, {schedule} schedule"] = (in_schedule(other, schedule), x16)
         outputs = {}
         for label, (fn, inputs) in variants.items():  # warm-up (and torch.compile's compilation)
             outputs[label], secs = timed(fn, inputs)
@@ -242,8 +263,18 @@ def main() -> None:
         action="store_false",
         help="skip torch.compile (its first call takes minutes where bf16 is emulated, e.g. AMD Zen 3)",
     )
+    parser.add_argument(
+        "--other-schedule",
+        action="store_true",
+        help="also run amxopt with the amx tier's other GEMM schedule (AMXOPT_AMX_SCHEDULE), interleaved; "
+        "model rows only, AMX CPUs only",
+    )
     args = parser.parse_args()
     native.refuse_software_tiles("bench_models")
+    if args.other_schedule and native.active_tier() != "amx":
+        parser.error(
+            f"--other-schedule: the GEMM schedules order the amx tier, and this CPU runs {native.active_tier()}"
+        )
     without = tuple(p for p in args.without.split(",") if p)
     unknown = [p for p in without if p not in {q.__name__ for q in DEFAULT_PASSES}]
     if unknown:
@@ -254,7 +285,7 @@ def main() -> None:
     else:
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {native.cpu_model()}, "
-            f"amxopt tier {native.active_tier()}",
+            f"amxopt tier {native.active_tier()}, AMX GEMM schedule {native.amx_schedule()}",
             flush=True,
         )
         name = names[0]
@@ -269,6 +300,7 @@ def main() -> None:
                     args.with_compile,
                     without,
                     args.autotune_off,
+                    args.other_schedule,
                 )
             ]
     if args.json:

@@ -80,11 +80,14 @@ def measured_peak(tier: str) -> float | None:
 
 
 def variants() -> list[str]:
-    """What runs against eager: the reference, native at every tier this CPU runs (``native[fp32]``), and
-    SGLang's kernels where the ``sgl_kernel`` provider is usable."""
+    """What runs against eager: the reference, native at every tier this CPU runs (``native[fp32]``), the
+    amx tier's other GEMM schedule (``native[amx/rows]``, GEMM cases only) where AMX runs, and SGLang's
+    kernels where the ``sgl_kernel`` provider is usable."""
     labels = ["reference"]
     if available_providers()["native"][0]:
         labels += [f"native[{t}]" for t in native.TIERS if native.tier_supported(t)[0]]
+        if native.tier_supported("amx")[0]:
+            labels += [f"native[amx/{s}]" for s in native.AMX_SCHEDULES if s != native.amx_schedule()]
     if available_providers()["sgl_kernel"][0]:
         labels.append("sgl_kernel")
     return labels
@@ -94,14 +97,20 @@ def provider_of(label: str) -> str:
     return label.split("[")[0]
 
 
+def without_schedules(labels: list[str]) -> list[str]:
+    """The variants of ops that do not run the GEMM engine (the schedule changes nothing there)."""
+    return [label for label in labels if "/" not in label]
+
+
 def at_tier(label: str, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` run with the native tier capped as ``label`` says (uncapped for the CPU's best tier)."""
-    tier = label[label.index("[") + 1 : -1] if "[" in label else None
-    if tier is None or tier == native.cpu_tier():
+    """``fn`` run with the native tier capped as ``label`` says (uncapped for the CPU's best tier), and in
+    the amx GEMM schedule it names after a slash."""
+    tier, _, schedule = label[label.index("[") + 1 : -1].partition("/") if "[" in label else (None, "", "")
+    if (tier is None or tier == native.cpu_tier()) and not schedule:
         return fn
 
     def run():
-        with native.max_tier(tier):
+        with native.max_tier(tier), native.use_amx_schedule(schedule or native.amx_schedule()):
             return fn()
 
     return run
@@ -287,16 +296,16 @@ def main() -> None:
     amx_label = f"measured now: {amx_limit}" if amx_limit else f"quoted (no AMX here): {AMX_PEAK_QUOTED}"
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; cpu {native.cpu_model()}; "
-        f"best tier {native.cpu_tier()}; variants {providers}; "
+        f"best tier {native.cpu_tier()}, AMX GEMM schedule {native.amx_schedule()}; variants {providers}; "
         f"AVX-512-BF16 limit measured now: {peak if peak else 'n/a'} TFLOP/s; AMX limit {amx_label} TFLOP/s"
     )
     amx_limit = amx_limit or AMX_PEAK_QUOTED
     cases = (
         linear_cases(providers, args.cold)
-        + attention_cases(providers)
+        + attention_cases(without_schedules(providers))
         + patch_embed_cases(providers)
         + conv2d_cases(providers)
-        + norm_cases(providers)
+        + norm_cases(without_schedules(providers))
     )
     cases = [c for c in cases if args.only in (None, c.op)]
     results = []
@@ -340,6 +349,7 @@ def main() -> None:
         meta = dict(
             cpu=native.cpu_model(),
             tier=native.cpu_tier(),
+            amx_schedule=native.amx_schedule(),
             torch=torch.__version__,
             threads=torch.get_num_threads(),
             avx512_bf16_peak_tflops=peak,

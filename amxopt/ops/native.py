@@ -74,6 +74,7 @@ def load() -> tuple[bool, str]:
     except Exception as e:  # noqa: BLE001 - any build/load failure means "run the reference"
         logger.warning("amxopt: native kernels unavailable, every op runs the reference: %s", e)
         return False, f"C++ kernels did not build/load: {str(e).strip().splitlines()[-1][:200]}"
+    amx_schedule()  # read once, like the tier: a bad AMXOPT_AMX_SCHEDULE fails here, on every CPU
     return True, f"amxopt C++ kernels, best tier here: {cpu_tier()}"
 
 
@@ -122,6 +123,29 @@ def refuse_software_tiles(tool: str) -> None:
 def amx_emulated_blocks() -> int:
     """How many 32-column blocks the software tiles have multiplied in this process."""
     return _ops().amx_emulated_blocks()
+
+
+AMX_SCHEDULES = ("groups", "rows")
+
+
+def amx_schedule() -> str:
+    """The order of the amx tier's tile GEMM: ``groups`` (the default) or ``rows`` (each thread its own
+    rows, A packed in K chunks that stay in L1; not yet measured on AMX). ``AMXOPT_AMX_SCHEDULE`` sets
+    it for a process."""
+    return _ops().amx_schedule()
+
+
+@contextlib.contextmanager
+def use_amx_schedule(schedule: str):
+    """Run the amx tier's tile GEMM in ``schedule`` (process-wide), e.g. to compare the two in one process."""
+    if schedule not in AMX_SCHEDULES:
+        raise ValueError(f"amxopt: unknown AMX GEMM schedule {schedule!r}; known: {AMX_SCHEDULES}")
+    previous = amx_schedule()
+    _ops().set_amx_schedule(schedule)
+    try:
+        yield
+    finally:
+        _ops().set_amx_schedule(previous)
 
 
 def gemm_engine(tier: str, rows: int) -> str:

@@ -22,8 +22,9 @@ FFN-down linear ran at 0.99x ATen by the best samples, 1.22x by the means. The p
 node, with the timings as its reason, when ATen wins.
 
 Decisions are cached on disk (``AmxConfig.autotune_cache``, default ``~/.cache/amxopt``), keyed by
-the CPU model, torch version, the kernels' build fingerprint (and whether AMX tiles are emulated),
-this rule, the active tier and the op's shapes, so a second ``optimize()`` of the same model times nothing.
+the CPU model, torch version, the kernels' build fingerprint (and whether AMX tiles are emulated), the
+AMX GEMM schedule where it is not the default, this rule, the active tier and the op's shapes, so a
+second ``optimize()`` of the same model times nothing.
 """
 
 from __future__ import annotations
@@ -194,7 +195,9 @@ def compare(op: str, config: AmxConfig, run_amxopt: Callable[[], object], run_at
     """Time both sides of one rewrite (or read the cached result); ``op`` names kind and shapes."""
     path = _cache_file(config)
     table = _load(path)
-    key = f"{_context()}|{_POLICY}|{native.active_tier()}|{op}"
+    schedule = native.amx_schedule()  # process-wide, and settable: read per lookup
+    order = "" if schedule == "groups" else f"|AMX {schedule} schedule"  # the default keeps its keys
+    key = f"{_context()}{order}|{_POLICY}|{native.active_tier()}|{op}"
     if key in table:
         amx_ms, aten_ms = table[key]
         return Timing(op, amx_ms, aten_ms, cached=True)

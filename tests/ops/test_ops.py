@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from amxopt.ops import ACTIVATIONS, AmxOpError, providers
+from amxopt.ops import ACTIVATIONS, AmxOpError, native, providers
 from tests.strategies import (
     assert_close_dtype,
     linear_cases,
@@ -616,6 +616,47 @@ def test_linear_across_blocking_boundaries(provider, shape, dtype):
     b = torch.randn(n, generator=g).to(dtype)
     out = ops.linear(x, pack(w, provider), b, "gelu_tanh", n, provider)
     assert_close_dtype(out, linear_oracle(x, w, b, "gelu_tanh"), dtype)
+
+
+# The amx tier's Rows schedule (gemm.cpp, gemm_row_chunks): rows in chunks of 16-row units (one per
+# thread at least, 1 MB of packed A at most), 32-row tiles packed in K chunks of 256.
+_ROWS_SCHEDULE_SHAPES = [  # (M, K, N)
+    (64, 160, 33),  # the fewest rows it takes; one K chunk; N one past a panel
+    (277, 544, 300),  # chunks of 144 (a 16-row tile last) + 133 (a 5-row tile); a 32-wide K tail; N past a group
+    (300, 4000, 200),  # three row chunks (1 MB of A each at most); 15 K chunks and a tail of 160
+    (784, 1024, 96),  # Qwen3-VL's rows: two chunks of 384 and 400
+]
+
+
+@pytest.mark.parametrize("shape", _ROWS_SCHEDULE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("provider", ["native-amx"], indirect=True)  # the schedules order the amx tier only
+def test_linear_amx_schedules(provider, shape):
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k + 8, generator=g).to(torch.bfloat16)[:, 8:]  # rows lda = k + 8 apart
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    residual = torch.randn(m, n, generator=g).to(torch.bfloat16)
+    packed = pack(w, provider)
+    blocks = {}
+    for schedule in native.AMX_SCHEDULES:
+        with native.use_amx_schedule(schedule):
+            assert native.amx_schedule() == schedule
+            before = native.amx_emulated_blocks() if native.amx_emulated() else 0
+            act = ops.linear(x, packed, b, "gelu", n, provider)
+            plain = ops.linear(x, packed, None, "none", n, provider, residual=residual)
+            blocks[schedule] = native.amx_emulated_blocks() - before if native.amx_emulated() else 0
+        assert_close_dtype(act, linear_oracle(x, w, b, "gelu"), torch.bfloat16)
+        assert_close_dtype(plain, linear_oracle(x, w, None, "none") + residual.double(), torch.bfloat16)
+    if native.amx_emulated() and k > 256:  # the Rows schedule ran: its blocks are K chunks of 256
+        assert blocks["rows"] > blocks["groups"], blocks
+
+
+def test_amx_schedule_is_checked():
+    with pytest.raises(ValueError, match="unknown AMX GEMM schedule 'cols'"):
+        with native.use_amx_schedule("cols"):
+            pass
+    assert native.amx_schedule() == "groups"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

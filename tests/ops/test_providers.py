@@ -178,6 +178,23 @@ def test_software_tiles_refused_where_the_amx_tier_cannot_run():
     _run_in_fresh_process(code, AMXOPT_EMULATE_AMX="1")
 
 
+def test_amx_schedule_from_the_environment():
+    # AMXOPT_AMX_SCHEDULE (read when the library loads, on every CPU) sets the amx tier's GEMM order.
+    _run_in_fresh_process(
+        "from amxopt.ops import native\nassert native.amx_schedule() == 'rows'", AMXOPT_AMX_SCHEDULE="rows"
+    )
+    code = (
+        "try:\n"
+        "    from amxopt.ops import native\n"
+        "    native.load()\n"
+        "except ValueError as e:\n"
+        "    assert \"unknown AMX GEMM schedule 'cols' (AMXOPT_AMX_SCHEDULE)\" in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('AMXOPT_AMX_SCHEDULE=cols accepted')\n"
+    )
+    _run_in_fresh_process(code, AMXOPT_AMX_SCHEDULE="cols")
+
+
 def test_without_the_native_library_every_op_runs_the_reference():
     # Where the C++ library cannot load, Python registers the reference as the ops' CPU kernels.
     code = (

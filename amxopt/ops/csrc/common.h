@@ -267,6 +267,15 @@ void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>&
                int64_t N, int64_t K, Tier tier);
 // Which engine gemm_bf16 uses for M rows on `tier` (for `amxopt info` and the benches).
 const char* gemm_engine(Tier tier, int64_t M);
+// How the amx tier's tile engine orders its work below the K-blocked sizes (gemm.cpp): Groups (the
+// default) hands out 32-row x 128-column items, column group major, A read in place for the whole K;
+// Rows gives each thread its own rows of A, packed in 32 x 256 chunks that stay in L1 across a
+// column group's 4 panels. Process-wide; AMXOPT_AMX_SCHEDULE (read once) sets the first value.
+enum class AmxSchedule : int { Groups = 0, Rows = 1 };
+const char* amx_schedule_name(AmxSchedule s);
+AmxSchedule parse_amx_schedule(const std::string& name);
+AmxSchedule amx_schedule();
+void set_amx_schedule(AmxSchedule s);
 at::Tensor pack_vnni(const at::Tensor& w);  // [N, K] bf16, K even -> VNNI
 // act(x2 @ W^T + bias) + residual for x2 [M, K] with unit column stride; packed VNNI (bf16) or
 // plain [N, K]; bias32 fp32 contiguous or undefined; residual [M, N] in x2's dtype with unit column

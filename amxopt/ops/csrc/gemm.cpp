@@ -22,6 +22,9 @@
 //                1024 at 0.83-0.94x / 1.08-1.17x. At K = 5120 (Qwen3-Omni's fc2), blocked against
 //                whole-K, paired calls: 1.06-1.19x at M = 390, 1.01-1.13x at 784, 1.04-1.13x at 1280,
 //                1.08x at 32, weights hot or cold (cycled through more than the L3 holds).
+//                A second order of the same tile kernel, the Rows schedule (gemm_row_chunks: each
+//                thread its own rows, A packed in K chunks held in L1), runs where asked for
+//                (AMXOPT_AMX_SCHEDULE=rows); it awaits its measurement on AMX.
 //   avx512_bf16  the hand-written vdpbf16ps kernel (gemm_avx512_bf16.cpp).
 //   fp32         A converted to fp32 once; per group of 8 column blocks (256 columns) the weight is
 //                unpacked to fp32 in a per-thread buffer and multiplied with ATen's sgemm in row
@@ -32,6 +35,10 @@
 // epilogue (with an activation, or at 128 < K < 4096) runs a few rows at a time between the next
 // block's tile steps, on the vector units the tile unit leaves idle (OverlappedEpilogue).
 #include <ATen/native/CPUBlas.h>
+
+#include <cstdlib>
+#include <memory>
+#include <thread>
 
 #include "common.h"
 
@@ -61,6 +68,13 @@ constexpr int64_t kBlkM = 256, kBlkN = 256;  // its work item (rows x columns)
 // at 256 x 4096 x 1024; 2048 gave 1.04-1.09x, 256 0.97-1.06x against 512. On brgemm calls, 512
 // measured 0.93x at 8 and 16 x 5120 x 1280.
 constexpr int64_t kBlkK = 512, kBlkKBrgemm = 1024;
+// The Rows schedule (gemm_row_chunks): K columns of a packed A chunk (32 rows x 256 = 16 KB, which
+// stays in L1 while the 4 panels of a column group pass), the most packed A a row chunk holds (in L2
+// together with a column group's B: 128 columns x K), and the rows from which it is used (each thread
+// at least 32 rows of its own; fewer rows gain more from splitting the columns).
+constexpr int64_t kChunkK = 256;
+constexpr int64_t kRowChunkBytes = int64_t(1) << 20;
+constexpr int64_t kRowsMinM = 64;
 constexpr int64_t kFp32G = 8;     // column blocks unpacked together by the fp32 engine
 constexpr int64_t kFp32M = 256;   // rows per sgemm call of the fp32 engine
 
@@ -133,6 +147,87 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16
     }
     pending.finish();
     if (!tiles) at::native::cpublas::brgemm_release(true);
+  });
+}
+
+// The Rows schedule of the tile engine, for K < kBlockedK (gemm_blocks' sizes), where the 2 x 2 tile
+// block reads a 2 KB A tile and a 2 KB B tile per 4 products: with A read in place over the whole K,
+// both stream from L2 (A's rows, 2K bytes apart, fall into a few L1 sets and do not stay there). A
+// standalone harness on 2 threads of a Granite Rapids-class Xeon put this order (rows split between
+// the threads, A packed in K chunks held in L1 across 4 column blocks) at 2.56-2.78 TFLOP/s against
+// 2.33-2.45 for gemm_blocks' order at 784 x 1024 x 3072; in the library it has not been measured on
+// AMX yet, so it runs only where asked for (AMXOPT_AMX_SCHEDULE=rows, native.amx_schedule;
+// tools/ab_amx_schedule.py compares the two in one process).
+// Rows are cut into chunks of 16-row units, at least one per thread and at most kRowChunkBytes of A
+// each; work items are (row chunk, column group of 4 panels), chunk major, so each thread's share is
+// its own rows. The first item of a chunk packs it (the others wait for that): per 32-row tile, per
+// K chunk of kChunkK, a contiguous [32][kw] block, zero rows past the tile's end (so no tail copy).
+// Each tile then runs K chunk by K chunk over the group's panels, accumulating in a 32 x 128 fp32
+// block; the epilogue of one tile runs between the next tile's first tile steps (OverlappedEpilogue).
+void gemm_row_chunks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
+                     int64_t M, int64_t N, int64_t K) {
+  constexpr int64_t kGroupCols = kBrgemmG * kNB;
+  const int64_t nblocks = (N + kNB - 1) / kNB, ngroups = (nblocks + kBrgemmG - 1) / kBrgemmG, panel = K * kNB;
+  const int64_t units = (M + 15) / 16, most = std::max<int64_t>(2, kRowChunkBytes / (16 * K * 2));
+  const int64_t nchunks = std::max(std::min<int64_t>(at::get_num_threads(), units), (units + most - 1) / most);
+  // chunk c: rows [first_row[c], first_row[c + 1]), its tiles' packed slots from first_tile[c]
+  std::vector<int64_t> first_row(nchunks + 1), first_tile(nchunks + 1);
+  for (int64_t c = 0; c <= nchunks; ++c) {
+    first_row[c] = std::min(M, 16 * (units * c / nchunks));
+    if (c > 0) first_tile[c] = first_tile[c - 1] + (first_row[c] - first_row[c - 1] + kBrgemmM - 1) / kBrgemmM;
+  }
+  Scratch<bf16> packed(first_tile[nchunks] * kBrgemmM * K);
+  std::unique_ptr<std::atomic<int>[]> state(new std::atomic<int>[nchunks]());  // 0 to pack, 1 packing, 2 ready
+  auto pack_chunk = [&](int64_t c) {
+    for (int64_t m0 = first_row[c], slot = first_tile[c]; m0 < first_row[c + 1]; m0 += kBrgemmM, ++slot) {
+      const int64_t rows = std::min(kBrgemmM, first_row[c + 1] - m0);
+      bf16* dst = packed.data() + slot * kBrgemmM * K;
+      for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
+        const int64_t kw = std::min(kChunkK, K - k0);
+        bf16* d = dst + kBrgemmM * k0;
+        for (int64_t r = 0; r < rows; ++r) std::copy_n(A + (m0 + r) * lda + k0, kw, d + r * kw);
+        std::fill(d + rows * kw, d + kBrgemmM * kw, bf16(0.f));
+      }
+    }
+  };
+  const bool overlap = e.act != Act::None || K < kOverlapPlainK;  // gemm_blocks' rule
+  const auto& v = vec();
+  parallel_shares(nchunks * ngroups, [&](auto next) {
+    alignas(64) float accs[2][kBrgemmM * kGroupCols];
+    OverlappedEpilogue pending;
+    int cur = 0;
+    AmxTiles held;
+    for (int64_t t; (t = next()) >= 0;) {
+      const int64_t c = t / ngroups, g = t % ngroups;
+      if (int idle = 0; state[c].compare_exchange_strong(idle, 1)) {
+        pack_chunk(c);
+        state[c].store(2, std::memory_order_release);
+      } else {
+        while (state[c].load(std::memory_order_acquire) != 2) std::this_thread::yield();
+      }
+      const int64_t nb0 = g * kBrgemmG, nb1 = std::min(nblocks, nb0 + kBrgemmG), n0 = nb0 * kNB;
+      const int64_t cols = std::min(kGroupCols, N - n0);
+      for (int64_t m0 = first_row[c], slot = first_tile[c]; m0 < first_row[c + 1]; m0 += kBrgemmM, ++slot) {
+        const int64_t rows = std::min(kBrgemmM, first_row[c + 1] - m0);
+        const bf16* a = packed.data() + slot * kBrgemmM * K;
+        float* acc = accs[cur];
+        for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
+          const int64_t kw = std::min(kChunkK, K - k0);
+          for (int64_t nb = nb0; nb < nb1; ++nb)
+            (rows <= 16 ? amx_tile_16x32 : amx_tile_32x32)(a + kBrgemmM * k0, kw, Wp + nb * panel + k0 * kNB, kw,
+                                                          acc + (nb - nb0) * kNB, kGroupCols, k0 > 0,
+                                                          overlap ? &pending : nullptr);
+        }
+        if (!overlap) {
+          v.epilogue_bf16(acc, kGroupCols, e.at(m0, n0), C + m0 * ldc + n0, ldc, rows, cols);
+          continue;
+        }
+        pending.finish();
+        pending = {&v, acc, kGroupCols, e.at(m0, n0), C + m0 * ldc + n0, ldc, rows, cols};
+        cur ^= 1;
+      }
+    }
+    pending.finish();
   });
 }
 
@@ -230,14 +325,36 @@ void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue
   });
 }
 
+std::atomic<int>& schedule_state() {
+  static std::atomic<int> s{[] {
+    const char* env = std::getenv("AMXOPT_AMX_SCHEDULE");
+    return int(env ? parse_amx_schedule(env) : AmxSchedule::Groups);
+  }()};
+  return s;
+}
+
 }  // namespace
+
+const char* amx_schedule_name(AmxSchedule s) { return s == AmxSchedule::Rows ? "rows" : "groups"; }
+
+AmxSchedule parse_amx_schedule(const std::string& name) {
+  for (AmxSchedule s : {AmxSchedule::Groups, AmxSchedule::Rows})
+    if (name == amx_schedule_name(s)) return s;
+  TORCH_CHECK_VALUE(false, "amxopt: unknown AMX GEMM schedule '", name, "' (AMXOPT_AMX_SCHEDULE); known: groups, rows");
+}
+
+AmxSchedule amx_schedule() { return AmxSchedule(schedule_state().load(std::memory_order_relaxed)); }
+
+void set_amx_schedule(AmxSchedule s) { schedule_state().store(int(s)); }
 
 const char* gemm_engine(Tier tier, int64_t M) {
   switch (tier) {
     case Tier::Amx:
-      return M <= kAmxSmallM ? "avx512_bf16 microkernel (small M)"
-                             : "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 "
-                               "rows: blocked in K)";
+      if (M <= kAmxSmallM) return "avx512_bf16 microkernel (small M)";
+      if (amx_schedule() == AmxSchedule::Rows)
+        return "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 rows: blocked "
+               "in K; rows schedule from 64 rows at 128 < K < 5120)";
+      return "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 rows: blocked in K)";
     case Tier::Avx512Bf16:
       return "avx512_bf16 microkernel";
     case Tier::Fp32:
@@ -253,6 +370,9 @@ void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>&
     case Tier::Amx:
       if (M > kSmallM && (K >= kBlockedK || (K >= kBlockedSmallK && M > 16 && M <= kBlkM)))
         return gemm_brgemm_kblocked(A, lda, Wp, e, C, ldc, M, N, K);
+      if (amx_schedule() == AmxSchedule::Rows && M >= kRowsMinM && K > kRowsFirstK && K < kBlockedK &&
+          K % 32 == 0 && amx_tiles_usable())
+        return gemm_row_chunks(A, lda, Wp, e, C, ldc, M, N, K);
       if (M > kAmxSmallM && K < kBlockedK) return gemm_blocks(A, lda, Wp, e, C, ldc, M, N, K);
       [[fallthrough]];
     case Tier::Avx512Bf16:

@@ -395,6 +395,8 @@ std::string cpu_tier_name() { return tier_name(cpu_tier()); }
 std::string active_tier_name() { return tier_name(active_tier()); }
 void set_max_tier_name(c10::string_view name) { set_max_tier(parse_tier(std::string(name))); }
 std::string vec_isa() { return vec().isa; }
+std::string amx_schedule_now() { return amx_schedule_name(amx_schedule()); }
+void set_amx_schedule_name(c10::string_view name) { set_amx_schedule(parse_amx_schedule(std::string(name))); }
 std::string gemm_engine_name(c10::string_view tier, int64_t rows) {
   return gemm_engine(parse_tier(std::string(tier)), rows);
 }
@@ -425,6 +427,8 @@ TORCH_LIBRARY(amxopt_native, m) {
   m.def("vec_isa() -> str", &amxopt::vec_isa);
   m.def("amx_emulated() -> bool", &amxopt::amx_emulated);
   m.def("amx_emulated_blocks() -> int", &amxopt::amx_emulated_blocks);
+  m.def("amx_schedule() -> str", &amxopt::amx_schedule_now);
+  m.def("set_amx_schedule(str schedule) -> ()", &amxopt::set_amx_schedule_name);
   m.def("gemm_engine(str tier, int rows) -> str", &amxopt::gemm_engine_name);
   m.def("attention_engine(str tier, bool bf16) -> str", &amxopt::attention_engine_name);
 }
