@@ -85,6 +85,33 @@ void pad_tile(const bf16* src, int64_t lda, int64_t rows, int64_t K, bf16* dst) 
   std::fill(dst + rows * K, dst + kBrgemmM * K, bf16(0.f));
 }
 
+// Where the tile engines' finished blocks go through the epilogue: right away, or (overlap) a few
+// rows at a time between the next block's tile steps (OverlappedEpilogue), on the vector units while
+// the tile unit drains the block's last products; so two accumulators of Floats each (whole cache
+// lines for the C tiles, see Scratch), one written while the other's epilogue runs.
+template <int64_t Floats>
+class BlockEpilogues {
+ public:
+  BlockEpilogues(const VecKernels& v, bool overlap) : v_(v), overlap_(overlap) {}
+  ~BlockEpilogues() { pending_.finish(); }
+  float* acc() { return accs_[cur_]; }
+  OverlappedEpilogue* pending() { return overlap_ ? &pending_ : nullptr; }
+  // acc()'s rows x cols (lda apart) are done: through e into out, now or during the next block.
+  void done(int64_t lda, const Epilogue<bf16>& e, bf16* out, int64_t ldo, int64_t rows, int64_t cols) {
+    if (!overlap_) return v_.epilogue_bf16(accs_[cur_], lda, e, out, ldo, rows, cols);
+    pending_.finish();
+    pending_ = {&v_, accs_[cur_], lda, e, out, ldo, rows, cols};
+    cur_ ^= 1;
+  }
+
+ private:
+  alignas(64) float accs_[2][Floats];
+  const VecKernels& v_;
+  bool overlap_;
+  OverlappedEpilogue pending_;
+  int cur_ = 0;
+};
+
 // Work items of 32 rows x 4 column blocks; each 32 x 32 block by the hand-written tile kernel
 // (gemm_amx.cpp) where K % 32 == 0 and the process may use AMX tiles, else by one brgemm call. The
 // tile kernel reads whole 16-row tiles: the last row tile, when M is not a multiple of 32, is copied
@@ -115,11 +142,7 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16
   // 1536: 0.95x at K = 64, Wan's patch embedding, 0.85x at K = 128; 1.01x at K = 256).
   const bool overlap = tiles && (e.act != Act::None || (K > kRowsFirstK && K < kOverlapPlainK));
   parallel_shares(ngroups * mtiles, [&](auto next) {
-    // Whole cache lines for the C tiles (see Scratch); two, so that one block's epilogue can run
-    // during the next block's products.
-    alignas(64) float accs[2][kBrgemmM * kNB];
-    OverlappedEpilogue pending;
-    int cur = 0;
+    BlockEpilogues<kBrgemmM * kNB> blocks(v, overlap);
     std::optional<AmxTiles> held;
     if (tiles) held.emplace();
     for (int64_t t; (t = next()) >= 0;) {
@@ -129,23 +152,15 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16
       const bf16* a = padded ? pad.data() : A + m0 * lda;
       const int64_t la = padded ? K : lda;
       for (int64_t nb = g * kBrgemmG; nb < std::min(nblocks, (g + 1) * kBrgemmG); ++nb) {
-        const int64_t n0 = nb * kNB, cols = std::min(kNB, N - n0);
-        float* acc = accs[cur];
+        const int64_t n0 = nb * kNB;
         if (!tiles)
-          at::native::cpublas::brgemm(mb, kNB, K, la, kNB, kNB, false, a, Wp + nb * panel, acc, true);
+          at::native::cpublas::brgemm(mb, kNB, K, la, kNB, kNB, false, a, Wp + nb * panel, blocks.acc(), true);
         else
-          (mb <= 16 ? amx_tile_16x32 : amx_tile_32x32)(a, la, Wp + nb * panel, K, acc, kNB, false,
-                                                      overlap ? &pending : nullptr);
-        if (!overlap) {
-          v.epilogue_bf16(acc, kNB, e.at(m0, n0), C + m0 * ldc + n0, ldc, mb, cols);
-          continue;
-        }
-        pending.finish();
-        pending = {&v, acc, kNB, e.at(m0, n0), C + m0 * ldc + n0, ldc, mb, cols};
-        cur ^= 1;
+          (mb <= 16 ? amx_tile_16x32 : amx_tile_32x32)(a, la, Wp + nb * panel, K, blocks.acc(), kNB, false,
+                                                      blocks.pending());
+        blocks.done(kNB, e.at(m0, n0), C + m0 * ldc + n0, ldc, mb, std::min(kNB, N - n0));
       }
     }
-    pending.finish();
     if (!tiles) at::native::cpublas::brgemm_release(true);
   });
 }
@@ -193,10 +208,8 @@ void gemm_row_chunks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<
   const bool overlap = e.act != Act::None || K < kOverlapPlainK;  // gemm_blocks' rule
   const auto& v = vec();
   parallel_shares(nchunks * ngroups, [&](auto next) {
-    alignas(64) float accs[2][kBrgemmM * kGroupCols];
-    OverlappedEpilogue pending;
-    int cur = 0;
     AmxTiles held;
+    BlockEpilogues<kBrgemmM * kGroupCols> blocks(v, overlap);
     for (int64_t t; (t = next()) >= 0;) {
       const int64_t c = t / ngroups, g = t % ngroups;
       if (int idle = 0; state[c].compare_exchange_strong(idle, 1)) {
@@ -206,28 +219,19 @@ void gemm_row_chunks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<
         while (state[c].load(std::memory_order_acquire) != 2) std::this_thread::yield();
       }
       const int64_t nb0 = g * kBrgemmG, nb1 = std::min(nblocks, nb0 + kBrgemmG), n0 = nb0 * kNB;
-      const int64_t cols = std::min(kGroupCols, N - n0);
       for (int64_t m0 = first_row[c], slot = first_tile[c]; m0 < first_row[c + 1]; m0 += kBrgemmM, ++slot) {
         const int64_t rows = std::min(kBrgemmM, first_row[c + 1] - m0);
         const bf16* a = packed.data() + slot * kBrgemmM * K;
-        float* acc = accs[cur];
         for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
           const int64_t kw = std::min(kChunkK, K - k0);
           for (int64_t nb = nb0; nb < nb1; ++nb)
             (rows <= 16 ? amx_tile_16x32 : amx_tile_32x32)(a + kBrgemmM * k0, kw, Wp + nb * panel + k0 * kNB, kw,
-                                                          acc + (nb - nb0) * kNB, kGroupCols, k0 > 0,
-                                                          overlap ? &pending : nullptr);
+                                                          blocks.acc() + (nb - nb0) * kNB, kGroupCols, k0 > 0,
+                                                          blocks.pending());
         }
-        if (!overlap) {
-          v.epilogue_bf16(acc, kGroupCols, e.at(m0, n0), C + m0 * ldc + n0, ldc, rows, cols);
-          continue;
-        }
-        pending.finish();
-        pending = {&v, acc, kGroupCols, e.at(m0, n0), C + m0 * ldc + n0, ldc, rows, cols};
-        cur ^= 1;
+        blocks.done(kGroupCols, e.at(m0, n0), C + m0 * ldc + n0, ldc, rows, std::min(kGroupCols, N - n0));
       }
     }
-    pending.finish();
   });
 }
 
