@@ -191,12 +191,14 @@ void gemm_row_chunks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<
     first_row[c] = std::min(M, 16 * (units * c / nchunks));
     if (c > 0) first_tile[c] = first_tile[c - 1] + (first_row[c] - first_row[c - 1] + kBrgemmM - 1) / kBrgemmM;
   }
-  Scratch<bf16> packed(first_tile[nchunks] * kBrgemmM * K);
+  // The calling thread's buffer, kept across calls (a fresh one of a few MB would page-fault on every
+  // call; see thread_scratch), read by every thread of the region; slot 1: conv.cpp's im2col holds 0.
+  bf16* packed = thread_scratch<bf16, 1>(first_tile[nchunks] * kBrgemmM * K);
   std::unique_ptr<std::atomic<int>[]> state(new std::atomic<int>[nchunks]());  // 0 to pack, 1 packing, 2 ready
   auto pack_chunk = [&](int64_t c) {
     for (int64_t m0 = first_row[c], slot = first_tile[c]; m0 < first_row[c + 1]; m0 += kBrgemmM, ++slot) {
       const int64_t rows = std::min(kBrgemmM, first_row[c + 1] - m0);
-      bf16* dst = packed.data() + slot * kBrgemmM * K;
+      bf16* dst = packed + slot * kBrgemmM * K;
       for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
         const int64_t kw = std::min(kChunkK, K - k0);
         bf16* d = dst + kBrgemmM * k0;
@@ -221,7 +223,7 @@ void gemm_row_chunks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<
       const int64_t nb0 = g * kBrgemmG, nb1 = std::min(nblocks, nb0 + kBrgemmG), n0 = nb0 * kNB;
       for (int64_t m0 = first_row[c], slot = first_tile[c]; m0 < first_row[c + 1]; m0 += kBrgemmM, ++slot) {
         const int64_t rows = std::min(kBrgemmM, first_row[c + 1] - m0);
-        const bf16* a = packed.data() + slot * kBrgemmM * K;
+        const bf16* a = packed + slot * kBrgemmM * K;
         for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
           const int64_t kw = std::min(kChunkK, K - k0);
           for (int64_t nb = nb0; nb < nb1; ++nb)
