@@ -33,12 +33,15 @@ proptest: $(STAMP)
 
 # Every benchmark beside its baselines (eager fp32/bf16, torch.compile), each one's text and JSON kept
 # in $(BENCH_OUT): the first thing to run on a CPU whose numbers are missing (an AMX Xeon above all).
+# On AMX both GEMM schedules run (bench_ops' native[amx/rows]; bench_models --other-schedule).
 BENCH_OUT ?= bench-results/$(shell date +%Y%m%d-%H%M)
+AMX_ONLY := from amxopt.ops import native; print('--other-schedule' if native.active_tier() == 'amx' else '')
 bench: $(STAMP)
 	mkdir -p $(BENCH_OUT)
 	$(BIN)/amxopt info | tee $(BENCH_OUT)/info.txt
 	$(BIN)/python tools/bench_ops.py --json $(BENCH_OUT)/ops.json | tee $(BENCH_OUT)/ops.txt
-	$(BIN)/python tools/bench_models.py --json $(BENCH_OUT)/models.json | tee $(BENCH_OUT)/models.txt
+	$(BIN)/python tools/bench_models.py $$($(BIN)/python -c "$(AMX_ONLY)") --json $(BENCH_OUT)/models.json \
+		| tee $(BENCH_OUT)/models.txt
 	$(BIN)/python tools/bench_load.py --json $(BENCH_OUT)/load.json | tee $(BENCH_OUT)/load.txt
 	$(BIN)/python tools/bench_tp.py | tee $(BENCH_OUT)/tp.txt
 
