@@ -618,19 +618,22 @@ def test_linear_across_blocking_boundaries(provider, shape, dtype):
     assert_close_dtype(out, linear_oracle(x, w, b, "gelu_tanh"), dtype)
 
 
-# The amx tier's Rows schedule (gemm.cpp, gemm_row_chunks): rows in chunks of 16-row units (one per
-# thread at least, 1 MB of packed A at most), 32-row tiles packed in K chunks of 256.
+# The amx tier's Rows schedule (gemm.cpp, gemm_row_chunks): rows in chunks of 32-row tiles (one per
+# thread at least, 1 MB of packed A at most), in waves of 8 chunks (or one per thread), each tile
+# packed in K chunks of 256. Chunk counts below at 2 threads.
 _ROWS_SCHEDULE_SHAPES = [  # (M, K, N)
-    (64, 160, 33),  # the fewest rows it takes; one K chunk; N one past a panel
-    (277, 544, 300),  # chunks of 144 (a 16-row tile last) + 133 (a 5-row tile); a 32-wide K tail; N past a group
-    (300, 4000, 200),  # three row chunks (1 MB of A each at most); 15 K chunks and a tail of 160
-    (784, 1024, 96),  # Qwen3-VL's rows: two chunks of 384 and 400
+    (64, 160, 33),  # the fewest rows it takes at 2 threads; one K chunk; N one past a panel
+    (270, 544, 300),  # 9 tiles, the last of 14 rows (the 16-row kernel); a 32-wide K tail; N past a group
+    (300, 4000, 200),  # three chunks (1 MB of A each at most); 15 K chunks and a tail of 160
+    (1060, 4064, 40),  # 17 chunks of 2 tiles: three waves; the last tile 4 rows
+    (784, 1024, 96),  # Qwen3-VL's rows
 ]
 
 
 @pytest.mark.parametrize("shape", _ROWS_SCHEDULE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("threads", [1, 2, 3])  # 3: on 2 cores, a thread's share is taken over by another
 @pytest.mark.parametrize("provider", ["native-amx"], indirect=True)  # the schedules order the amx tier only
-def test_linear_amx_schedules(provider, shape):
+def test_linear_amx_schedules(provider, shape, threads):
     m, k, n = shape
     g = torch.Generator().manual_seed(m + k)
     x = torch.randn(m, k + 8, generator=g).to(torch.bfloat16)[:, 8:]  # rows lda = k + 8 apart
@@ -638,25 +641,35 @@ def test_linear_amx_schedules(provider, shape):
     b = torch.randn(n, generator=g).to(torch.bfloat16)
     residual = torch.randn(m, n, generator=g).to(torch.bfloat16)
     packed = pack(w, provider)
-    blocks = {}
-    for schedule in native.AMX_SCHEDULES:
-        with native.use_amx_schedule(schedule):
-            assert native.amx_schedule() == schedule
-            before = native.amx_emulated_blocks() if native.amx_emulated() else 0
-            act = ops.linear(x, packed, b, "gelu", n, provider)
-            plain = ops.linear(x, packed, None, "none", n, provider, residual=residual)
-            blocks[schedule] = native.amx_emulated_blocks() - before if native.amx_emulated() else 0
-        assert_close_dtype(act, linear_oracle(x, w, b, "gelu"), torch.bfloat16)
-        assert_close_dtype(plain, linear_oracle(x, w, None, "none") + residual.double(), torch.bfloat16)
-    if native.amx_emulated() and k > 256:  # the Rows schedule ran: its blocks are K chunks of 256
+    outs, blocks, before_threads = {}, {}, torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for schedule in native.AMX_SCHEDULES:
+            with native.use_amx_schedule(schedule):
+                assert native.amx_schedule() == schedule
+                before = native.amx_emulated_blocks() if native.amx_emulated() else 0
+                outs[schedule] = (
+                    ops.linear(x, packed, b, "gelu", n, provider),
+                    ops.linear(x, packed, None, "none", n, provider, residual=residual),
+                )
+                blocks[schedule] = native.amx_emulated_blocks() - before if native.amx_emulated() else 0
+    finally:
+        torch.set_num_threads(before_threads)
+    act, plain = outs["rows"]
+    assert_close_dtype(act, linear_oracle(x, w, b, "gelu"), torch.bfloat16)
+    assert_close_dtype(plain, linear_oracle(x, w, None, "none") + residual.double(), torch.bfloat16)
+    # the same fp32 sums in the same order, whatever the schedule
+    assert all(torch.equal(r, g) for r, g in zip(outs["rows"], outs["groups"], strict=True))
+    if native.amx_emulated() and k > 256 and m >= 32 * threads:  # the Rows schedule ran: its blocks are K chunks
         assert blocks["rows"] > blocks["groups"], blocks
 
 
 def test_amx_schedule_is_checked():
+    before = native.amx_schedule()
     with pytest.raises(ValueError, match="unknown AMX GEMM schedule 'cols'"):
         with native.use_amx_schedule("cols"):
             pass
-    assert native.amx_schedule() == "groups"
+    assert native.amx_schedule() == before
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -55,8 +55,11 @@ void tile_block(const bf16* A, int64_t lda, const bf16* panel, int64_t K, float*
   const int64_t sa = lda * 2, sb = 128;  // bytes between A rows, between B rows (k pairs)
   AMXOPT_TILE_LOAD(4, a0, sa);
   AMXOPT_TILE_LOAD(6, b, sb);
-  // rows of the pending epilogue per K step, so that the last step's share ends it
-  const int64_t share = pending ? (pending->rows - pending->done + K / 32 - 1) / (K / 32) : 0;
+  // rows of the pending epilogue per K step, so that they end by the last of the steps they are spread
+  // over: this call's, or the more that pending->steps names (counted down)
+  const int64_t steps = pending ? std::max(K / 32, pending->steps) : 1;
+  const int64_t share = pending ? (pending->rows - pending->done + steps - 1) / steps : 0;
+  if (pending) pending->steps -= std::min(pending->steps, K / 32);
   int64_t k = 0;  // the k pairs of step k start sb * k / 2 bytes into B
   for (;; k += 32) {
     if (stream)  // the next step's 2 KB of B into L1 (32 lines), as far ahead as its first use

@@ -213,6 +213,7 @@ struct OverlappedEpilogue {
   Epilogue<bf16> e;
   bf16* out = nullptr;
   int64_t ldo = 0, rows = 0, cols = 0, done = 0;
+  int64_t steps = 0;  // K steps left to spread the rows over, where more than one call's (tile_block)
   void run(int64_t n) {
     n = std::min(n, rows - done);
     if (n <= 0) return;
@@ -268,9 +269,10 @@ void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>&
 // Which engine gemm_bf16 uses for M rows on `tier` (for `amxopt info` and the benches).
 const char* gemm_engine(Tier tier, int64_t M);
 // How the amx tier's tile engine orders its work below the K-blocked sizes (gemm.cpp): Groups (the
-// default) hands out 32-row x 128-column items, column group major, A read in place for the whole K;
-// Rows gives each thread its own rows of A, packed in 32 x 256 chunks that stay in L1 across a
-// column group's 4 panels. Process-wide; AMXOPT_AMX_SCHEDULE (read once) sets the first value.
+// default) hands out 32-row x 128-column items, column group major (row tile major at K <= 128), A
+// read in place for the whole K; Rows (from 64 rows, and 32 per thread, at 128 < K) gives each
+// thread its own rows of A, packed in 32 x 256 chunks that stay in L1 across a column group's 4
+// panels. Process-wide; AMXOPT_AMX_SCHEDULE (read when the library loads) sets the first value.
 enum class AmxSchedule : int { Groups = 0, Rows = 1 };
 const char* amx_schedule_name(AmxSchedule s);
 AmxSchedule parse_amx_schedule(const std::string& name);

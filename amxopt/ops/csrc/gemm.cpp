@@ -70,10 +70,10 @@ constexpr int64_t kBlkM = 256, kBlkN = 256;  // its work item (rows x columns)
 constexpr int64_t kBlkK = 512, kBlkKBrgemm = 1024;
 // The Rows schedule (gemm_row_chunks): K columns of a packed A chunk (32 rows x 256 = 16 KB, which
 // stays in L1 while the 4 panels of a column group pass), the most packed A a row chunk holds (in L2
-// together with a column group's B: 128 columns x K), and the rows from which it is used (each thread
-// at least 32 rows of its own; fewer rows gain more from splitting the columns).
+// together with a column group's B: 128 columns x K) and a wave of chunks, and the rows from which it
+// is used (and at least one 32-row tile per thread; fewer rows gain more from splitting the columns).
 constexpr int64_t kChunkK = 256;
-constexpr int64_t kRowChunkBytes = int64_t(1) << 20;
+constexpr int64_t kRowChunkBytes = int64_t(1) << 20, kRowsWaveBytes = int64_t(8) << 20;
 constexpr int64_t kRowsMinM = 64;
 constexpr int64_t kFp32G = 8;     // column blocks unpacked together by the fp32 engine
 constexpr int64_t kFp32M = 256;   // rows per sgemm call of the fp32 engine
@@ -96,11 +96,14 @@ class BlockEpilogues {
   ~BlockEpilogues() { pending_.finish(); }
   float* acc() { return accs_[cur_]; }
   OverlappedEpilogue* pending() { return overlap_ ? &pending_ : nullptr; }
-  // acc()'s rows x cols (lda apart) are done: through e into out, now or during the next block.
-  void done(int64_t lda, const Epilogue<bf16>& e, bf16* out, int64_t ldo, int64_t rows, int64_t cols) {
+  // acc()'s rows x cols (lda apart) are done: through e into out, now or during the next block (spread
+  // over its first `steps` K steps of the tile kernel; 0: over its first call's).
+  void done(int64_t lda, const Epilogue<bf16>& e, bf16* out, int64_t ldo, int64_t rows, int64_t cols,
+            int64_t steps = 0) {
     if (!overlap_) return v_.epilogue_bf16(accs_[cur_], lda, e, out, ldo, rows, cols);
     pending_.finish();
     pending_ = {&v_, accs_[cur_], lda, e, out, ldo, rows, cols};
+    pending_.steps = steps;
     cur_ ^= 1;
   }
 
@@ -171,70 +174,75 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16
 // standalone harness on 2 threads of a Granite Rapids-class Xeon put this order (rows split between
 // the threads, A packed in K chunks held in L1 across 4 column blocks) at 2.56-2.78 TFLOP/s against
 // 2.33-2.45 for gemm_blocks' order at 784 x 1024 x 3072; in the library it has not been measured on
-// AMX yet, so it runs only where asked for (AMXOPT_AMX_SCHEDULE=rows, native.amx_schedule;
-// tools/ab_amx_schedule.py compares the two in one process).
-// Rows are cut into chunks of 16-row units, at least one per thread and at most kRowChunkBytes of A
-// each; work items are (row chunk, column group of 4 panels), chunk major, so each thread's share is
-// its own rows. The first item of a chunk packs it (the others wait for that): per 32-row tile, per
-// K chunk of kChunkK, a contiguous [32][kw] block, zero rows past the tile's end (so no tail copy).
-// Each tile then runs K chunk by K chunk over the group's panels, accumulating in a 32 x 128 fp32
-// block; the epilogue of one tile runs between the next tile's first tile steps (OverlappedEpilogue).
+// AMX yet, so it runs only where asked for (AMXOPT_AMX_SCHEDULE=rows, native.use_amx_schedule);
+// bench_ops runs it as native[amx/rows], bench_models --other-schedule as a model variant.
+// Rows are cut into chunks of whole 32-row tiles (only M's last tile may be short), at least one per
+// thread and at most kRowChunkBytes of A each; work items are (row chunk, column group of 4 panels),
+// chunk major, so each thread's share is its own rows. The first item of a chunk packs it (the others
+// wait for that): per tile, per K chunk of kChunkK, a contiguous [32][kw] block, zero rows past M
+// (so no tail copy). Each tile then runs K chunk by K chunk over the group's panels, accumulating in
+// a 32 x 128 fp32 block, whose epilogue runs between the next tile's tile steps, spread over all of
+// them (OverlappedEpilogue). Chunks go in waves of at most kRowsWaveBytes of packed A (more threads:
+// one chunk each), so that the packed buffer, kept across calls, stays bounded.
 void gemm_row_chunks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
                      int64_t M, int64_t N, int64_t K) {
   constexpr int64_t kGroupCols = kBrgemmG * kNB;
   const int64_t nblocks = (N + kNB - 1) / kNB, ngroups = (nblocks + kBrgemmG - 1) / kBrgemmG, panel = K * kNB;
-  const int64_t units = (M + 15) / 16, most = std::max<int64_t>(2, kRowChunkBytes / (16 * K * 2));
-  const int64_t nchunks = std::max(std::min<int64_t>(at::get_num_threads(), units), (units + most - 1) / most);
-  // chunk c: rows [first_row[c], first_row[c + 1]), its tiles' packed slots from first_tile[c]
-  std::vector<int64_t> first_row(nchunks + 1), first_tile(nchunks + 1);
-  for (int64_t c = 0; c <= nchunks; ++c) {
-    first_row[c] = std::min(M, 16 * (units * c / nchunks));
-    if (c > 0) first_tile[c] = first_tile[c - 1] + (first_row[c] - first_row[c - 1] + kBrgemmM - 1) / kBrgemmM;
-  }
+  const int64_t tile = kBrgemmM * K, tiles = (M + kBrgemmM - 1) / kBrgemmM;  // bf16 of a packed tile
+  const int64_t threads = at::get_num_threads(), most = std::max<int64_t>(1, kRowChunkBytes / (2 * tile));
+  const int64_t nchunks = std::max(std::min(threads, tiles), (tiles + most - 1) / most);
+  const int64_t wave = std::max(threads, kRowsWaveBytes / kRowChunkBytes);  // chunks per wave
+  auto first_tile = [&](int64_t c) { return tiles * c / nchunks; };  // chunk c: tiles [first_tile(c), first_tile(c + 1))
   // The calling thread's buffer, kept across calls (a fresh one of a few MB would page-fault on every
   // call; see thread_scratch), read by every thread of the region; slot 1: conv.cpp's im2col holds 0.
-  bf16* packed = thread_scratch<bf16, 1>(first_tile[nchunks] * kBrgemmM * K);
-  std::unique_ptr<std::atomic<int>[]> state(new std::atomic<int>[nchunks]());  // 0 to pack, 1 packing, 2 ready
-  auto pack_chunk = [&](int64_t c) {
-    for (int64_t m0 = first_row[c], slot = first_tile[c]; m0 < first_row[c + 1]; m0 += kBrgemmM, ++slot) {
-      const int64_t rows = std::min(kBrgemmM, first_row[c + 1] - m0);
-      bf16* dst = packed + slot * kBrgemmM * K;
-      for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
-        const int64_t kw = std::min(kChunkK, K - k0);
-        bf16* d = dst + kBrgemmM * k0;
-        for (int64_t r = 0; r < rows; ++r) std::copy_n(A + (m0 + r) * lda + k0, kw, d + r * kw);
-        std::fill(d + rows * kw, d + kBrgemmM * kw, bf16(0.f));
-      }
-    }
-  };
+  int64_t most_tiles = 0;
+  for (int64_t c0 = 0; c0 < nchunks; c0 += wave)
+    most_tiles = std::max(most_tiles, first_tile(std::min(nchunks, c0 + wave)) - first_tile(c0));
+  bf16* packed = thread_scratch<bf16, 1>(most_tiles * tile);
   const bool overlap = e.act != Act::None || K < kOverlapPlainK;  // gemm_blocks' rule
   const auto& v = vec();
-  parallel_shares(nchunks * ngroups, [&](auto next) {
-    AmxTiles held;
-    BlockEpilogues<kBrgemmM * kGroupCols> blocks(v, overlap);
-    for (int64_t t; (t = next()) >= 0;) {
-      const int64_t c = t / ngroups, g = t % ngroups;
-      if (int idle = 0; state[c].compare_exchange_strong(idle, 1)) {
-        pack_chunk(c);
-        state[c].store(2, std::memory_order_release);
-      } else {
-        while (state[c].load(std::memory_order_acquire) != 2) std::this_thread::yield();
-      }
-      const int64_t nb0 = g * kBrgemmG, nb1 = std::min(nblocks, nb0 + kBrgemmG), n0 = nb0 * kNB;
-      for (int64_t m0 = first_row[c], slot = first_tile[c]; m0 < first_row[c + 1]; m0 += kBrgemmM, ++slot) {
-        const int64_t rows = std::min(kBrgemmM, first_row[c + 1] - m0);
-        const bf16* a = packed + slot * kBrgemmM * K;
+  for (int64_t c0 = 0; c0 < nchunks; c0 += wave) {
+    const int64_t c1 = std::min(nchunks, c0 + wave), t0 = first_tile(c0);
+    std::unique_ptr<std::atomic<int>[]> state(new std::atomic<int>[c1 - c0]());  // 0 to pack, 1 packing, 2 ready
+    auto pack_chunk = [&](int64_t c) {
+      for (int64_t t = first_tile(c); t < first_tile(c + 1); ++t) {
+        const int64_t m0 = t * kBrgemmM, rows = std::min(kBrgemmM, M - m0);
         for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
           const int64_t kw = std::min(kChunkK, K - k0);
-          for (int64_t nb = nb0; nb < nb1; ++nb)
-            (rows <= 16 ? amx_tile_16x32 : amx_tile_32x32)(a + kBrgemmM * k0, kw, Wp + nb * panel + k0 * kNB, kw,
-                                                          blocks.acc() + (nb - nb0) * kNB, kGroupCols, k0 > 0,
-                                                          blocks.pending());
+          bf16* d = packed + (t - t0) * tile + kBrgemmM * k0;
+          for (int64_t r = 0; r < rows; ++r) std::copy_n(A + (m0 + r) * lda + k0, kw, d + r * kw);
+          std::fill(d + rows * kw, d + kBrgemmM * kw, bf16(0.f));
         }
-        blocks.done(kGroupCols, e.at(m0, n0), C + m0 * ldc + n0, ldc, rows, std::min(kGroupCols, N - n0));
       }
-    }
-  });
+    };
+    parallel_shares((c1 - c0) * ngroups, [&](auto next) {
+      AmxTiles held;
+      BlockEpilogues<kBrgemmM * kGroupCols> blocks(v, overlap);
+      for (int64_t item; (item = next()) >= 0;) {
+        const int64_t c = c0 + item / ngroups, g = item % ngroups;
+        if (int idle = 0; state[c - c0].compare_exchange_strong(idle, 1)) {
+          pack_chunk(c);
+          state[c - c0].store(2, std::memory_order_release);
+        } else {
+          while (state[c - c0].load(std::memory_order_acquire) != 2) std::this_thread::yield();
+        }
+        const int64_t nb0 = g * kBrgemmG, nb1 = std::min(nblocks, nb0 + kBrgemmG), n0 = nb0 * kNB;
+        for (int64_t t = first_tile(c); t < first_tile(c + 1); ++t) {
+          const int64_t m0 = t * kBrgemmM, rows = std::min(kBrgemmM, M - m0);
+          const bf16* a = packed + (t - t0) * tile;
+          for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
+            const int64_t kw = std::min(kChunkK, K - k0);
+            for (int64_t nb = nb0; nb < nb1; ++nb)
+              (rows <= 16 ? amx_tile_16x32 : amx_tile_32x32)(a + kBrgemmM * k0, kw, Wp + nb * panel + k0 * kNB, kw,
+                                                            blocks.acc() + (nb - nb0) * kNB, kGroupCols, k0 > 0,
+                                                            blocks.pending());
+          }
+          blocks.done(kGroupCols, e.at(m0, n0), C + m0 * ldc + n0, ldc, rows, std::min(kGroupCols, N - n0),
+                      (nb1 - nb0) * (K / 32));
+        }
+      }
+    });
+  }
 }
 
 void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
@@ -359,7 +367,7 @@ const char* gemm_engine(Tier tier, int64_t M) {
       if (M <= kAmxSmallM) return "avx512_bf16 microkernel (small M)";
       if (amx_schedule() == AmxSchedule::Rows)
         return "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 rows: blocked "
-               "in K; rows schedule from 64 rows at 128 < K < 5120)";
+               "in K; below that, rows schedule from 64 rows and 32 per thread at K > 128)";
       return "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 rows: blocked in K)";
     case Tier::Avx512Bf16:
       return "avx512_bf16 microkernel";
@@ -376,8 +384,8 @@ void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>&
     case Tier::Amx:
       if (M > kSmallM && (K >= kBlockedK || (K >= kBlockedSmallK && M > 16 && M <= kBlkM)))
         return gemm_brgemm_kblocked(A, lda, Wp, e, C, ldc, M, N, K);
-      if (amx_schedule() == AmxSchedule::Rows && M >= kRowsMinM && K > kRowsFirstK && K < kBlockedK &&
-          K % 32 == 0 && amx_tiles_usable())
+      if (amx_schedule() == AmxSchedule::Rows && M >= std::max(kRowsMinM, kBrgemmM * at::get_num_threads()) &&
+          K > kRowsFirstK && K < kBlockedK && K % 32 == 0 && amx_tiles_usable())
         return gemm_row_chunks(A, lda, Wp, e, C, ldc, M, N, K);
       if (M > kAmxSmallM && K < kBlockedK) return gemm_blocks(A, lda, Wp, e, C, ldc, M, N, K);
       [[fallthrough]];
