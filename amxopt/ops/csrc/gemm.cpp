@@ -192,7 +192,8 @@ void gemm_row_chunks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<
   const int64_t threads = at::get_num_threads(), most = std::max<int64_t>(1, kRowChunkBytes / (2 * tile));
   const int64_t nchunks = std::max(std::min(threads, tiles), (tiles + most - 1) / most);
   const int64_t wave = std::max(threads, kRowsWaveBytes / kRowChunkBytes);  // chunks per wave
-  auto first_tile = [&](int64_t c) { return tiles * c / nchunks; };  // chunk c: tiles [first_tile(c), first_tile(c + 1))
+  // chunk c: tiles [first_tile(c), first_tile(c + 1))
+  auto first_tile = [&](int64_t c) { return tiles * c / nchunks; };
   // The calling thread's buffer, kept across calls (a fresh one of a few MB would page-fault on every
   // call; see thread_scratch), read by every thread of the region; slot 1: conv.cpp's im2col holds 0.
   int64_t most_tiles = 0;
