@@ -1,9 +1,11 @@
 """Benchmark every amxopt op against PyTorch eager bf16 and the reference provider, in one run.
 
-For each case the implementations run interleaved (round-robin, so drift on a shared machine hits
-all alike), median of --repeats after --warmup calls; the ratio is eager time / op time (> 1: faster
-than PyTorch), and "paired" the median of each round's eager / op time (two calls milliseconds
-apart). GEMM and attention cases also report TFLOP/s as a fraction of this machine's AMX limit
+For each case the implementations run interleaved (round-robin, every other round in reverse
+order, so that drift on a shared machine, and what one call leaves in the caches for the next, hit
+all alike), median of --repeats after --warmup calls; the ratio is eager time / op time (> 1:
+faster than PyTorch), and "paired" the median of each round's eager / op time (two calls
+milliseconds apart). On AMX the amx tier's other GEMM schedule runs too (``native[amx/rows]``), and a
+last table gives its paired ratio against the default schedule. GEMM and attention cases also report TFLOP/s as a fraction of this machine's AMX limit
 (tools/amx_peak.c) and of its AVX-512-BF16 limit (tools/avx512_bf16_peak.c), both compiled on the
 fly and measured in the same run: before the cases (the fractions use these) and again after
 them (printed at the end: on shared cores the limits move with what the neighbours run). Where the
@@ -267,8 +269,12 @@ def measure(case: Case, warmup: int, repeats: int) -> dict[str, list[float]]:
         for _ in range(warmup):
             for fn in impls.values():
                 fn()
-        for _ in range(repeats):
-            for name, fn in impls.items():
+        for round_ in range(repeats):
+            # every other round in reverse order: what one call leaves in the caches (or the allocator)
+            # for the next falls on each side of a pair alike (two runs of the same kernel in a row
+            # read 1.05x and 1.52x apart in a fixed order on a Zen 4)
+            order = list(impls.items())
+            for name, fn in order if round_ % 2 == 0 else reversed(order):
                 t = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t)
@@ -308,7 +314,7 @@ def main() -> None:
         + norm_cases(without_schedules(providers))
     )
     cases = [c for c in cases if args.only in (None, c.op)]
-    results = []
+    results, schedules = [], []
     header = (
         "| op | case | impl | median ms | ratio vs eager | paired | TFLOP/s | of AVX-512-BF16 limit | "
         f"of AMX {amx_limit} |"
@@ -336,6 +342,12 @@ def main() -> None:
                 frac_avx512=tflops / peak if tflops and peak else None,
                 frac_amx=tflops / amx_limit if tflops else None,
             )
+            if "/" in name:  # the other GEMM schedule, against the default one, call by call in each round
+                base = times[name.split("/")[0] + "]"]
+                row["paired_vs_default_schedule"] = statistics.median(
+                    b / t for b, t in zip(base, times[name], strict=True)
+                )
+                schedules.append(f"| {case.op} | {case.name} | {name} | {row['paired_vs_default_schedule']:.2f}x |")
             results.append(row)
             fmt = lambda v, f: f"{v:{f}}" if v is not None else "-"  # noqa: E731
             print(
@@ -343,6 +355,9 @@ def main() -> None:
                 f"{fmt(tflops, '.3f')} | {fmt(row['frac_avx512'], '.0%')} | {fmt(row['frac_amx'], '.1%')} |",
                 flush=True,
             )
+    if schedules:
+        print("\n| op | case | schedule | paired vs the default schedule (> 1: faster) |\n|---|---|---|---|")
+        print("\n".join(schedules))
     after = dict(avx512_bf16=measured_peak("avx512_bf16"), amx=measured_peak("amx"))
     print(f"\nlimits measured again after the cases: AVX-512-BF16 {after['avx512_bf16']}, AMX {after['amx']} TFLOP/s")
     if args.json:
