@@ -1,7 +1,7 @@
 """Whole-model benchmark: eager fp32, eager bf16, torch.compile (freezing, bf16) and amxopt (bf16).
 
 One model at a time, real configs with random weights (amxopt.models), the variants interleaved
-(round-robin) and the median of --repeats after a warm-up call; ratios against eager bf16, both as
+(round-robin, every other round in reverse order) and the median of --repeats after a warm-up call; ratios against eager bf16, both as
 the ratio of the medians and as the median of each round's ratio (the two calls of a round run
 seconds apart, on a machine whose speed moves in phases). Also the
 max abs error of every bf16 variant against eager fp32, and the one-time cost of torch.compile's
@@ -90,9 +90,8 @@ def bench_e2e(name: str, repeats: int) -> dict:
             if label.startswith("amxopt"):
                 setup["amxopt first call (capture + rewrite + pack + run)"] = secs
         times = {label: [] for label in variants}
-        for _ in range(repeats):
-            for label, obj in variants.items():
-                times[label].append(timed(lambda: run(obj), {})[1])
+        for label, obj in rounds(variants, repeats):
+            times[label].append(timed(lambda: run(obj), {})[1])
     report = variants["amxopt bf16"].amxopt_report
     print(report)
     return _summarize(
@@ -105,6 +104,14 @@ def bench_e2e(name: str, repeats: int) -> dict:
         {k: len(v.graphs) for k, v in report.optimized.items()},
         repeats,
     )
+
+
+def rounds(variants: dict, repeats: int):
+    """(label, variant) for ``repeats`` rounds of every variant, every other round in reverse order, so
+    that what one call leaves behind for the next (caches, the allocator's state) falls on all alike."""
+    items = list(variants.items())
+    for r in range(repeats):
+        yield from items if r % 2 == 0 else reversed(items)
 
 
 def timed(fn, inputs) -> tuple[object, float]:
@@ -173,9 +180,8 @@ def bench_model(
             if label == "torch.compile bf16":
                 setup["torch.compile first call"] = secs
         times = {label: [] for label in variants}
-        for _ in range(repeats):
-            for label, (fn, inputs) in variants.items():
-                times[label].append(timed(fn, inputs)[1])
+        for label, (fn, inputs) in rounds(variants, repeats):
+            times[label].append(timed(fn, inputs)[1])
     print(f"report counts {opt.report.counts()}; left {len(opt.report.left)}")
     result = _summarize(name, str(size), opt.amx_config.provider, times, outputs, setup, opt.report.counts(), repeats)
     del fp32, bf16, opt, compiled, variants, outputs
