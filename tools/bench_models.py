@@ -1,10 +1,10 @@
 """Whole-model benchmark: eager fp32, eager bf16, torch.compile (freezing, bf16) and amxopt (bf16).
 
 One model at a time, real configs with random weights (amxopt.models), the variants interleaved
-(round-robin, every other round in reverse order) and the median of --repeats after a warm-up call; ratios against eager bf16, both as
-the ratio of the medians and as the median of each round's ratio (the two calls of a round run
-seconds apart, on a machine whose speed moves in phases). Also the
-max abs error of every bf16 variant against eager fp32, and the one-time cost of torch.compile's
+(round-robin, every other round in reverse order) and the median of --repeats after a warm-up
+call; ratios against eager bf16, both as the ratio of the medians and as the median of each round's
+ratio (the two calls of a round run seconds apart, on a machine whose speed moves in phases). Also
+the max abs error of every bf16 variant against eager fp32, and the one-time cost of torch.compile's
 first call and of amxopt.optimize.
 
 End-to-end rows (``E2E``) run the caller's own code on a whole model or pipeline, optimized with
@@ -15,6 +15,7 @@ image, 8 new tokens; error on the first-token logits) and one Wan2.1-1.3B ``WanP
 torch.compile is not run on them (it would compile the pipeline's Python, not one module).
 
     .venv/bin/python tools/bench_models.py [--models qwen3-vl-2b-vision,...,wan2.1-pipeline-step] [--repeats 5]
+        [--other-schedule]   # on AMX: a second amxopt in the amx tier's other GEMM schedule
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ For each case the implementations run interleaved (round-robin, every other roun
 order, so that drift on a shared machine, and what one call leaves in the caches for the next, hit
 all alike), median of --repeats after --warmup calls; the ratio is eager time / op time (> 1:
 faster than PyTorch), and "paired" the median of each round's eager / op time (two calls
-milliseconds apart). On AMX the amx tier's other GEMM schedule runs too (``native[amx/rows]``), and a
-last table gives its paired ratio against the default schedule. GEMM and attention cases also report TFLOP/s as a fraction of this machine's AMX limit
-(tools/amx_peak.c) and of its AVX-512-BF16 limit (tools/avx512_bf16_peak.c), both compiled on the
-fly and measured in the same run: before the cases (the fractions use these) and again after
+milliseconds apart). On AMX the amx tier's other GEMM schedule runs too (``native[amx/rows]``),
+and a last table gives its paired ratio against ``native[amx]`` (the process's schedule). GEMM and
+attention cases also report TFLOP/s as a fraction of this machine's AMX limit (tools/amx_peak.c)
+and of its AVX-512-BF16 limit (tools/avx512_bf16_peak.c), both compiled on the fly and measured in
+the same run: before the cases (the fractions use these) and again after
 them (printed at the end: on shared cores the limits move with what the neighbours run). Where the
 CPU has no AMX, the AMX column divides by the limit quoted for the Xeon the targets were set on
 (6.46 TFLOP/s).
@@ -342,7 +343,7 @@ def main() -> None:
                 frac_avx512=tflops / peak if tflops and peak else None,
                 frac_amx=tflops / amx_limit if tflops else None,
             )
-            if "/" in name:  # the other GEMM schedule, against the default one, call by call in each round
+            if "/" in name:  # the other GEMM schedule against the process's, call by call in each round
                 base = times[name.split("/")[0] + "]"]
                 row["paired_vs_default_schedule"] = statistics.median(
                     b / t for b, t in zip(base, times[name], strict=True)
@@ -356,7 +357,7 @@ def main() -> None:
                 flush=True,
             )
     if schedules:
-        print("\n| op | case | schedule | paired vs the default schedule (> 1: faster) |\n|---|---|---|---|")
+        print("\n| op | case | schedule | paired vs native[amx], this process's (> 1: faster) |\n|---|---|---|---|")
         print("\n".join(schedules))
     after = dict(avx512_bf16=measured_peak("avx512_bf16"), amx=measured_peak("amx"))
     print(f"\nlimits measured again after the cases: AVX-512-BF16 {after['avx512_bf16']}, AMX {after['amx']} TFLOP/s")
