@@ -88,11 +88,21 @@ void pad_tile(const bf16* src, int64_t lda, int64_t rows, int64_t K, bf16* dst) 
 // Where the tile engines' finished blocks go through the epilogue: right away, or (overlap) a few
 // rows at a time between the next block's tile steps (OverlappedEpilogue), on the vector units while
 // the tile unit drains the block's last products; so two accumulators of Floats each (whole cache
-// lines for the C tiles, see Scratch), one written while the other's epilogue runs.
+// lines for the C tiles, see Scratch), one written while the other's epilogue runs. Overlapped where
+// the blocks run on the tile kernel and it measured faster (in-process A/B, 2 threads, against the
+// epilogue after each block). With an activation, on the Emerald Rapids Xeon of earlier sessions:
+// 1.03x at 784 x 1024 x 4096 with gelu, 1.01-1.06x at 1280 x 1536 x 8960 with gelu_tanh, 1.04x with
+// silu, 1.12x at 390 x 1280 x 5120, 1.17x at 64 x 1024 x 4096. Without one (bias, residual) it
+// measured 0.93-0.99x there, but on the Granite Rapids-class Xeon (CPUID model 167) of a later
+// session 1.12-1.14x at 784 x 1024 x 3072-4096, 1.04x at 1280 x 1536 x 8960, 1.02-1.04x at M = 16,
+// with a residual 1.07-1.11x at K = 1024-1536; at K = 4096 0.98-0.99x (with a residual too), so from
+// there it stays after each block; and at K <= kRowsFirstK, where writing C dominates (5120 rows x
+// 1536: 0.95x at K = 64, Wan's patch embedding, 0.85x at K = 128; 1.01x at K = 256).
 template <int64_t Floats>
 class BlockEpilogues {
  public:
-  BlockEpilogues(const VecKernels& v, bool overlap) : v_(v), overlap_(overlap) {}
+  BlockEpilogues(const VecKernels& v, bool tiles, Act act, int64_t K)
+      : v_(v), overlap_(tiles && (act != Act::None || (K > kRowsFirstK && K < kOverlapPlainK))) {}
   ~BlockEpilogues() { pending_.finish(); }
   float* acc() { return accs_[cur_]; }
   OverlappedEpilogue* pending() { return overlap_ ? &pending_ : nullptr; }
@@ -133,19 +143,8 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16
   const auto& v = vec();
   Scratch<bf16> pad(tiles && tail ? kBrgemmM * K : 0);
   if (tiles && tail) pad_tile(A + (M - tail) * lda, lda, tail, K, pad.data());
-  // The epilogue runs between the next block's tile steps (OverlappedEpilogue), on the vector units
-  // while the tile unit drains the block's last products. In-process A/B, 2 threads, against running
-  // it after each block. With an activation, on the Emerald Rapids Xeon of earlier sessions: 1.03x at
-  // 784 x 1024 x 4096 with gelu, 1.01-1.06x at 1280 x 1536 x 8960 with gelu_tanh, 1.04x with silu,
-  // 1.12x at 390 x 1280 x 5120, 1.17x at 64 x 1024 x 4096. Without one (bias, residual) it measured
-  // 0.93-0.99x there, but on the Granite Rapids-class Xeon (CPUID model 167) of a later session
-  // 1.12-1.14x at 784 x 1024 x 3072-4096, 1.04x at 1280 x 1536 x 8960, 1.02-1.04x at M = 16, with a
-  // residual 1.07-1.11x at K = 1024-1536; at K = 4096 0.98-0.99x (with a residual too), so from
-  // there it stays after each block; and at K <= kRowsFirstK, where writing C dominates (5120 rows x
-  // 1536: 0.95x at K = 64, Wan's patch embedding, 0.85x at K = 128; 1.01x at K = 256).
-  const bool overlap = tiles && (e.act != Act::None || (K > kRowsFirstK && K < kOverlapPlainK));
   parallel_shares(ngroups * mtiles, [&](auto next) {
-    BlockEpilogues<kBrgemmM * kNB> blocks(v, overlap);
+    BlockEpilogues<kBrgemmM * kNB> blocks(v, tiles, e.act, K);
     std::optional<AmxTiles> held;
     if (tiles) held.emplace();
     for (int64_t t; (t = next()) >= 0;) {
@@ -200,7 +199,6 @@ void gemm_row_chunks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<
   for (int64_t c0 = 0; c0 < nchunks; c0 += wave)
     most_tiles = std::max(most_tiles, first_tile(std::min(nchunks, c0 + wave)) - first_tile(c0));
   bf16* packed = thread_scratch<bf16, 1>(most_tiles * tile);
-  const bool overlap = e.act != Act::None || K < kOverlapPlainK;  // gemm_blocks' rule
   const auto& v = vec();
   for (int64_t c0 = 0; c0 < nchunks; c0 += wave) {
     const int64_t c1 = std::min(nchunks, c0 + wave), t0 = first_tile(c0);
@@ -218,7 +216,7 @@ void gemm_row_chunks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<
     };
     parallel_shares((c1 - c0) * ngroups, [&](auto next) {
       AmxTiles held;
-      BlockEpilogues<kBrgemmM * kGroupCols> blocks(v, overlap);
+      BlockEpilogues<kBrgemmM * kGroupCols> blocks(v, true, e.act, K);
       for (int64_t item; (item = next()) >= 0;) {
         const int64_t c = c0 + item / ngroups, g = item % ngroups;
         if (int idle = 0; state[c - c0].compare_exchange_strong(idle, 1)) {
