@@ -33,9 +33,9 @@ proptest: $(STAMP)
 
 # Every benchmark beside its baselines (eager fp32/bf16, torch.compile), each one's text and JSON kept
 # in $(BENCH_OUT): the first thing to run on a CPU whose numbers are missing (an AMX Xeon above all).
-# On AMX both GEMM schedules run (bench_ops' native[amx/rows]; bench_models --other-schedule).
+# On AMX both GEMM schedules run (bench_ops' native[amx/rows]; bench_models --pinned-schedules).
 BENCH_OUT ?= bench-results/$(shell date +%Y%m%d-%H%M)
-AMX_ONLY := from amxopt.ops import native; print('--other-schedule' if native.active_tier() == 'amx' else '')
+AMX_ONLY := from amxopt.ops import native; print('--pinned-schedules' if native.active_tier() == 'amx' else '')
 bench: $(STAMP)
 	mkdir -p $(BENCH_OUT)
 	$(BIN)/amxopt info | tee $(BENCH_OUT)/info.txt

@@ -15,7 +15,7 @@ image, 8 new tokens; error on the first-token logits) and one Wan2.1-1.3B ``WanP
 torch.compile is not run on them (it would compile the pipeline's Python, not one module).
 
     .venv/bin/python tools/bench_models.py [--models qwen3-vl-2b-vision,...,wan2.1-pipeline-step] [--repeats 5]
-        [--other-schedule]   # on AMX: a second amxopt in the amx tier's other GEMM schedule
+        [--pinned-schedules]   # on AMX: amxopt again with each GEMM schedule pinned (autotune picks per linear)
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def bench_model(
     with_compile: bool = True,
     without: tuple[str, ...] = (),
     autotune_off: bool = False,
-    other_schedule: bool = False,
+    pinned_schedules: bool = False,
 ) -> dict:
     print(f"\n## {name}: {DEFAULT_MODELS.get(name, (None, ''))[1]}", flush=True)
     fp32 = models.build_model(name, torch.float32)
@@ -170,11 +170,11 @@ def bench_model(
         if autotune_off:  # every rewrite kept: what autotune's choices add or cost, measured in this run
             every = amxopt.optimize(bf16, x16, amxopt.AmxConfig(keep_source=True, autotune=False))
             variants["amxopt bf16, autotune off"] = (every, x16)
-        if other_schedule:  # the amx tier's other GEMM schedule, optimized (autotuned) and run in it
-            schedule = next(s for s in native.AMX_SCHEDULES if s != native.amx_schedule())
-            with native.use_amx_schedule(schedule):
-                other = amxopt.optimize(bf16, x16, amxopt.AmxConfig(keep_source=True))
-            variants[f"amxopt bf16, {schedule} schedule"] = (in_schedule(other, schedule), x16)
+        if pinned_schedules:  # each of the amx tier's GEMM schedules for every linear, optimized and run in it
+            for schedule in native.AMX_SCHEDULES:
+                with native.use_amx_schedule(schedule):
+                    pinned = amxopt.optimize(bf16, x16, amxopt.AmxConfig(keep_source=True))
+                variants[f"amxopt bf16, {schedule} schedule pinned"] = (in_schedule(pinned, schedule), x16)
         outputs = {}
         for label, (fn, inputs) in variants.items():  # warm-up (and torch.compile's compilation)
             outputs[label], secs = timed(fn, inputs)
@@ -271,16 +271,17 @@ def main() -> None:
         help="skip torch.compile (its first call takes minutes where bf16 is emulated, e.g. AMD Zen 3)",
     )
     parser.add_argument(
-        "--other-schedule",
+        "--pinned-schedules",
         action="store_true",
-        help="also run amxopt with the amx tier's other GEMM schedule (AMXOPT_AMX_SCHEDULE), interleaved; "
+        help="also run amxopt with each of the amx tier's GEMM schedules pinned for every linear "
+        "(AMXOPT_AMX_SCHEDULE), interleaved with amxopt as autotuned (the faster schedule per linear shape); "
         "model rows only, AMX CPUs only",
     )
     args = parser.parse_args()
     native.refuse_software_tiles("bench_models")
-    if args.other_schedule and native.active_tier() != "amx":
+    if args.pinned_schedules and native.active_tier() != "amx":
         parser.error(
-            f"--other-schedule: the GEMM schedules order the amx tier, and this CPU runs {native.active_tier()}"
+            f"--pinned-schedules: the GEMM schedules order the amx tier, and this CPU runs {native.active_tier()}"
         )
     without = tuple(p for p in args.without.split(",") if p)
     unknown = [p for p in without if p not in {q.__name__ for q in DEFAULT_PASSES}]
@@ -292,7 +293,8 @@ def main() -> None:
     else:
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {native.cpu_model()}, "
-            f"amxopt tier {native.active_tier()}, AMX GEMM schedule {native.amx_schedule()}",
+            f"amxopt tier {native.active_tier()}, AMX GEMM schedule "
+            f"{native.amx_schedule() + ' (pinned)' if native.amx_schedule_pinned() else 'per linear (autotune)'}",
             flush=True,
         )
         name = names[0]
@@ -307,7 +309,7 @@ def main() -> None:
                     args.with_compile,
                     without,
                     args.autotune_off,
-                    args.other_schedule,
+                    args.pinned_schedules,
                 )
             ]
     if args.json:

@@ -5,7 +5,8 @@ order, so that drift on a shared machine, and what one call leaves in the caches
 all alike), median of --repeats after --warmup calls; the ratio is eager time / op time (> 1:
 faster than PyTorch), and "paired" the median of each round's eager / op time (two calls
 milliseconds apart). On AMX the amx tier's other GEMM schedule runs too (``native[amx/rows]``),
-and a last table gives its paired ratio against ``native[amx]`` (the process's schedule). GEMM and
+pinned for the call, and a last table gives its paired ratio against ``native[amx]`` (the default,
+groups, as a linear runs that autotune did not give Rows; or the schedule the process pins). GEMM and
 attention cases also report TFLOP/s as a fraction of this machine's AMX limit (tools/amx_peak.c)
 and of its AVX-512-BF16 limit (tools/avx512_bf16_peak.c), both compiled on the fly and measured in
 the same run: before the cases (the fractions use these) and again after

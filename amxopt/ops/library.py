@@ -31,9 +31,12 @@ _lib = torch.library.Library("amxopt", "DEF")
 _SCHEMAS = {
     "pack_linear_weight": "(Tensor weight{provider}) -> Tensor",
     # + residual: act(x W^T + bias) + residual (the output's shape and x's dtype), rounded once.
+    # amx_schedule: the order of the amx tier's tile GEMM for this call (AMX_SCHEDULES), which
+    # autotune picks per shape; "default" leaves it to the process (native.amx_schedule). Other
+    # tiers and providers take no notice of it; a pinned process schedule overrides it.
     "linear": (
         "(Tensor x, Tensor packed_weight, Tensor? bias, str activation, SymInt out_features{provider}, *, "
-        "Tensor? residual=None) -> Tensor"
+        "Tensor? residual=None{schedule}) -> Tensor"
     ),
     "varlen_attention": (
         "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
@@ -57,9 +60,10 @@ _SCHEMAS = {
 }
 # Sizes are SymInt so that a traced replacement keeps them symbolic under dynamic shapes.
 OPS = tuple(_SCHEMAS)
+AMX_SCHEDULES = ("default", *native.AMX_SCHEDULES)  # linear's amx_schedule
 for _name, _schema in _SCHEMAS.items():
-    _lib.define(_name + _schema.format(provider=", str provider='auto'"))
-    _lib.define(f"reference_{_name}" + _schema.format(provider=""))
+    _lib.define(_name + _schema.format(provider=", str provider='auto'", schedule=", str amx_schedule='default'"))
+    _lib.define(f"reference_{_name}" + _schema.format(provider="", schedule=""))
 
 
 class AmxOpError(ValueError):
@@ -133,8 +137,17 @@ def _check_activation(op, activation):
     _check(activation in ACTIVATIONS, op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
-def _check_linear(x, packed_weight, bias, activation, out_features, provider, residual=None):
+def _check_schedule(op, amx_schedule):
+    _check(
+        amx_schedule in AMX_SCHEDULES,
+        op,
+        f"amx_schedule must be one of {', '.join(AMX_SCHEDULES)}, got {amx_schedule!r}",
+    )
+
+
+def _check_linear(x, packed_weight, bias, activation, out_features, provider, residual=None, amx_schedule="default"):
     op = "linear"
+    _check_schedule(op, amx_schedule)
     _check_activation(op, activation)
     _check_float(op, "x", x)
     _check(x.dim() >= 1, op, f"x has shape {tuple(x.shape)}; it needs at least one dim")
@@ -299,8 +312,8 @@ def _(weight, provider="auto"):
 
 
 @torch.library.register_fake("amxopt::linear", lib=_lib)
-def _(x, packed_weight, bias, activation, out_features, provider="auto", *, residual=None):
-    _check_linear(x, packed_weight, bias, activation, out_features, provider, residual)
+def _(x, packed_weight, bias, activation, out_features, provider="auto", *, residual=None, amx_schedule="default"):
+    _check_linear(x, packed_weight, bias, activation, out_features, provider, residual, amx_schedule)
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -449,6 +462,8 @@ def _python_kernel(fn):
     def run(*args, **kwargs):
         provider = args[arity] if len(args) > arity else kwargs.pop("provider", "auto")
         resolve_provider(provider)  # an unknown provider is an error even here
+        if "amx_schedule" in kwargs:  # linear's: the reference has no tile GEMM to order
+            _check_schedule(fn.__name__.removeprefix("_ref_"), kwargs.pop("amx_schedule"))
         return fn(*args[:arity], **kwargs)
 
     return run
@@ -459,7 +474,7 @@ def _python_kernel(fn):
 from amxopt.ops import sgl  # noqa: E402
 
 for _name, _fn in sgl.OPS.items():
-    _lib.define(f"sgl_{_name}" + _SCHEMAS[_name].format(provider=""))
+    _lib.define(f"sgl_{_name}" + _SCHEMAS[_name].format(provider="", schedule=""))
     _lib.impl(f"sgl_{_name}", _fn, "CPU")
 
 # The C++ kernels, or (where they cannot be loaded) the reference behind every provider.

@@ -129,18 +129,34 @@ AMX_SCHEDULES = ("groups", "rows")
 
 
 def amx_schedule() -> str:
-    """The order of the amx tier's tile GEMM: ``groups`` (the default) or ``rows`` (each thread its own
-    rows, A packed in K chunks that stay in L1; not yet measured on AMX). ``AMXOPT_AMX_SCHEDULE`` sets
-    it for a process."""
-    return _ops().amx_schedule()
+    """The order of the amx tier's tile GEMM where a linear does not choose one: ``groups`` (the
+    default) or ``rows`` (each thread its own rows, A packed in K chunks that stay in L1). Autotune
+    times the two per linear shape on AMX and gives the faster to the node (``amxopt.linear``'s
+    ``amx_schedule``), unless the process pins one (:func:`amx_schedule_pinned`), which then runs
+    everywhere."""
+    name = _ops().amx_schedule()
+    return AMX_SCHEDULES[0] if name == "default" else name
+
+
+def amx_schedule_pinned() -> bool:
+    """Whether the process fixes the schedule for every GEMM (``AMXOPT_AMX_SCHEDULE``, or inside
+    :func:`use_amx_schedule`): linears' own choices are then ignored, and autotune makes none."""
+    return _ops().amx_schedule() != "default"
+
+
+def amx_schedule_matters(rows: int, k: int) -> bool:
+    """Whether the two schedules run different engines for a GEMM of ``rows`` x ``k`` here (the
+    active tier is amx, and the shape is one the Rows schedule takes, at this thread count)."""
+    return _ops().amx_schedule_matters(rows, k)
 
 
 @contextlib.contextmanager
 def use_amx_schedule(schedule: str):
-    """Run the amx tier's tile GEMM in ``schedule`` (process-wide), e.g. to compare the two in one process."""
+    """Pin the amx tier's tile GEMM to ``schedule`` (process-wide, over every linear's own choice),
+    e.g. to compare the two in one process."""
     if schedule not in AMX_SCHEDULES:
         raise ValueError(f"amxopt: unknown AMX GEMM schedule {schedule!r}; known: {AMX_SCHEDULES}")
-    previous = amx_schedule()
+    previous = _ops().amx_schedule()  # "default" where nothing was pinned
     _ops().set_amx_schedule(schedule)
     try:
         yield

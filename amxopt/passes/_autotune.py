@@ -21,9 +21,14 @@ model, amxopt's kernels also see the other core slowed by a neighbour and take o
 FFN-down linear ran at 0.99x ATen by the best samples, 1.22x by the means. The pass keeps the ATen
 node, with the timings as its reason, when ATen wins.
 
+On the amx tier a Linear's GEMM may run in either of two schedules (``native.AMX_SCHEDULES``,
+gemm.cpp): where its shape makes them differ, :func:`amx_schedule` first times the two against each
+other and the faster becomes the node's ``amx_schedule`` (then amxopt's side of the ATen comparison
+runs in it). A process that pins a schedule (``AMXOPT_AMX_SCHEDULE``) is not asked.
+
 Decisions are cached on disk (``AmxConfig.autotune_cache``, default ``~/.cache/amxopt``), keyed by
 the CPU model, torch version, the kernels' build fingerprint (and whether AMX tiles are emulated), the
-AMX GEMM schedule where it is not the default, this rule, the active tier and the op's shapes, so a
+AMX GEMM schedule where the process pins Rows, this rule, the active tier and the op's shapes, so a
 second ``optimize()`` of the same model times nothing.
 """
 
@@ -54,6 +59,23 @@ _SLOW_S, _FAR = 0.2, 3.0  # a warm-up call this slow, and this far behind the ot
 _BUDGET_S = 5.0  # rounds stop after this long (after the first)
 _MARGIN = 0.1  # ATen is kept only where it is faster by more than this, twice (module docstring)
 _POLICY = f"ATen by {_MARGIN:.0%}, twice"  # in the cache key: decisions taken by another rule are timed again
+_SCHEDULE_MARGIN = 0.03  # the Rows schedule replaces the default only where faster by more than this
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleTiming:
+    """Best-of milliseconds of one GEMM in each of the amx tier's schedules (native.AMX_SCHEDULES)."""
+
+    groups_ms: float
+    rows_ms: float
+    cached: bool = False
+
+    @property
+    def choice(self) -> str:
+        return "rows" if self.rows_ms * (1 + _SCHEDULE_MARGIN) < self.groups_ms else "groups"
+
+    def __str__(self) -> str:
+        return f"AMX {self.choice} schedule (groups {self.groups_ms:.3g} ms, rows {self.rows_ms:.3g} ms)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,16 +86,23 @@ class Timing:
     amxopt_ms: float
     aten_ms: float
     cached: bool = False
+    schedule: ScheduleTiming | None = None  # a GEMM's AMX schedule, where autotune chose one first
 
     @property
     def amxopt_wins(self) -> bool:
         return self.amxopt_ms <= self.aten_ms * (1 + _MARGIN)
 
+    @property
+    def options(self) -> dict:
+        """What the replacement takes from this timing: the Rows schedule where it was faster."""
+        return {"amx_schedule": "rows"} if self.schedule and self.schedule.choice == "rows" else {}
+
     def __str__(self) -> str:
         tie = f" [within {_MARGIN:.0%}: amxopt kept]" if self.aten_ms < self.amxopt_ms and self.amxopt_wins else ""
+        order = f"; {self.schedule}" if self.schedule else ""
         return (
             f"{self.op}: amxopt {self.amxopt_ms:.3g} ms, ATen {self.aten_ms:.3g} ms "
-            f"({self.aten_ms / max(self.amxopt_ms, 1e-9):.2f}x){tie}{' [cached]' if self.cached else ''}"
+            f"({self.aten_ms / max(self.amxopt_ms, 1e-9):.2f}x){tie}{order}{' [cached]' if self.cached else ''}"
         )
 
 
@@ -191,21 +220,53 @@ def _time(run_amxopt: Callable[[], object], run_aten: Callable[[], object]) -> t
     return min(amx) * 1e3, min(aten) * 1e3
 
 
-def compare(op: str, config: AmxConfig, run_amxopt: Callable[[], object], run_aten: Callable[[], object]) -> Timing:
-    """Time both sides of one rewrite (or read the cached result); ``op`` names kind and shapes."""
+def compare(
+    op: str,
+    config: AmxConfig,
+    run_amxopt: Callable[[], object],
+    run_aten: Callable[[], object],
+    schedule: ScheduleTiming | None = None,
+) -> Timing:
+    """Time both sides of one rewrite (or read the cached result); ``op`` names kind and shapes (and
+    the AMX schedule ``run_amxopt`` runs in where :func:`amx_schedule` chose Rows, which ``schedule``
+    says)."""
     path = _cache_file(config)
     table = _load(path)
-    schedule = native.amx_schedule()  # process-wide, and settable: read per lookup
-    order = "" if schedule == "groups" else f"|AMX {schedule} schedule"  # the default keeps its keys
+    pinned = native.amx_schedule()  # the process's, and settable: read per lookup
+    order = "" if pinned == "groups" else f"|AMX {pinned} schedule"  # the default keeps its keys
     key = f"{_context()}{order}|{_POLICY}|{native.active_tier()}|{op}"
     if key in table:
         amx_ms, aten_ms = table[key]
-        return Timing(op, amx_ms, aten_ms, cached=True)
+        return Timing(op, amx_ms, aten_ms, cached=True, schedule=schedule)
     amx_ms, aten_ms = _time(run_amxopt, run_aten)
     if not Timing(op, amx_ms, aten_ms).amxopt_wins and amx_ms < _FAR * aten_ms:  # confirm ATen's lead
         amx_ms, aten_ms = max((amx_ms, aten_ms), _time(run_amxopt, run_aten), key=lambda t: t[1] / t[0])
     table[key] = [amx_ms, aten_ms]
     _store(path, table)
-    timing = Timing(op, amx_ms, aten_ms)
+    timing = Timing(op, amx_ms, aten_ms, schedule=schedule)
     logger.info("amxopt: timed %s", timing)
+    return timing
+
+
+def amx_schedule(
+    op: str, config: AmxConfig, rows: int, k: int, run: Callable[[str], Callable[[], object]]
+) -> ScheduleTiming | None:
+    """The faster of the amx tier's GEMM schedules for one GEMM of ``rows`` x ``k`` (``run(schedule)``
+    runs it in one), or the cached decision; None where there is no choice to make: another tier, a
+    shape both schedules run alike, or a process that pins a schedule (then it runs everywhere).
+
+    The two are amxopt's own kernels with the same result bit for bit (the same fp32 sums in the
+    same order), so a near tie costs little either way: Rows, measured on fewer CPUs, must be
+    faster by ``_SCHEDULE_MARGIN``. The thread count is in the key: Rows splits the rows between them."""
+    if native.amx_schedule_pinned() or not native.amx_schedule_matters(rows, k):
+        return None
+    path = _cache_file(config)
+    table = _load(path)
+    key = f"{_context()}|AMX schedules|{torch.get_num_threads()} threads|{op}"
+    if key in table:
+        return ScheduleTiming(*table[key], cached=True)
+    table[key] = list(_time(run("groups"), run("rows")))
+    _store(path, table)
+    timing = ScheduleTiming(*table[key])
+    logger.info("amxopt: timed %s: %s", op, timing)
     return timing

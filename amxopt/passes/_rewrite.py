@@ -67,6 +67,8 @@ def apply_rules(gm: fx.GraphModule, rules: list[Rule], config: AmxConfig) -> int
             if kept_for_speed(root, timing):
                 settled.add(root)
                 continue
+            if timing is not None and timing.options:  # what autotune chose for the kernel (an AMX schedule)
+                fn = functools.partial(fn, **timing.options)
             new = insert_traced(out, fn, [match[name] for name in rule.inputs], rule.name, timing)
             replace_node(out, new, *reversed([n for n in _in_order(inner) if n is not out]))
             renamed[out] = new

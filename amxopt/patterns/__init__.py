@@ -145,14 +145,23 @@ def upcast_of(xf: Any, x: Any) -> bool:
     return True
 
 
-def linear_replacement(x, weight, bias, *, activation: str, provider: str):
-    packed = amx.pack_linear_weight(weight, provider)
-    return amx.linear(x, packed, bias, activation, weight.shape[0], provider)
+def _schedule(amx_schedule: str) -> dict:
+    """linear's amx_schedule where autotune chose one (a graph without a choice reads as before)."""
+    return {} if amx_schedule == "default" else {"amx_schedule": amx_schedule}
 
 
-def linear_residual_replacement(x, weight, bias, residual, *, activation: str, provider: str):
+def linear_replacement(x, weight, bias, *, activation: str, provider: str, amx_schedule: str = "default"):
     packed = amx.pack_linear_weight(weight, provider)
-    return amx.linear(x, packed, bias, activation, weight.shape[0], provider, residual=residual)
+    return amx.linear(x, packed, bias, activation, weight.shape[0], provider, **_schedule(amx_schedule))
+
+
+def linear_residual_replacement(
+    x, weight, bias, residual, *, activation: str, provider: str, amx_schedule: str = "default"
+):
+    packed = amx.pack_linear_weight(weight, provider)
+    return amx.linear(
+        x, packed, bias, activation, weight.shape[0], provider, residual=residual, **_schedule(amx_schedule)
+    )
 
 
 def sdpa_replacement(q, k, v, *, scale: float | None, causal: bool, provider: str):

@@ -85,7 +85,7 @@ def _refusal(match: Match) -> str | None:
 
 def _timing(activation: str, residual: bool, match: Match, fn, config) -> _autotune.Timing | None:
     """amxopt.linear (+ fused activation or residual) against aten.linear + the activation (or the
-    add), at this node's shapes."""
+    add), at this node's shapes; on the amx tier, in the faster of its GEMM schedules."""
     if released_source(match["weight"]):
         return None
     xv, wv, bias = val(match["x"]), val(match["weight"]), match["bias"]
@@ -93,21 +93,34 @@ def _timing(activation: str, residual: bool, match: Match, fn, config) -> _autot
     w = _autotune.materialize(wv, scale=x.shape[-1] ** -0.5)
     b = _autotune.materialize(val(bias))
     packed = torch.ops.amxopt.pack_linear_weight(w, config.provider)
+    extra = {}
     if residual:
-        r = _autotune.materialize(val(_residual(match))).reshape(x.shape[0], w.shape[0])
-        return _autotune.compare(
-            f"linear [{_autotune.describe(x, w, b)}] + residual",
-            config,
-            lambda: torch.ops.amxopt.linear(x, packed, b, "none", w.shape[0], config.provider, residual=r),
-            lambda: torch.nn.functional.linear(x, w, b) + r,
+        extra["residual"] = r = _autotune.materialize(val(_residual(match))).reshape(x.shape[0], w.shape[0])
+        op, aten = f"linear [{_autotune.describe(x, w, b)}] + residual", lambda: torch.nn.functional.linear(x, w, b) + r
+    else:
+        act = reference.ACTIVATIONS[activation]
+        op, aten = (
+            f"linear [{_autotune.describe(x, w, b)}] {activation}",
+            lambda: act(torch.nn.functional.linear(x, w, b)),
         )
-    act = reference.ACTIVATIONS[activation]
-    return _autotune.compare(
-        f"linear [{_autotune.describe(x, w, b)}] {activation}",
-        config,
-        lambda: torch.ops.amxopt.linear(x, packed, b, activation, w.shape[0], config.provider),
-        lambda: act(torch.nn.functional.linear(x, w, b)),
-    )
+
+    def amxopt(schedule: str = "default"):
+        return functools.partial(
+            torch.ops.amxopt.linear,
+            x,
+            packed,
+            b,
+            activation,
+            w.shape[0],
+            config.provider,
+            amx_schedule=schedule,
+            **extra,
+        )
+
+    order = _autotune.amx_schedule(op, config, x.shape[0], x.shape[1], amxopt)
+    if order and order.choice == "rows":
+        return _autotune.compare(f"{op}, AMX rows schedule", config, amxopt("rows"), aten, order)
+    return _autotune.compare(op, config, amxopt(), aten, order)
 
 
 def _rule(activation: str, pattern, when: str | None) -> Rule:

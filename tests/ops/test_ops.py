@@ -7,6 +7,7 @@ by the same tests.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -641,35 +642,55 @@ def test_linear_amx_schedules(provider, shape, threads):
     b = torch.randn(n, generator=g).to(torch.bfloat16)
     residual = torch.randn(m, n, generator=g).to(torch.bfloat16)
     packed = pack(w, provider)
+    runs = {  # the process's pinned schedule (or none), the call's amx_schedule
+        "groups": ("groups", "default"),
+        "rows": ("rows", "default"),
+        "rows per call": (None, "rows"),  # as autotune leaves it in a graph
+        "pinned over the call": ("groups", "rows"),  # the pin wins
+    }
     outs, blocks, before_threads = {}, {}, torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for schedule in native.AMX_SCHEDULES:
-            with native.use_amx_schedule(schedule):
-                assert native.amx_schedule() == schedule
+        for name, (pinned, per_call) in runs.items():
+            with native.use_amx_schedule(pinned) if pinned else contextlib.nullcontext():
+                assert native.amx_schedule_pinned() == bool(pinned)
                 before = native.amx_emulated_blocks() if native.amx_emulated() else 0
-                outs[schedule] = (
-                    ops.linear(x, packed, b, "gelu", n, provider),
-                    ops.linear(x, packed, None, "none", n, provider, residual=residual),
+                outs[name] = (
+                    ops.linear(x, packed, b, "gelu", n, provider, amx_schedule=per_call),
+                    ops.linear(x, packed, None, "none", n, provider, residual=residual, amx_schedule=per_call),
                 )
-                blocks[schedule] = native.amx_emulated_blocks() - before if native.amx_emulated() else 0
+                blocks[name] = native.amx_emulated_blocks() - before if native.amx_emulated() else 0
+        matters = native.amx_schedule_matters(m, k)  # at this thread count
     finally:
         torch.set_num_threads(before_threads)
     act, plain = outs["rows"]
     assert_close_dtype(act, linear_oracle(x, w, b, "gelu"), torch.bfloat16)
     assert_close_dtype(plain, linear_oracle(x, w, None, "none") + residual.double(), torch.bfloat16)
     # the same fp32 sums in the same order, whatever the schedule
-    assert all(torch.equal(r, d) for r, d in zip(outs["rows"], outs["groups"], strict=True))
-    if native.amx_emulated() and k > 256 and m >= 32 * threads:  # the Rows schedule ran: its blocks are K chunks
-        assert blocks["rows"] > blocks["groups"], blocks
+    for name in runs:
+        assert all(torch.equal(r, d) for r, d in zip(outs[name], outs["groups"], strict=True)), name
+    if native.amx_emulated():
+        assert blocks["rows per call"] == blocks["rows"] and blocks["pinned over the call"] == blocks["groups"], blocks
+        assert matters == (k > 128 and m >= max(64, 32 * threads))
+        if k > 256 and m >= 32 * threads:  # the Rows schedule ran: its blocks are K chunks
+            assert blocks["rows"] > blocks["groups"], blocks
 
 
-def test_amx_schedule_is_checked():
-    before = native.amx_schedule()
+def test_amx_schedule_is_checked(provider):
+    before = native.amx_schedule(), native.amx_schedule_pinned()
     with pytest.raises(ValueError, match="unknown AMX GEMM schedule 'cols'"):
         with native.use_amx_schedule("cols"):
             pass
-    assert native.amx_schedule() == before
+    assert (native.amx_schedule(), native.amx_schedule_pinned()) == before
+    with native.use_amx_schedule("rows"):
+        assert native.amx_schedule() == "rows" and native.amx_schedule_pinned()
+    assert (native.amx_schedule(), native.amx_schedule_pinned()) == before  # unpinned again
+    # linear's own choice, on every provider (the others take no notice of a valid one)
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="amx_schedule must be one of default, groups, rows, got 'cols'"):
+        ops.linear(x, pack(w, provider), None, "none", 4, provider, amx_schedule="cols")
+    out = ops.linear(x, pack(w, provider), None, "none", 4, provider, amx_schedule="rows")
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -179,9 +179,10 @@ def test_software_tiles_refused_where_the_amx_tier_cannot_run():
 
 
 def test_amx_schedule_from_the_environment():
-    # AMXOPT_AMX_SCHEDULE (read when the library loads, on every CPU) sets the amx tier's GEMM order.
+    # AMXOPT_AMX_SCHEDULE (read when the library loads, on every CPU) pins the amx tier's GEMM order.
     _run_in_fresh_process(
-        "from amxopt.ops import native\nassert native.amx_schedule() == 'rows'", AMXOPT_AMX_SCHEDULE="rows"
+        "from amxopt.ops import native\nassert native.amx_schedule() == 'rows' and native.amx_schedule_pinned()",
+        AMXOPT_AMX_SCHEDULE="rows",
     )
     code = (
         "try:\n"

@@ -6,12 +6,14 @@ one); the real timer runs in the first test, on shapes small enough to be quick.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
 import torch
 
 import amxopt
+from amxopt.ops import native
 from amxopt.passes import _autotune
 from tests.models.test_equivalence import _PlainBlock
 
@@ -90,6 +92,56 @@ def test_aten_must_win_by_a_margin_and_twice(tmp_path, monkeypatch):
     monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: next(timings))
     opt, _ = _optimize(_model(), tmp_path / "twice")
     assert len(opt.report.left) == 6 and all("amxopt 1.5 ms, ATen 1 ms (0.67x)" in e.detail for e in opt.report.left)
+
+
+def _schedules(opt) -> dict[int, str | None]:
+    """out_features -> amx_schedule of each amxopt.linear of the graph (None: the default)."""
+    return {
+        n.args[4]: n.kwargs.get("amx_schedule")
+        for n in opt.graph_module.graph.nodes
+        if n.target == torch.ops.amxopt.linear.default
+    }
+
+
+def test_amx_schedule_is_chosen_per_linear_shape(tmp_path, monkeypatch):
+    # On the amx tier, where a Linear's shape runs the two GEMM schedules differently, autotune times
+    # them first: the faster becomes the node's amx_schedule, and amxopt's side of the ATen comparison
+    # runs in it. Here: the shapes with K = 32 (qkv; the up projection + silu) "differ"; Rows is 3x
+    # faster at the first, 1.02x (within the margin: the default stays) at the second.
+    monkeypatch.setattr(native, "amx_schedule_matters", lambda rows, k: k == 32)
+
+    def timer(run_a, run_b):  # (the capture's child process runs it)
+        schedule = run_a.keywords.get("amx_schedule") if isinstance(run_a, functools.partial) else None
+        if schedule == "groups":  # groups against rows
+            return (3.0, 1.0) if run_a.args[4] == 96 else (1.02, 1.0)
+        return (1.0, 3.0)  # amxopt against ATen: amxopt
+
+    monkeypatch.setattr(_autotune, "_time", timer)
+    model = _model()
+    opt, x = _optimize(model, tmp_path)
+    assert _schedules(opt) == {96: "rows", 64: None, 32: None}, str(opt.report)
+    text = "\n".join(t for _, t in opt.report.choices)
+    assert "AMX rows schedule (groups 3 ms, rows 1 ms)" in text and "AMX groups schedule (groups 1.02 ms" in text
+    assert ", AMX rows schedule: amxopt 1 ms" in text, text  # amxopt's side was timed in Rows
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), atol=0.05, rtol=0.05)
+    # The decisions are cached with the others: a second capture times nothing and decides alike.
+    monkeypatch.setattr(_autotune, "_time", lambda *a: pytest.fail("timed a cached shape"))
+    again, _ = _optimize(_model(), tmp_path, graph_cache=False)
+    assert _schedules(again) == {96: "rows", 64: None, 32: None}
+    # A process that pins a schedule runs it everywhere: no schedule is timed, no node chooses one.
+    monkeypatch.setattr(
+        _autotune,
+        "_time",
+        lambda run_a, run_b: (
+            (1.0, 3.0)
+            if not isinstance(run_a, functools.partial) or run_a.keywords["amx_schedule"] == "default"
+            else pytest.fail("timed a pinned schedule")
+        ),
+    )
+    with native.use_amx_schedule("rows"):
+        pinned, _ = _optimize(_model(), tmp_path / "pinned")
+    assert _schedules(pinned) == {96: None, 64: None, 32: None}, str(pinned.report)
 
 
 def test_autotune_off_times_nothing(tmp_path, monkeypatch):

@@ -263,27 +263,36 @@ std::optional<at::Tensor> conv2d_direct(const at::Tensor& x, const at::Tensor& w
 std::optional<at::Tensor> conv2d_gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                                       int64_t groups, Act act, Tier tier);
-// C = A @ W^T with the epilogue e for a bf16 x and VNNI-packed W, on the given tier (gemm.cpp).
-void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc, int64_t M,
-               int64_t N, int64_t K, Tier tier);
-// Which engine gemm_bf16 uses for M rows on `tier` (for `amxopt info` and the benches).
-const char* gemm_engine(Tier tier, int64_t M);
 // How the amx tier's tile engine orders its work below the K-blocked sizes (gemm.cpp): Groups (the
 // default) hands out 32-row x 128-column items, column group major (row tile major at K <= 128), A
 // read in place for the whole K; Rows (from 64 rows, and 32 per thread, at 128 < K) gives each
 // thread its own rows of A, packed in 32 x 256 chunks that stay in L1 across a column group's 4
-// panels. Process-wide; AMXOPT_AMX_SCHEDULE (read when the library loads) sets the first value.
-enum class AmxSchedule : int { Groups = 0, Rows = 1 };
+// panels. Default: the call's choice (amxopt.linear's amx_schedule, which autotune sets per shape),
+// else Groups. The process may pin one instead, which then overrides every call's:
+// AMXOPT_AMX_SCHEDULE (read when the library loads) or set_amx_schedule.
+enum class AmxSchedule : int { Default = -1, Groups = 0, Rows = 1 };
 const char* amx_schedule_name(AmxSchedule s);
-AmxSchedule parse_amx_schedule(const std::string& name);
-AmxSchedule amx_schedule();
-void set_amx_schedule(AmxSchedule s);
+AmxSchedule parse_amx_schedule(const std::string& name);  // "default", "groups" or "rows"
+AmxSchedule amx_schedule();                                // the process's: Default unless pinned
+void set_amx_schedule(AmxSchedule s);                      // Default unpins
+// The schedule a GEMM runs in: the pinned one, else the call's request, else Groups.
+AmxSchedule amx_schedule_for(AmxSchedule requested);
+// Whether gemm_bf16 on the active tier takes the Rows schedule's engine for M x K when asked to,
+// so that the two schedules differ for this shape (autotune times them only then).
+bool amx_schedule_matters(int64_t M, int64_t K);
+// C = A @ W^T with the epilogue e for a bf16 x and VNNI-packed W, on the given tier (gemm.cpp), the amx
+// tier's tile engine in amx_schedule_for(schedule).
+void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc, int64_t M,
+               int64_t N, int64_t K, Tier tier, AmxSchedule schedule = AmxSchedule::Default);
+// Which engine gemm_bf16 uses for M rows on `tier` (for `amxopt info` and the benches).
+const char* gemm_engine(Tier tier, int64_t M);
 at::Tensor pack_vnni(const at::Tensor& w);  // [N, K] bf16, K even -> VNNI
 // act(x2 @ W^T + bias) + residual for x2 [M, K] with unit column stride; packed VNNI (bf16) or
 // plain [N, K]; bias32 fp32 contiguous or undefined; residual [M, N] in x2's dtype with unit column
 // stride, or undefined.
 at::Tensor linear_2d(const at::Tensor& x2, const at::Tensor& packed, const at::Tensor& bias32, Act act, int64_t N,
-                     Tier tier, const at::Tensor& residual = at::Tensor());
+                     Tier tier, const at::Tensor& residual = at::Tensor(),
+                     AmxSchedule schedule = AmxSchedule::Default);
 // attention.cpp
 at::Tensor varlen_attention_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale,

@@ -173,8 +173,9 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16
 // standalone harness on 2 threads of a Granite Rapids-class Xeon put this order (rows split between
 // the threads, A packed in K chunks held in L1 across 4 column blocks) at 2.56-2.78 TFLOP/s against
 // 2.33-2.45 for gemm_blocks' order at 784 x 1024 x 3072; in the library it has not been measured on
-// AMX yet, so it runs only where asked for (AMXOPT_AMX_SCHEDULE=rows, native.use_amx_schedule);
-// bench_ops runs it as native[amx/rows], bench_models --other-schedule as a model variant.
+// AMX yet, so it runs only where asked for: per linear where autotune timed it faster (the call's
+// amx_schedule), or pinned for the process (AMXOPT_AMX_SCHEDULE=rows, native.use_amx_schedule);
+// bench_ops runs it as native[amx/rows], bench_models --schedules as a model variant.
 // Rows are cut into chunks of whole 32-row tiles (only M's last tile may be short), at least one per
 // thread and at most kRowChunkBytes of A each; work items are (row chunk, column group of 4 panels),
 // chunk major, so each thread's share is its own rows. The first item of a chunk packs it (the others
@@ -338,36 +339,67 @@ void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue
   });
 }
 
+// The process's schedule: Default (not pinned) unless AMXOPT_AMX_SCHEDULE or set_amx_schedule pins one.
 std::atomic<int>& schedule_state() {
   static std::atomic<int> s{[] {
     const char* env = std::getenv("AMXOPT_AMX_SCHEDULE");
-    return int(env ? parse_amx_schedule(env) : AmxSchedule::Groups);
+    return int(env ? parse_amx_schedule(env) : AmxSchedule::Default);
   }()};
   return s;
 }
 
+// Rows' engine for M x K on the amx tier (the K-blocked engine, which precedes it, aside).
+bool rows_schedule_runs(int64_t M, int64_t K) {
+  return M >= std::max(kRowsMinM, kBrgemmM * at::get_num_threads()) && K > kRowsFirstK && K < kBlockedK &&
+         K % 32 == 0 && amx_tiles_usable();
+}
+
+bool k_blocked(int64_t M, int64_t K) {
+  return M > kSmallM && (K >= kBlockedK || (K >= kBlockedSmallK && M > 16 && M <= kBlkM));
+}
+
 }  // namespace
 
-const char* amx_schedule_name(AmxSchedule s) { return s == AmxSchedule::Rows ? "rows" : "groups"; }
+const char* amx_schedule_name(AmxSchedule s) {
+  return s == AmxSchedule::Rows ? "rows" : s == AmxSchedule::Groups ? "groups" : "default";
+}
 
 AmxSchedule parse_amx_schedule(const std::string& name) {
-  for (AmxSchedule s : {AmxSchedule::Groups, AmxSchedule::Rows})
+  for (AmxSchedule s : {AmxSchedule::Default, AmxSchedule::Groups, AmxSchedule::Rows})
     if (name == amx_schedule_name(s)) return s;
-  TORCH_CHECK_VALUE(false, "amxopt: unknown AMX GEMM schedule '", name, "' (AMXOPT_AMX_SCHEDULE); known: groups, rows");
+  TORCH_CHECK_VALUE(false, "amxopt: unknown AMX GEMM schedule '", name, "' (AMXOPT_AMX_SCHEDULE); known: default, groups, rows");
 }
 
 AmxSchedule amx_schedule() { return AmxSchedule(schedule_state().load(std::memory_order_relaxed)); }
 
 void set_amx_schedule(AmxSchedule s) { schedule_state().store(int(s)); }
 
+AmxSchedule amx_schedule_for(AmxSchedule requested) {
+  const AmxSchedule pinned = amx_schedule();
+  if (pinned != AmxSchedule::Default) return pinned;
+  return requested == AmxSchedule::Default ? AmxSchedule::Groups : requested;
+}
+
+bool amx_schedule_matters(int64_t M, int64_t K) {
+  return active_tier() == Tier::Amx && !k_blocked(M, K) && rows_schedule_runs(M, K);
+}
+
 const char* gemm_engine(Tier tier, int64_t M) {
   switch (tier) {
     case Tier::Amx:
       if (M <= kAmxSmallM) return "avx512_bf16 microkernel (small M)";
-      if (amx_schedule() == AmxSchedule::Rows)
-        return "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 rows: blocked "
-               "in K; below that, rows schedule from 64 rows and 32 per thread at K > 128)";
-      return "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 rows: blocked in K)";
+      switch (amx_schedule()) {
+        case AmxSchedule::Rows:
+          return "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 rows: blocked "
+                 "in K; below that, rows schedule (pinned) from 64 rows and 32 per thread at K > 128)";
+        case AmxSchedule::Groups:
+          return "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 rows: blocked "
+                 "in K; groups schedule (pinned))";
+        case AmxSchedule::Default:
+          break;
+      }
+      return "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 rows: blocked in K; "
+             "below that, groups or rows schedule per linear as autotune chose)";
     case Tier::Avx512Bf16:
       return "avx512_bf16 microkernel";
     case Tier::Fp32:
@@ -377,14 +409,12 @@ const char* gemm_engine(Tier tier, int64_t M) {
 }
 
 void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc, int64_t M,
-               int64_t N, int64_t K, Tier tier) {
+               int64_t N, int64_t K, Tier tier, AmxSchedule schedule) {
   if (M == 0 || N == 0) return;
   switch (tier) {
     case Tier::Amx:
-      if (M > kSmallM && (K >= kBlockedK || (K >= kBlockedSmallK && M > 16 && M <= kBlkM)))
-        return gemm_brgemm_kblocked(A, lda, Wp, e, C, ldc, M, N, K);
-      if (amx_schedule() == AmxSchedule::Rows && M >= std::max(kRowsMinM, kBrgemmM * at::get_num_threads()) &&
-          K > kRowsFirstK && K < kBlockedK && K % 32 == 0 && amx_tiles_usable())
+      if (k_blocked(M, K)) return gemm_brgemm_kblocked(A, lda, Wp, e, C, ldc, M, N, K);
+      if (amx_schedule_for(schedule) == AmxSchedule::Rows && rows_schedule_runs(M, K))
         return gemm_row_chunks(A, lda, Wp, e, C, ldc, M, N, K);
       if (M > kAmxSmallM && K < kBlockedK) return gemm_blocks(A, lda, Wp, e, C, ldc, M, N, K);
       [[fallthrough]];
@@ -435,14 +465,15 @@ at::Tensor linear_plain(const at::Tensor& x2, const at::Tensor& w, const float* 
 
 // x2 [M, K] (unit column stride) times a packed weight; bias fp32 contiguous or undefined.
 at::Tensor linear_2d(const at::Tensor& x2, const at::Tensor& packed, const at::Tensor& bias32, Act act, int64_t N,
-                     Tier tier, const at::Tensor& residual) {
+                     Tier tier, const at::Tensor& residual, AmxSchedule schedule) {
   const float* bias = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   if (packed.dim() == 2) return linear_plain(x2, packed, bias, act, residual);
   const int64_t M = x2.size(0), K = x2.size(1);
   auto out = new_output({M, N}, x2.options());
   const Epilogue<bf16> e{bias, act, residual.defined() ? residual.data_ptr<bf16>() : nullptr,
                          residual.defined() ? residual.stride(0) : 0};
-  gemm_bf16(x2.data_ptr<bf16>(), x2.stride(0), packed.data_ptr<bf16>(), e, out.data_ptr<bf16>(), N, M, N, K, tier);
+  gemm_bf16(x2.data_ptr<bf16>(), x2.stride(0), packed.data_ptr<bf16>(), e, out.data_ptr<bf16>(), N, M, N, K, tier,
+            schedule);
   return out;
 }
 

@@ -95,6 +95,12 @@ Act parse_act(c10::string_view a, const char* op) {
   AMX_CHECK(false, op, "activation must be one of none, gelu, gelu_tanh, silu, got '", std::string(a), "'");
 }
 
+AmxSchedule parse_schedule(c10::string_view name, const char* op) {
+  AMX_CHECK(name == "default" || name == "groups" || name == "rows", op,
+            "amx_schedule must be one of default, groups, rows, got '", std::string(name), "'");
+  return parse_amx_schedule(std::string(name));
+}
+
 void check_float(const char* op, const char* name, const at::Tensor& t) {
   AMX_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, op, name,
             " must be float32 or bfloat16, got ", dtype_name(t.scalar_type()));
@@ -143,8 +149,9 @@ at::Tensor pack_linear_weight(const at::Tensor& w, c10::string_view provider) {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                   c10::string_view activation, int64_t out_features, c10::string_view provider,
-                  const std::optional<at::Tensor>& residual) {
+                  const std::optional<at::Tensor>& residual, c10::string_view amx_schedule) {
   const char* op = "linear";
+  const AmxSchedule schedule = parse_schedule(amx_schedule, op);  // checked for every provider
   if (auto impl = delegate(provider, op, true))
     return python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                    c10::string_view, int64_t, const std::optional<at::Tensor>&)>(*impl)
@@ -168,7 +175,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
     r2 = residual->reshape({-1, out_features});
     if (r2.stride(1) != 1 || (r2.size(0) > 1 && r2.stride(0) < out_features)) r2 = r2.contiguous();
   }
-  return linear_2d(x2, packed, bias32, act, out_features, active_tier(), r2).view(sizes);
+  return linear_2d(x2, packed, bias32, act, out_features, active_tier(), r2, schedule).view(sizes);
 }
 
 // Conv3d with kernel == stride as one GEMM: gather patches [B*T'*H'*W', C*kt*kh*kw], multiply, and
@@ -397,6 +404,7 @@ void set_max_tier_name(c10::string_view name) { set_max_tier(parse_tier(std::str
 std::string vec_isa() { return vec().isa; }
 std::string amx_schedule_now() { return amx_schedule_name(amx_schedule()); }
 void set_amx_schedule_name(c10::string_view name) { set_amx_schedule(parse_amx_schedule(std::string(name))); }
+bool amx_schedule_matters_for(int64_t rows, int64_t k) { return amx_schedule_matters(rows, k); }
 std::string gemm_engine_name(c10::string_view tier, int64_t rows) {
   return gemm_engine(parse_tier(std::string(tier)), rows);
 }
@@ -429,6 +437,7 @@ TORCH_LIBRARY(amxopt_native, m) {
   m.def("amx_emulated_blocks() -> int", &amxopt::amx_emulated_blocks);
   m.def("amx_schedule() -> str", &amxopt::amx_schedule_now);
   m.def("set_amx_schedule(str schedule) -> ()", &amxopt::set_amx_schedule_name);
+  m.def("amx_schedule_matters(int rows, int k) -> bool", &amxopt::amx_schedule_matters_for);
   m.def("gemm_engine(str tier, int rows) -> str", &amxopt::gemm_engine_name);
   m.def("attention_engine(str tier, bool bf16) -> str", &amxopt::attention_engine_name);
 }
