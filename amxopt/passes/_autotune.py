@@ -75,7 +75,8 @@ class ScheduleTiming:
         return "rows" if self.rows_ms * (1 + _SCHEDULE_MARGIN) < self.groups_ms else "groups"
 
     def __str__(self) -> str:
-        return f"AMX {self.choice} schedule (groups {self.groups_ms:.3g} ms, rows {self.rows_ms:.3g} ms)"
+        cached = ", cached" if self.cached else ""
+        return f"AMX {self.choice} schedule (groups {self.groups_ms:.3g} ms, rows {self.rows_ms:.3g} ms{cached})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,19 +254,27 @@ def amx_schedule(
 ) -> ScheduleTiming | None:
     """The faster of the amx tier's GEMM schedules for one GEMM of ``rows`` x ``k`` (``run(schedule)``
     runs it in one), or the cached decision; None where there is no choice to make: another tier, a
-    shape both schedules run alike, or a process that pins a schedule (then it runs everywhere).
+    shape both schedules run alike, a process that pins a schedule (then it runs everywhere), or
+    software tiles (their timings say nothing of AMX).
 
     The two are amxopt's own kernels with the same result bit for bit (the same fp32 sums in the
     same order), so a near tie costs little either way: Rows, measured on fewer CPUs, must be
-    faster by ``_SCHEDULE_MARGIN``. The thread count is in the key: Rows splits the rows between them."""
-    if native.amx_schedule_pinned() or not native.amx_schedule_matters(rows, k):
+    faster by ``_SCHEDULE_MARGIN``, and again in a second timing that runs the two in the other
+    order (the less favourable to Rows is kept). The thread count is in the key: Rows splits the
+    rows between them."""
+    if native.amx_schedule_pinned() or native.amx_emulated() or not native.amx_schedule_matters(rows, k):
         return None
     path = _cache_file(config)
     table = _load(path)
     key = f"{_context()}|AMX schedules|{torch.get_num_threads()} threads|{op}"
     if key in table:
         return ScheduleTiming(*table[key], cached=True)
-    table[key] = list(_time(run("groups"), run("rows")))
+    groups_ms, rows_ms = _time(run("groups"), run("rows"))
+    if ScheduleTiming(groups_ms, rows_ms).choice == "rows":  # confirm, rows first
+        again_rows, again_groups = _time(run("rows"), run("groups"))
+        if again_groups / again_rows < groups_ms / rows_ms:
+            groups_ms, rows_ms = again_groups, again_rows
+    table[key] = [groups_ms, rows_ms]
     _store(path, table)
     timing = ScheduleTiming(*table[key])
     logger.info("amxopt: timed %s: %s", op, timing)

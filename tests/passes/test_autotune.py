@@ -107,14 +107,18 @@ def test_amx_schedule_is_chosen_per_linear_shape(tmp_path, monkeypatch):
     # On the amx tier, where a Linear's shape runs the two GEMM schedules differently, autotune times
     # them first: the faster becomes the node's amx_schedule, and amxopt's side of the ATen comparison
     # runs in it. Here: the shapes with K = 32 (qkv; the up projection + silu) "differ"; Rows is 3x
-    # faster at the first, 1.02x (within the margin: the default stays) at the second.
+    # faster at the first (in both orders), 1.02x (within the margin: the default stays) at the second.
     monkeypatch.setattr(native, "amx_schedule_matters", lambda rows, k: k == 32)
 
-    def timer(run_a, run_b):  # (the capture's child process runs it)
-        schedule = run_a.keywords.get("amx_schedule") if isinstance(run_a, functools.partial) else None
-        if schedule == "groups":  # groups against rows
-            return (3.0, 1.0) if run_a.args[4] == 96 else (1.02, 1.0)
-        return (1.0, 3.0)  # amxopt against ATen: amxopt
+    def timer(run_a, run_b):  # (the capture's child process runs it; a failed assert fails its capture)
+        if not isinstance(run_a, functools.partial):  # attention, norms: amxopt ahead
+            return (1.0, 3.0)
+        a, out = run_a.keywords["amx_schedule"], run_a.args[4]
+        if isinstance(run_b, functools.partial):  # groups against rows, in either order
+            times = {"groups": 3.0 if out == 96 else 1.02, "rows": 1.0}
+            return times[a], times[run_b.keywords["amx_schedule"]]
+        assert a == ("rows" if out == 96 else "default"), (a, out)  # amxopt against ATen, in its schedule
+        return (1.0, 3.0)
 
     monkeypatch.setattr(_autotune, "_time", timer)
     model = _model()
@@ -122,26 +126,38 @@ def test_amx_schedule_is_chosen_per_linear_shape(tmp_path, monkeypatch):
     assert _schedules(opt) == {96: "rows", 64: None, 32: None}, str(opt.report)
     text = "\n".join(t for _, t in opt.report.choices)
     assert "AMX rows schedule (groups 3 ms, rows 1 ms)" in text and "AMX groups schedule (groups 1.02 ms" in text
-    assert ", AMX rows schedule: amxopt 1 ms" in text, text  # amxopt's side was timed in Rows
+    assert ", AMX rows schedule: amxopt 1 ms" in text, text  # the ATen comparison in Rows, keyed apart
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x), atol=0.05, rtol=0.05)
     # The decisions are cached with the others: a second capture times nothing and decides alike.
     monkeypatch.setattr(_autotune, "_time", lambda *a: pytest.fail("timed a cached shape"))
     again, _ = _optimize(_model(), tmp_path, graph_cache=False)
     assert _schedules(again) == {96: "rows", 64: None, 32: None}
-    # A process that pins a schedule runs it everywhere: no schedule is timed, no node chooses one.
-    monkeypatch.setattr(
-        _autotune,
-        "_time",
-        lambda run_a, run_b: (
-            (1.0, 3.0)
-            if not isinstance(run_a, functools.partial) or run_a.keywords["amx_schedule"] == "default"
-            else pytest.fail("timed a pinned schedule")
-        ),
-    )
+    assert "rows 1 ms, cached)" in "\n".join(t for _, t in again.report.choices)
+
+    # A process that pins a schedule runs it everywhere: no schedule is timed, no node chooses one,
+    # and the graph cached above (whose node chose Rows) is not the one restored.
+    def pinned_timer(run_a, run_b):
+        assert not isinstance(run_b, functools.partial), "timed the schedules of a pinned process"
+        return (1.0, 3.0)
+
+    monkeypatch.setattr(_autotune, "_time", pinned_timer)
     with native.use_amx_schedule("rows"):
-        pinned, _ = _optimize(_model(), tmp_path / "pinned")
+        pinned, _ = _optimize(_model(), tmp_path)
     assert _schedules(pinned) == {96: None, 64: None, 32: None}, str(pinned.report)
+
+
+def test_fp32_linears_have_no_schedule_to_choose(tmp_path, monkeypatch):
+    # An fp32 weight is not VNNI-packed: its GEMM runs alike in both schedules, so none is timed.
+    monkeypatch.setattr(native, "amx_schedule_matters", lambda rows, k: True)
+
+    def timer(run_a, run_b):
+        assert not isinstance(run_b, functools.partial), "timed the schedules of an fp32 Linear"
+        return (1.0, 3.0)
+
+    monkeypatch.setattr(_autotune, "_time", timer)
+    opt, _ = _optimize(_model(torch.float32), tmp_path)
+    assert _schedules(opt) == {96: None, 64: None, 32: None} and "AMX" not in str(opt.report)
 
 
 def test_autotune_off_times_nothing(tmp_path, monkeypatch):

@@ -23,7 +23,8 @@
 //                whole-K, paired calls: 1.06-1.19x at M = 390, 1.01-1.13x at 784, 1.04-1.13x at 1280,
 //                1.08x at 32, weights hot or cold (cycled through more than the L3 holds).
 //                A second order of the same tile kernel, the Rows schedule (gemm_row_chunks: each
-//                thread its own rows, A packed in K chunks held in L1), runs where asked for
+//                thread its own rows, A packed in K chunks held in L1), runs where asked for:
+//                per linear where autotune timed it faster, or pinned for the process
 //                (AMXOPT_AMX_SCHEDULE=rows); it awaits its measurement on AMX.
 //   avx512_bf16  the hand-written vdpbf16ps kernel (gemm_avx512_bf16.cpp).
 //   fp32         A converted to fp32 once; per group of 8 column blocks (256 columns) the weight is
@@ -175,7 +176,7 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16
 // 2.33-2.45 for gemm_blocks' order at 784 x 1024 x 3072; in the library it has not been measured on
 // AMX yet, so it runs only where asked for: per linear where autotune timed it faster (the call's
 // amx_schedule), or pinned for the process (AMXOPT_AMX_SCHEDULE=rows, native.use_amx_schedule);
-// bench_ops runs it as native[amx/rows], bench_models --schedules as a model variant.
+// bench_ops runs it as native[amx/rows], bench_models --pinned-schedules as a model variant.
 // Rows are cut into chunks of whole 32-row tiles (only M's last tile may be short), at least one per
 // thread and at most kRowChunkBytes of A each; work items are (row chunk, column group of 4 panels),
 // chunk major, so each thread's share is its own rows. The first item of a chunk packs it (the others
