@@ -304,7 +304,7 @@ def main() -> None:
     amx_label = f"measured now: {amx_limit}" if amx_limit else f"quoted (no AMX here): {AMX_PEAK_QUOTED}"
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; cpu {native.cpu_model()}; "
-        f"best tier {native.cpu_tier()}, AMX GEMM schedule {native.amx_schedule()}; variants {providers}; "
+        f"best tier {native.cpu_tier()}, AMX GEMM schedule {native.amx_schedule()}{' (pinned)' if native.amx_schedule_pinned() else ''}; variants {providers}; "
         f"AVX-512-BF16 limit measured now: {peak if peak else 'n/a'} TFLOP/s; AMX limit {amx_label} TFLOP/s"
     )
     amx_limit = amx_limit or AMX_PEAK_QUOTED
