@@ -233,8 +233,8 @@ def compare(
     says)."""
     path = _cache_file(config)
     table = _load(path)
-    pinned = native.amx_schedule()  # the process's, and settable: read per lookup
-    order = "" if pinned == "groups" else f"|AMX {pinned} schedule"  # the default keeps its keys
+    process = native.amx_schedule()  # where a call does not choose; settable: read per lookup
+    order = "" if process == "groups" else f"|AMX {process} schedule"  # the default keeps its keys
     key = f"{_context()}{order}|{_POLICY}|{native.active_tier()}|{op}"
     if key in table:
         amx_ms, aten_ms = table[key]
