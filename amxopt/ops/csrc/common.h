@@ -272,7 +272,8 @@ std::optional<at::Tensor> conv2d_gemm(const at::Tensor& x, const at::Tensor& w, 
 // AMXOPT_AMX_SCHEDULE (read when the library loads) or set_amx_schedule.
 enum class AmxSchedule : int { Default = -1, Groups = 0, Rows = 1 };
 const char* amx_schedule_name(AmxSchedule s);
-AmxSchedule parse_amx_schedule(const std::string& name);  // "default", "groups" or "rows"
+std::optional<AmxSchedule> find_amx_schedule(c10::string_view name);  // "default", "groups", "rows"
+AmxSchedule parse_amx_schedule(const std::string& name);  // find_amx_schedule, or an error naming the variable
 AmxSchedule amx_schedule();                                // the process's: Default unless pinned
 void set_amx_schedule(AmxSchedule s);                      // Default unpins
 // The schedule a GEMM runs in: the pinned one, else the call's request, else Groups.

@@ -365,10 +365,16 @@ const char* amx_schedule_name(AmxSchedule s) {
   return s == AmxSchedule::Rows ? "rows" : s == AmxSchedule::Groups ? "groups" : "default";
 }
 
-AmxSchedule parse_amx_schedule(const std::string& name) {
+std::optional<AmxSchedule> find_amx_schedule(c10::string_view name) {
   for (AmxSchedule s : {AmxSchedule::Default, AmxSchedule::Groups, AmxSchedule::Rows})
     if (name == amx_schedule_name(s)) return s;
-  TORCH_CHECK_VALUE(false, "amxopt: unknown AMX GEMM schedule '", name, "' (AMXOPT_AMX_SCHEDULE); known: default, groups, rows");
+  return std::nullopt;
+}
+
+AmxSchedule parse_amx_schedule(const std::string& name) {
+  const auto s = find_amx_schedule(name);
+  TORCH_CHECK_VALUE(s, "amxopt: unknown AMX GEMM schedule '", name, "' (AMXOPT_AMX_SCHEDULE); known: default, groups, rows");
+  return *s;
 }
 
 AmxSchedule amx_schedule() { return AmxSchedule(schedule_state().load(std::memory_order_relaxed)); }
@@ -389,18 +395,18 @@ const char* gemm_engine(Tier tier, int64_t M) {
   switch (tier) {
     case Tier::Amx:
       if (M <= kAmxSmallM) return "avx512_bf16 microkernel (small M)";
+#define AMXOPT_TILE_ENGINE \
+  "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 rows: blocked in K; below that, "
       switch (amx_schedule()) {
         case AmxSchedule::Rows:
-          return "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 rows: blocked "
-                 "in K; below that, rows schedule (pinned) from 64 rows and 32 per thread at K > 128)";
+          return AMXOPT_TILE_ENGINE "rows schedule (pinned) from 64 rows and 32 per thread at K > 128)";
         case AmxSchedule::Groups:
-          return "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 rows: blocked "
-                 "in K; groups schedule (pinned))";
+          return AMXOPT_TILE_ENGINE "groups schedule (pinned))";
         case AmxSchedule::Default:
-          break;
+          return AMXOPT_TILE_ENGINE "groups or rows schedule per linear as autotune chose)";
       }
-      return "AMX tile kernel (K % 32 == 0; else oneDNN brgemm; K >= 5120, or >= 4096 at 17-256 rows: blocked in K; "
-             "below that, groups or rows schedule per linear as autotune chose)";
+#undef AMXOPT_TILE_ENGINE
+      return "?";
     case Tier::Avx512Bf16:
       return "avx512_bf16 microkernel";
     case Tier::Fp32:

@@ -96,9 +96,9 @@ Act parse_act(c10::string_view a, const char* op) {
 }
 
 AmxSchedule parse_schedule(c10::string_view name, const char* op) {
-  AMX_CHECK(name == "default" || name == "groups" || name == "rows", op,
-            "amx_schedule must be one of default, groups, rows, got '", std::string(name), "'");
-  return parse_amx_schedule(std::string(name));
+  const auto s = find_amx_schedule(name);
+  AMX_CHECK(s, op, "amx_schedule must be one of default, groups, rows, got '", std::string(name), "'");
+  return *s;
 }
 
 void check_float(const char* op, const char* name, const at::Tensor& t) {
