@@ -32,7 +32,7 @@ proptest: $(STAMP)
 	HYPOTHESIS_PROFILE=nightly $(BIN)/python -m pytest tests/models/test_model_properties.py
 
 # Every benchmark beside its baselines (eager fp32/bf16, torch.compile), each one's text and JSON kept
-# in $(BENCH_OUT): the first thing to run on a CPU whose numbers are missing (an AMX Xeon above all).
+# in $(BENCH_OUT), and where each model's time goes (amxopt profile): the first thing to run on a CPU whose numbers are missing (an AMX Xeon above all).
 # On AMX both GEMM schedules run (bench_ops' native[amx/rows]; bench_models --pinned-schedules).
 BENCH_OUT ?= bench-results/$(shell date +%Y%m%d-%H%M)
 AMX_ONLY := from amxopt.ops import native; print('--pinned-schedules' if native.active_tier() == 'amx' else '')
@@ -42,6 +42,9 @@ bench: $(STAMP)
 	$(BIN)/python tools/bench_ops.py --json $(BENCH_OUT)/ops.json | tee $(BENCH_OUT)/ops.txt
 	$(BIN)/python tools/bench_models.py $$($(BIN)/python -c "$(AMX_ONLY)") --json $(BENCH_OUT)/models.json \
 		| tee $(BENCH_OUT)/models.txt
+	for m in "qwen3-vl-2b-vision --size 448" "qwen3-omni-audio --size 30" "wan2.1-t2v-1.3b --size 5,32,32,512"; do \
+		$(BIN)/amxopt profile $$m --by-shape --json $(BENCH_OUT)/profile-$${m%% *}.json | tee $(BENCH_OUT)/profile-$${m%% *}.txt; \
+	done
 	$(BIN)/python tools/bench_load.py --json $(BENCH_OUT)/load.json | tee $(BENCH_OUT)/load.txt
 	$(BIN)/python tools/bench_tp.py | tee $(BENCH_OUT)/tp.txt
 

@@ -6,6 +6,7 @@ amxopt dump MODEL [--out DIR] [--tp N --rank R]   graphs before/after every pass
                                    index.html) + the rewrite report; MODEL is a zoo name or
                                    package.module:factory returning (model, inputs)
 amxopt check MODEL                 optimized vs original (MODEL as for dump): max abs error (fp32 and bf16)
+amxopt profile MODEL [--by-shape] [--json F]   where the optimized model's call spends its time, per op
 """
 
 from __future__ import annotations
@@ -113,6 +114,22 @@ def _cmd_check(args) -> int:
     return 0
 
 
+def _cmd_profile(args) -> int:
+    import json
+
+    import amxopt
+    from amxopt.runtime import dump
+
+    model, inputs = dump.load_target(args.model, _DTYPES[args.dtype], args.size)
+    opt = amxopt.optimize(model, inputs, amxopt.AmxConfig(provider=args.provider, autotune=args.autotune))
+    profile = opt.profile(inputs, repeats=args.repeats, by_shape=args.by_shape)
+    print(f"{args.model} ({args.dtype}, {torch.get_num_threads()} threads), median of {args.repeats} runs")
+    print(profile)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(dict(model=args.model, dtype=args.dtype) | profile.to_json()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="amxopt", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what amxopt does")
@@ -124,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn, text in (
         ("dump", _cmd_dump, "write graphs before/after each pass"),
         ("check", _cmd_check, "equivalence"),
+        ("profile", _cmd_profile, "time per op of the optimized model's call"),
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument(
@@ -139,9 +157,14 @@ def main(argv: list[str] | None = None) -> int:
             action="store_false",
             help="replace every matching node, without timing it against ATen",
         )
+        if name in ("dump", "profile"):
+            p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+        if name == "profile":
+            p.add_argument("--repeats", type=int, default=3, help="timed runs; each row is the median")
+            p.add_argument("--by-shape", action="store_true", help="one row per op and input shapes")
+            p.add_argument("--json", default=None, help="also write the rows to this file")
         if name == "dump":
             p.add_argument("--out", default=None, help="output directory (default dumps/MODEL)")
-            p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
             p.add_argument("--tp", type=int, default=1, help="dump the tensor-parallel shard of --rank of N ranks")
             p.add_argument("--rank", type=int, default=0)
         p.set_defaults(fn=fn)

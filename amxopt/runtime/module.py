@@ -18,13 +18,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from amxopt.capture import Adapter, CaptureError, export
+from amxopt.capture import Adapter, CaptureError, export, split_inputs
 from amxopt.config import AmxConfig
 from amxopt.ops import packed
 from amxopt.passes import run_passes
 from amxopt.passes._graph import fetch
 from amxopt.runtime import graph_store, isolated, weights
 from amxopt.runtime.graph_store import GraphEntry
+from amxopt.runtime.profile import Profile, profile_graph
 from amxopt.runtime.report import Report
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,31 @@ class OptimizedModule(nn.Module):
         from amxopt.runtime.loading import save
 
         return save(self, directory)
+
+    def profile(self, example_inputs: Any, repeats: int = 3, by_shape: bool = False) -> Profile:
+        """Where a call on ``example_inputs`` spends its time, per op of the rewritten graph.
+
+        Args:
+            example_inputs: as for :func:`amxopt.optimize`: a tuple of positional args, a dict of
+                kwargs or a single tensor.
+            repeats: timed runs; each row is the median.
+            by_shape: one row per op and input shapes instead of per op.
+
+        Returns:
+            A :class:`~amxopt.runtime.profile.Profile`; ``print(profile)`` shows the table.
+
+        Example::
+
+            opt = amxopt.optimize(model, inputs)
+            print(opt.profile(inputs))
+        """
+        args, kwargs = split_inputs(example_inputs)
+        self(*args, **kwargs)  # captures (or re-captures) the graph this call runs
+        if self.eager_reason is not None:
+            raise RuntimeError(f"amxopt profile: {self.adapter.model_name} runs as eager PyTorch ({self.eager_reason})")
+        graph_inputs = self.adapter.graph_inputs(self.adapter.bind(args, kwargs))
+        graph = next(g for g in self._graphs if _accepts(g, graph_inputs))
+        return profile_graph(graph.captured.gm, graph_inputs, repeats=repeats, by_shape=by_shape)
 
     @property
     def device(self) -> torch.device:
