@@ -162,7 +162,9 @@ def describe(*tensors) -> str:
 def _context() -> str:
     path = build.library_path()
     tiles = "|software AMX tiles" if native.amx_emulated() else ""  # their timings say nothing of AMX's
-    return f"{native.cpu_model()}|torch {torch.__version__}|kernels {path.parent.name}{tiles}"
+    # Both sides split their work between the threads: a lead at 2 threads says little of 56.
+    threads = f"|{torch.get_num_threads()} threads"
+    return f"{native.cpu_model()}|torch {torch.__version__}|kernels {path.parent.name}{tiles}{threads}"
 
 
 def _cache_file(config: AmxConfig) -> pathlib.Path:
@@ -260,13 +262,13 @@ def amx_schedule(
     The two are amxopt's own kernels with the same result bit for bit (the same fp32 sums in the
     same order), so a near tie costs little either way: Rows, measured on fewer CPUs, must be
     faster by ``_SCHEDULE_MARGIN``, and again in a second timing that runs the two in the other
-    order (the less favourable to Rows is kept). The thread count is in the key: Rows splits the
-    rows between them."""
+    order (the less favourable to Rows is kept). The thread count is in the key (``_context``):
+    Rows splits the rows between them."""
     if native.amx_schedule_pinned() or native.amx_emulated() or not native.amx_schedule_matters(rows, k):
         return None
     path = _cache_file(config)
     table = _load(path)
-    key = f"{_context()}|AMX schedules|{torch.get_num_threads()} threads|{op}"
+    key = f"{_context()}|AMX schedules|{op}"
     if key in table:
         return ScheduleTiming(*table[key], cached=True)
     groups_ms, rows_ms = _time(run("groups"), run("rows"))

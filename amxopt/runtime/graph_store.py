@@ -463,6 +463,8 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         "tier": native.active_tier() if config.provider == "native" else config.provider,
         # autotune picks each linear's AMX schedule unless the process pins one for all
         "amx_schedule": native.amx_schedule_pinned() and native.amx_schedule() if config.provider == "native" else None,
+        # autotune's decisions hold for the thread count they were timed at (its cache keys it too)
+        "threads": torch.get_num_threads() if config.autotune else None,
         "class": f"{type(module).__module__}.{type(module).__qualname__}",
         "adapter": adapter_name,
         "structure": repr(module),

@@ -153,6 +153,15 @@ def test_cache_key_follows_structure_and_options_not_weights():
     assert key(a) != key(a, dataclasses.replace(CONFIG, fuse_activation=False))
     assert key(a) != key(a.to(torch.bfloat16))
     assert key(b) != key(b, graph_inputs={**graph_inputs, "timestep": graph_inputs["timestep"].float()[:, None]})
+    # A graph autotune chose for at one thread count is not restored at another.
+    tuned = dataclasses.replace(CONFIG, autotune=True)
+    threads = torch.get_num_threads()
+    try:
+        at_two, untuned = key(a, tuned), key(a)
+        torch.set_num_threads(threads + 1)
+        assert key(a, tuned) != at_two and key(a) == untuned
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_load_restores_the_saved_graph_without_capturing(tmp_path, monkeypatch):

@@ -47,6 +47,20 @@ def test_every_decision_is_reported_with_both_timings_and_cached(tmp_path, monke
     assert all(t.endswith("[cached]") for _, t in again.report.choices)
 
 
+def test_decisions_are_timed_again_at_another_thread_count(tmp_path, monkeypatch):
+    _optimize(_model(), tmp_path)
+    # (The capture runs in a forked child: the stub's timings show in the report, not in a list here.)
+    monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: (1.0, 3.0))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        again, _ = _optimize(_model(), tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    choices = [t for _, t in again.report.choices]
+    assert len(choices) == 6 and all(t.endswith(": amxopt 1 ms, ATen 3 ms (3.00x)") for t in choices), choices
+
+
 def test_aten_is_kept_where_it_is_faster(tmp_path, monkeypatch):
     monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: (2.0, 1.0))
     model = _model(torch.float32)
