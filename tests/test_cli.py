@@ -30,7 +30,8 @@ def test_dump_writes_graphs_and_report(tmp_path, capsys):
         before = (tmp_path / f"{i:02d}_{p.__name__}.before.txt").read_text()
         after = (tmp_path / f"{i:02d}_{p.__name__}.after.txt").read_text()
         assert "def forward" in before and "def forward" in after
-    first = (tmp_path / "01_replace_attention.before.txt").read_text()
+    attention = f"{[p.__name__ for p in DEFAULT_PASSES].index('replace_attention') + 1:02d}_replace_attention"
+    first = (tmp_path / "01_remove_dropout.before.txt").read_text()
     last = (tmp_path / f"{len(DEFAULT_PASSES):02d}_pack_weights.after.txt").read_text()
     assert "aten.scaled_dot_product_attention" in first and "amxopt.varlen_attention" in last
     assert "aten.linear" not in last and "pack_linear_weight" not in last
@@ -43,7 +44,7 @@ def test_dump_writes_graphs_and_report(tmp_path, capsys):
     assert "replaced" not in captured and captured["aten"] > 10
     assert final["replaced"] >= 4  # attention x2, rms_norm x2 ... in one block
     assert "blocks.0" in (tmp_path / "00_captured.svg").read_text()
-    diff = (tmp_path / "01_replace_attention.diff.txt").read_text()
+    diff = (tmp_path / f"{attention}.diff.txt").read_text()
     assert "(scaled_dot_product_attention)" in diff.split("added")[0]  # removed
     assert "(amxopt.varlen_attention)" in diff.split("added")[1]
     index = (tmp_path / "index.html").read_text()

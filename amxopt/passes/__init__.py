@@ -1,9 +1,11 @@
 """The rewrite passes. Order is data: ``DEFAULT_PASSES`` runs first to last.
 
-Attention and patch embedding go first (they change layouts around their nodes), the glue before
-norms (a modulated norm is matched whole before its norm alone), norms before Linear (a norm feeding a Linear is matched on its own), tensor-parallel sharding once every Linear
-and attention is an amxopt op (a no-op without ``AmxConfig.tp``), and weight packing last, once
-every amxopt op that reads a constant weight exists and each rank packs only its shard.
+Inference-mode dropout goes first (it hides the ops behind it from the rules), then attention and
+patch embedding (they change layouts around their nodes), the glue before norms (a modulated norm
+is matched whole before its norm alone), norms before Linear (a norm feeding a Linear is matched on
+its own), tensor-parallel sharding once every Linear and attention is an amxopt op (a no-op without
+``AmxConfig.tp``), and weight packing last, once every amxopt op that reads a constant weight exists
+and each rank packs only its shard.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from amxopt.config import AmxConfig
 from amxopt.passes._graph import DEFER_RECOMPILE
 from amxopt.passes._snapshot import snapshot
 from amxopt.passes.pack_weights import pack_weights
+from amxopt.passes.remove_dropout import remove_dropout
 from amxopt.passes.replace_attention import replace_attention
 from amxopt.passes.replace_conv2d import replace_conv2d
 from amxopt.passes.replace_glue import replace_glue
@@ -29,6 +32,7 @@ from amxopt.passes.shard_tensor_parallel import shard_tensor_parallel
 Pass = Callable[[fx.GraphModule, AmxConfig], PassResult]
 
 DEFAULT_PASSES: tuple[Pass, ...] = (
+    remove_dropout,
     replace_attention,
     replace_patch_embed,
     replace_conv2d,

@@ -14,6 +14,7 @@ from torch import nn
 from amxopt.passes import (
     DEFAULT_PASSES,
     pack_weights,
+    remove_dropout,
     replace_attention,
     replace_conv2d,
     replace_linear,
@@ -41,6 +42,47 @@ def assert_same(gm, graph_inputs, module, call_kwargs=None):
         expected = module(**(call_kwargs or graph_inputs))
         actual = gm(**graph_inputs)
     torch.testing.assert_close(actual, expected)
+
+
+# --- remove_dropout ----------------------------------------------------------------------------
+
+
+class DropoutResidual(nn.Module):
+    """Wan's attention output: ``x + dropout(out_proj(h))``; and the other dropout kinds."""
+
+    def __init__(self, p: float = 0.1):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(16, 16), nn.Dropout(p)
+        self.drops = nn.Sequential(nn.AlphaDropout(p), nn.FeatureAlphaDropout(p))
+
+    def forward(self, x):
+        return x + self.drop(self.fc(self.drops(x)))
+
+
+_DROPOUTS = (aten.dropout.default, aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
+
+
+def test_remove_dropout_lets_the_residual_add_fuse():
+    model = DropoutResidual().eval()
+    gm, gi = captured(model, {"x": torch.randn(3, 5, 16)})
+    assert sum(count(gm, d) for d in _DROPOUTS) == 3
+    assert run(remove_dropout, gm)
+    assert sum(count(gm, d) for d in _DROPOUTS) == 0
+    assert not run(remove_dropout, gm)  # idempotent
+    assert run(replace_linear, gm)
+    (linear,) = [n for n in gm.graph.nodes if n.target == amx.linear.default]
+    assert "residual" in linear.kwargs and count(gm, aten.add.Tensor) == 0
+    assert_same(gm, gi, model)
+
+
+def test_remove_dropout_keeps_a_dropout_that_drops():
+    model = DropoutResidual().train()
+    gm, _ = captured(model, {"x": torch.randn(3, 5, 16)})
+    assert not run(remove_dropout, gm)
+    assert count(gm, aten.dropout.default) == 1
+    gm, _ = captured(DropoutResidual(p=0.0).train(), {"x": torch.randn(3, 5, 16)})
+    assert run(remove_dropout, gm)  # p = 0 drops nothing, in any mode
+    assert sum(count(gm, d) for d in _DROPOUTS) == 0
 
 
 # --- replace_linear ----------------------------------------------------------------------------
