@@ -159,12 +159,16 @@ def describe(*tensors) -> str:
 
 
 @functools.cache
-def _context() -> str:
+def _build_context() -> str:
     path = build.library_path()
     tiles = "|software AMX tiles" if native.amx_emulated() else ""  # their timings say nothing of AMX's
-    # Both sides split their work between the threads: a lead at 2 threads says little of 56.
-    threads = f"|{torch.get_num_threads()} threads"
-    return f"{native.cpu_model()}|torch {torch.__version__}|kernels {path.parent.name}{tiles}{threads}"
+    return f"{native.cpu_model()}|torch {torch.__version__}|kernels {path.parent.name}{tiles}"
+
+
+def _context() -> str:
+    # Both sides split their work between the threads: a lead at 2 threads says little of 56. Read
+    # per lookup: the process may change it between two optimize() calls.
+    return f"{_build_context()}|{torch.get_num_threads()} threads"
 
 
 def _cache_file(config: AmxConfig) -> pathlib.Path:

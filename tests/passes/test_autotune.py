@@ -48,6 +48,7 @@ def test_every_decision_is_reported_with_both_timings_and_cached(tmp_path, monke
 
 
 def test_decisions_are_timed_again_at_another_thread_count(tmp_path, monkeypatch):
+    _autotune._context()  # as after any earlier optimize() in this process: the count is read per lookup
     _optimize(_model(), tmp_path)
     # (The capture runs in a forked child: the stub's timings show in the report, not in a list here.)
     monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: (1.0, 3.0))
