@@ -38,9 +38,12 @@ _SCHEMAS = {
         "(Tensor x, Tensor packed_weight, Tensor? bias, str activation, SymInt out_features{provider}, *, "
         "Tensor? residual=None{schedule}) -> Tensor"
     ),
+    # + rotary: q and k rotated first, as rotary_embedding(q / k, cos[:, None], sin[:, None],
+    # interleaved) would (a self-attention; cos / sin [T, D / 2], or [T, D] for rotate_half's factors).
     "varlen_attention": (
         "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
-        "SymInt max_seqlen_k, float scale, bool causal{provider}) -> Tensor"
+        "SymInt max_seqlen_k, float scale, bool causal{provider}, *, Tensor? rotary_cos=None, "
+        "Tensor? rotary_sin=None, bool rotary_interleaved=False) -> Tensor"
     ),
     "patch_embed": (
         "(Tensor x, Tensor packed_weight, Tensor? bias, SymInt[] kernel_size, SymInt out_channels{provider}) -> Tensor"
@@ -174,6 +177,26 @@ def _check_attention_shapes(q, k, v, scale):
         f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads",
     )
     _check(math.isfinite(scale), op, f"scale must be finite, got {scale}")
+
+
+def _check_attention_rotary(q, k, cos, sin, interleaved):
+    op = "varlen_attention"
+    _check((cos is None) == (sin is None), op, "rotary_cos and rotary_sin come together")
+    if cos is None:
+        return
+    t, d = q.shape[0], q.shape[2]
+    _check(k.shape[0] == t, op, f"a rotary embedding needs q and k of the same tokens; q has {t} and k {k.shape[0]}")
+    _check(d % 2 == 0, op, f"a rotary embedding needs an even head dim, got {d}")
+    _check_float(op, "rotary_cos", cos)
+    _check_float(op, "rotary_sin", sin)
+    widths = (d // 2,) if interleaved else (d // 2, d)
+    _check(
+        cos.dim() == 2 and cos.shape[0] == t and cos.shape[1] in widths,
+        op,
+        f"rotary_cos must be [tokens, head_dim / 2]{'' if interleaved else ' (or [tokens, head_dim])'}, "
+        f"i.e. [{t}, {d // 2}], got {tuple(cos.shape)}",
+    )
+    _check(sin.shape == cos.shape, op, f"rotary_cos {tuple(cos.shape)} and rotary_sin {tuple(sin.shape)} differ")
 
 
 def _check_segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -318,8 +341,24 @@ def _(x, packed_weight, bias, activation, out_features, provider="auto", *, resi
 
 
 @torch.library.register_fake("amxopt::varlen_attention", lib=_lib)
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, provider="auto"):
+def _(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    causal,
+    provider="auto",
+    *,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=False,
+):
     _check_attention_shapes(q, k, v, scale)
+    _check_attention_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved)
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
 
 
@@ -399,9 +438,27 @@ def _ref_linear(x, packed_weight, bias, activation, out_features, *, residual=No
     return reference.linear(x, packed_weight, bias, activation, out_features, residual)
 
 
-def _ref_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+def _ref_varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    causal,
+    *,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=False,
+):
     _check_attention_shapes(q, k, v, scale)
     _check_segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_attention_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved)
+    if rotary_cos is not None:
+        cos, sin = rotary_cos[:, None], rotary_sin[:, None]
+        q, k = (reference.rotary_embedding(t, cos, sin, rotary_interleaved) for t in (q, k))
     return reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
 
 

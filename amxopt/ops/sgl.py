@@ -22,7 +22,8 @@ whose weight sgl-kernel cannot pack, ATen):
   conv3d op rejects Wan's (1, 2, 2) kernel and needs a bias; the GEMM is the same).
 - ``layer_norm``/``rms_norm``: ``layernorm_cpu``/``rmsnorm_cpu`` for bf16 x with a weight of x's
   dtype; others run native.
-- ``conv2d`` and the glue ops have no sgl-kernel counterpart: they run native (csrc/ops.cpp).
+- ``conv2d`` and the glue ops have no sgl-kernel counterpart: they run native (csrc/ops.cpp); so does
+  the rotary embedding ``varlen_attention`` may carry, applied to q and k before SGLang's attention.
 """
 
 from __future__ import annotations
@@ -113,9 +114,27 @@ def patch_embed(x, packed_weight, bias, kernel_size, out_channels):
     return y.view(b, nt, nh, nw, out_channels).permute(0, 4, 1, 2, 3)
 
 
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+def varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    causal,
+    *,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=False,
+):
     library._check_attention_shapes(q, k, v, scale)
     library._check_segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    library._check_attention_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved)
+    if rotary_cos is not None:  # SGLang's attention takes no rotary: amxopt's rotates q and k first
+        cos, sin = rotary_cos[:, None], rotary_sin[:, None]
+        q, k = (torch.ops.amxopt.rotary_embedding(t, cos, sin, rotary_interleaved, "native") for t in (q, k))
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
     ops = _ops()
     attn = ops.flash_attn_varlen_func

@@ -708,6 +708,76 @@ def test_attention_across_blocking_boundaries(provider, dtype, causal, head_dim)
     assert_close_dtype(out, attention_oracle(q, k, v, cu_q, cu_k, scale, causal), dtype)
 
 
+def _rotary_factors(tokens, width, seed=1):
+    angles = torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed))
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim, interleaved, width", [(64, True, 32), (64, False, 64), (80, False, 40)])
+def test_attention_with_rotary_equals_rotary_then_attention(provider, dtype, causal, head_dim, interleaved, width):
+    # Bit for bit: q and k rows rotated as they are copied / packed, by the rotary op's own row kernel
+    # and rounding. Segments past a key block and a chunk of 32 keys; GQA; q and k strided slices of
+    # one qkv tensor (Qwen3-VL's); head dims on the AMX tile kernel (64) and off it (80).
+    lens = [600, 37, 1]
+    q, _, _, cu, _, m, _, scale, _, _ = _varlen_args(provider, lens, lens, 4, 2, head_dim, causal, dtype)
+    kv = torch.randn(q.shape[0], 2, 2, head_dim, generator=torch.Generator().manual_seed(2)).to(dtype)
+    k, v = kv.unbind(1)
+    cos, sin = _rotary_factors(q.shape[0], width)
+    fused = ops.varlen_attention(
+        q, k, v, cu, cu, m, m, scale, causal, provider, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved
+    )
+    qr, kr = (ops.rotary_embedding(t, cos[:, None], sin[:, None], interleaved, provider) for t in (q, k))
+    assert torch.equal(fused, ops.varlen_attention(qr, kr, v, cu, cu, m, m, scale, causal, provider))
+
+
+def test_opcheck_attention_with_rotary(provider):
+    args = _varlen_args(provider, [5, 3], [5, 3], 4, 2, 16, True, torch.bfloat16)
+    cos, sin = _rotary_factors(8, 8)
+    torch.library.opcheck(
+        ops.varlen_attention, args, {"rotary_cos": cos, "rotary_sin": sin, "rotary_interleaved": True}
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(rotary_cos=torch.ones(6, 4)), "rotary_cos and rotary_sin come together"),
+        (
+            dict(rotary_cos=torch.ones(5, 4), rotary_sin=torch.ones(5, 4)),
+            r"rotary_cos must be \[tokens, head_dim / 2\]",
+        ),
+        (
+            dict(rotary_cos=torch.ones(6, 8), rotary_sin=torch.ones(6, 8), rotary_interleaved=True),
+            r"i\.e\. \[6, 4\], got \(6, 8\)",
+        ),
+        (dict(rotary_cos=torch.ones(6, 4), rotary_sin=torch.ones(6, 3)), "rotary_sin"),
+    ],
+)
+def test_attention_rotary_is_checked(provider, kwargs, error):
+    q = torch.randn(6, 2, 8)
+    cu = torch.tensor([0, 6])
+    with pytest.raises(ValueError, match=rf"amxopt\.varlen_attention: .*{error}"):
+        ops.varlen_attention(q, q, q, cu, cu, 6, 6, 0.3, False, provider, **kwargs)
+    with pytest.raises(ValueError, match="same tokens"):  # a cross-attention has no one position per key
+        k = torch.randn(4, 2, 8)
+        ops.varlen_attention(
+            q,
+            k,
+            k,
+            cu,
+            torch.tensor([0, 4]),
+            6,
+            4,
+            0.3,
+            False,
+            provider,
+            rotary_cos=torch.ones(6, 4),
+            rotary_sin=torch.ones(6, 4),
+        )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_negative_scale_is_correct(provider, dtype, causal):

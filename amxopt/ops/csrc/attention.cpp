@@ -27,6 +27,10 @@
 // (vec(): max, exp, sum, P in T), the accumulator rows rescaled where the max moved, then acc += P V
 // (the first key block writes acc instead). Finally O = acc / l, rounded once. Causal is
 // bottom-right aligned; rows that see no key output zeros.
+// With a rotary embedding (the op's rotary_cos / rotary_sin), each row of Q is rotated as it is
+// copied and each key of K as it is packed, by glue.cpp's row kernel and rounded as it rounds: the
+// result is bit for bit that of amxopt.rotary_embedding on q and k first, without their round trip
+// through memory.
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
@@ -138,10 +142,28 @@ struct Segment {
   int64_t q0, lq, k0, lk, keys;  // keys: lk zero padded to kKeyPad, the packed length
 };
 
+// The rotary embedding applied to q and k rows (none where cos is null): token t's factors at
+// cos + t * width; hi as rotary_native's.
+struct Rotary {
+  const float *cos = nullptr, *sin = nullptr;
+  int64_t width = 0, hi = 0;
+  bool interleaved = false;
+
+  // The D values of token t's row src (unit stride) rotated into dst.
+  template <typename S>
+  void apply(const S* src, S* dst, int64_t D, int64_t t) const {
+    const auto& vk = vec();
+    if constexpr (std::is_same_v<S, bf16>)
+      vk.rotary_bf16(src, dst, D, cos + t * width, sin + t * width, hi, interleaved);
+    else
+      vk.rotary_f32(src, dst, D, cos + t * width, sin + t * width, hi, interleaved);
+  }
+};
+
 template <typename T, typename S>
 at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale_d,
-                            bool causal, Tier tier) {
+                            bool causal, Tier tier, const Rotary& rot) {
   constexpr int64_t r = kPair<T>, BQ = kBQ<T>;
   constexpr bool vnni = r == 2;
   const int64_t H = q.size(1), Hk = k.size(1), D = q.size(2), group = H / Hk, nseg = int64_t(bq.size()) - 1;
@@ -183,6 +205,7 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
   // panel); V as one [keys / r][D][r] operand (on tiles: [D / 32][keys / 2][32][2]).
   at::parallel_for(0, chunks[nseg], 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> tmp(std::is_same_v<T, S> ? 0 : kKeyPad * D);
+    std::vector<S> rotated(rot.cos ? kKeyPad * D : 0);  // a chunk's keys rotated, [n][D]
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t s = std::upper_bound(chunks.begin(), chunks.end(), c) - chunks.begin() - 1;
       const Segment& sg = segs[s];
@@ -190,7 +213,12 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
       const int64_t kb = tiles ? kKeyPad : BK, j0 = j / kb * kb, ldb = std::min(kb, sg.keys - j0);
       for (int64_t hk = 0; hk < Hk; ++hk) {
         const S* ks = K + (sg.k0 + j) * k.stride(0) + hk * k.stride(1);
-        pack_k<T, S>(ks, k.stride(0), k.stride(2), n, D, Dp, ldb, k_of(s, hk) + j0 * Dp + (j - j0) * r, tmp.data());
+        int64_t ld = k.stride(0);
+        if (rot.cos) {  // the entry made k's head dim unit stride
+          for (int64_t i = 0; i < n; ++i) rot.apply(ks + i * ld, rotated.data() + i * D, D, sg.k0 + j + i);
+          ks = rotated.data(), ld = D;
+        }
+        pack_k<T, S>(ks, ld, k.stride(2), n, D, Dp, ldb, k_of(s, hk) + j0 * Dp + (j - j0) * r, tmp.data());
         const S* vs = V + (sg.k0 + j) * v.stride(0) + hk * v.stride(1);
         const int64_t ldk = tiles ? 32 : D;
         pack_v<T, S>(vs, v.stride(0), v.stride(2), n, D, ldk, tiles ? 32 * sg.keys : 32 * r, v_of(s, hk) + j * ldk);
@@ -233,6 +261,7 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
     T *qa = thread_scratch<T, 0>(BQ * Dp), *pa = thread_scratch<T, 1>(step * ldp);
     float *S_ = thread_scratch<float, 2>(step * lds), *acc = thread_scratch<float, 3>(BQ * D);
     float *row_max = thread_scratch<float, 4>(BQ), *row_sum = thread_scratch<float, 5>(BQ);
+    S* q_rotated = rot.cos && !std::is_same_v<S, T> ? thread_scratch<S, 6>(D) : nullptr;
     if (Dp != D)
       for (int64_t i = 0; i < BQ; ++i) qa[i * Dp + D] = T(0.f);  // an odd head dim's padding column
     for (int64_t it; (it = next()) >= 0;) {
@@ -241,9 +270,17 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
       const T* Kp = k_of(s, h / group);
       const T* Vp = v_of(s, h / group);
       for (int64_t i = 0; i < rows; ++i) {  // Q rows as brgemm's A: a copy in T, even width
-        const S* src = Q + (sg.q0 + r0 + i) * q_row + h * q_head;
+        const int64_t t = sg.q0 + r0 + i;
+        const S* src = Q + t * q_row + h * q_head;
         T* dst = qa + i * Dp;
-        if (q_d != 1) {
+        if (rot.cos) {  // rotated on the way (the entry made q's head dim unit stride)
+          if constexpr (std::is_same_v<S, T>) {
+            rot.apply(src, dst, D, t);
+          } else {
+            rot.apply(src, q_rotated, D, t);
+            vk.bf16_to_f32(q_rotated, dst, D);
+          }
+        } else if (q_d != 1) {
           for (int64_t d = 0; d < D; ++d) dst[d] = T(float(src[d * q_d]));
         } else if constexpr (std::is_same_v<S, T>) {
           std::copy(src, src + D, dst);
@@ -313,13 +350,23 @@ const char* attention_engine(Tier tier, const at::Tensor& q) {
   return "flash attention on oneDNN brgemm in fp32";
 }
 
-at::Tensor varlen_attention_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+at::Tensor varlen_attention_native(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v,
                                    const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale,
-                                   bool causal, Tier tier) {
+                                   bool causal, Tier tier, const at::Tensor& rotary_cos, const at::Tensor& rotary_sin,
+                                   bool rotary_interleaved) {
+  Rotary rot;
+  at::Tensor q = q_in, k = k_in;
+  if (rotary_cos.defined()) {  // the row kernel reads a row at unit stride
+    if (q.stride(2) != 1) q = q.contiguous();
+    if (k.stride(2) != 1) k = k.contiguous();
+    const int64_t D = q.size(2), width = rotary_cos.size(1);
+    rot = {rotary_cos.data_ptr<float>(), rotary_sin.data_ptr<float>(), width, width == D ? D / 2 : 0,
+           rotary_interleaved};
+  }
   const bool bf = q.scalar_type() == at::kBFloat16;
-  if (!bf) return attention_brgemm<float, float>(q, k, v, bq, bk, scale, causal, tier);
-  if (tier != Tier::Fp32) return attention_brgemm<bf16, bf16>(q, k, v, bq, bk, scale, causal, tier);
-  return attention_brgemm<float, bf16>(q, k, v, bq, bk, scale, causal, tier);
+  if (!bf) return attention_brgemm<float, float>(q, k, v, bq, bk, scale, causal, tier, rot);
+  if (tier != Tier::Fp32) return attention_brgemm<bf16, bf16>(q, k, v, bq, bk, scale, causal, tier, rot);
+  return attention_brgemm<float, bf16>(q, k, v, bq, bk, scale, causal, tier, rot);
 }
 
 }  // namespace amxopt

@@ -294,10 +294,13 @@ at::Tensor pack_vnni(const at::Tensor& w);  // [N, K] bf16, K even -> VNNI
 at::Tensor linear_2d(const at::Tensor& x2, const at::Tensor& packed, const at::Tensor& bias32, Act act, int64_t N,
                      Tier tier, const at::Tensor& residual = at::Tensor(),
                      AmxSchedule schedule = AmxSchedule::Default);
-// attention.cpp
+// attention.cpp. rotary_cos / rotary_sin: undefined, or fp32 [T, width] (contiguous) rotating the
+// rows of q and k of token t (q and k of the same T tokens) before they are used, as rotary_native
+// with cos[t] / sin[t] for every head.
 at::Tensor varlen_attention_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale,
-                                   bool causal, Tier tier);
+                                   bool causal, Tier tier, const at::Tensor& rotary_cos = at::Tensor(),
+                                   const at::Tensor& rotary_sin = at::Tensor(), bool rotary_interleaved = false);
 const char* attention_engine(Tier tier, const at::Tensor& q);
 // norm.cpp; scale/shift (both or neither) broadcast to x: norm(x) * (1 + scale) + shift
 at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& weight,

@@ -274,14 +274,40 @@ std::vector<int64_t> checked_bounds(const char* op, const char* name, const at::
   return b;
 }
 
+// The rotary embedding varlen_attention applies to q and k: one cos / sin row per token of a
+// self-attention (D / 2 wide, or D wide for rotate_half's factors per half), as fp32 contiguous.
+std::pair<at::Tensor, at::Tensor> checked_rotary(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                                 const std::optional<at::Tensor>& cos,
+                                                 const std::optional<at::Tensor>& sin, bool interleaved) {
+  AMX_CHECK(cos.has_value() == sin.has_value(), op, "rotary_cos and rotary_sin come together; got only ",
+            cos.has_value() ? "rotary_cos" : "rotary_sin");
+  if (!cos.has_value()) return {};
+  const int64_t T = q.size(0), D = q.size(2);
+  AMX_CHECK(k.size(0) == T, op, "a rotary embedding needs q and k of the same tokens (self-attention); q has ", T,
+            " and k ", k.size(0));
+  AMX_CHECK(D % 2 == 0, op, "a rotary embedding needs an even head dim, got ", D);
+  check_float(op, "rotary_cos", *cos);
+  check_float(op, "rotary_sin", *sin);
+  const int64_t width = cos->dim() == 2 ? cos->size(1) : -1;
+  AMX_CHECK(cos->dim() == 2 && cos->size(0) == T && (width == D / 2 || (width == D && !interleaved)), op,
+            "rotary_cos must be [tokens, head_dim / 2] (or [tokens, head_dim] for rotate_half's factors per half), "
+            "i.e. [", T, ", ", D / 2, "]", interleaved ? "" : std::string(" or [") + std::to_string(T) + ", " +
+            std::to_string(D) + "]", ", got ", shape(cos->sizes()));
+  AMX_CHECK(sin->sizes() == cos->sizes(), op, "rotary_cos ", shape(cos->sizes()), " and rotary_sin ",
+            shape(sin->sizes()), " must have the same shape");
+  return {cos->to(at::kFloat).contiguous(), sin->to(at::kFloat).contiguous()};
+}
+
 at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
                             const at::Tensor& cu_k, int64_t max_q, int64_t max_k, double scale, bool causal,
-                            c10::string_view provider) {
+                            c10::string_view provider, const std::optional<at::Tensor>& rotary_cos,
+                            const std::optional<at::Tensor>& rotary_sin, bool rotary_interleaved) {
   const char* op = "varlen_attention";
   if (auto impl = delegate(provider, op, true))
     return python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const at::Tensor&, int64_t, int64_t, double, bool)>(*impl)
-        .call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal);
+                                   const at::Tensor&, int64_t, int64_t, double, bool,
+                                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool)>(*impl)
+        .call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, rotary_cos, rotary_sin, rotary_interleaved);
   for (auto [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
     AMX_CHECK(t.dim() == 3, op, name, " must be packed [T, H, D], got ", shape(t.sizes()));
     check_float(op, name, t);
@@ -296,8 +322,9 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const auto bq = checked_bounds(op, "cu_seqlens_q", cu_q, q.size(0), max_q, "max_seqlen_q");
   const auto bk = checked_bounds(op, "cu_seqlens_k", cu_k, k.size(0), max_k, "max_seqlen_k");
   AMX_CHECK(bq.size() == bk.size(), op, bq.size() - 1, " query segments but ", bk.size() - 1, " key segments");
+  const auto [cos, sin] = checked_rotary(op, q, k, rotary_cos, rotary_sin, rotary_interleaved);
   if (q.numel() == 0) return at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-  return varlen_attention_native(q, k, v, bq, bk, scale, causal, active_tier());
+  return varlen_attention_native(q, k, v, bq, bk, scale, causal, active_tier(), cos, sin, rotary_interleaved);
 }
 
 // --- norms ------------------------------------------------------------------------------------------
