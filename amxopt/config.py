@@ -24,6 +24,8 @@ class AmxConfig:
         fuse_activation: fold a following gelu/silu into ``amxopt.linear``'s epilogue.
         fuse_residual: fold a following residual add (``h + linear(...)``, the output's shape and
             dtype) into ``amxopt.linear``'s epilogue.
+        fuse_rotary: apply the rotary embedding of an attention's q and k inside the attention
+            (as they are copied and packed) instead of in ``amxopt.rotary_embedding`` calls.
         release_weights: drop the unpacked originals from the graph once they are packed.
         keep_source: keep the source model's unpacked weights after packing. By default they are
             released (one copy of each weight in memory) and the original model can no longer be
@@ -63,6 +65,7 @@ class AmxConfig:
     stamp_blocks: bool = True
     fuse_activation: bool = True
     fuse_residual: bool = True
+    fuse_rotary: bool = True
     release_weights: bool = True
     keep_source: bool = False
     max_recaptures: int = 8

@@ -2,7 +2,8 @@
 
 Inference-mode dropout goes first (it hides the ops behind it from the rules), then attention and
 patch embedding (they change layouts around their nodes), the glue before norms (a modulated norm
-is matched whole before its norm alone), norms before Linear (a norm feeding a Linear is matched on
+is matched whole before its norm alone), the rotary embeddings into the attentions once both are
+amxopt ops, norms before Linear (a norm feeding a Linear is matched on
 its own), tensor-parallel sharding once every Linear and attention is an amxopt op (a no-op without
 ``AmxConfig.tp``), and weight packing last, once every amxopt op that reads a constant weight exists
 and each rank packs only its shard.
@@ -19,6 +20,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from amxopt.config import AmxConfig
 from amxopt.passes._graph import DEFER_RECOMPILE
 from amxopt.passes._snapshot import snapshot
+from amxopt.passes.fuse_rotary import fuse_rotary
 from amxopt.passes.pack_weights import pack_weights
 from amxopt.passes.remove_dropout import remove_dropout
 from amxopt.passes.replace_attention import replace_attention
@@ -37,6 +39,7 @@ DEFAULT_PASSES: tuple[Pass, ...] = (
     replace_patch_embed,
     replace_conv2d,
     replace_glue,
+    fuse_rotary,
     replace_norms,
     replace_linear,
     shard_tensor_parallel,

@@ -90,6 +90,9 @@ class Report:
             if node.target in AMX_KINDS:
                 detail = f"{op_name(node.target).removesuffix('.default')} [{node.args[-1]}]"
                 replaced.append(Entry(AMX_KINDS[node.target], node.name, node.meta.get(REPLACED, "?"), detail))
+                if node.kwargs.get("rotary_cos") is not None:  # fuse_rotary: q's and k's, applied inside
+                    inside = f"inside {op_name(node.target).removesuffix('.default')} [{node.args[-1]}]"
+                    replaced += [Entry("rotary", node.name, "rotary embedding of " + t, inside) for t in ("q", "k")]
             elif node.target in _TARGET_KIND:
                 reason = node.meta.get(LEFT, "no pass matched it")
                 left.append(Entry(_TARGET_KIND[node.target], node.name, op_name(node.target), reason))

@@ -1,0 +1,118 @@
+"""fuse_rotary: q's and k's rotary embeddings move into the attention that reads them, bit for bit;
+a pair it cannot take stays as it was (with the reason where the pair feeds an attention)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
+
+from amxopt.passes import DEFAULT_PASSES, fuse_rotary, replace_attention, replace_glue
+from amxopt.passes._graph import LEFT
+from tests.helpers import CONFIG, captured, count
+from tests.passes.test_glue_rules import Block, _inputs
+
+amx = torch.ops.amxopt
+NATIVE = dataclasses.replace(CONFIG, provider="native")
+
+
+def _rotaries(gm) -> int:
+    return count(gm, amx.rotary_embedding.default)
+
+
+def _fused_attentions(gm) -> list:
+    return [n for n in gm.graph.nodes if n.target == amx.varlen_attention.default and "rotary_cos" in n.kwargs]
+
+
+def _rewrite(model, inputs, config):
+    gm, gi = captured(model, inputs)
+    for p in (replace_attention, replace_glue):
+        p(gm, config)
+    gm.recompile()
+    return gm, gi
+
+
+@pytest.mark.parametrize("config", [CONFIG, NATIVE], ids=["reference", "native"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fuse_rotary_on_wan_block_is_bit_equal(config, batch):
+    # diffusers' own block: q / k rotated after the q / k RMSNorm (interleaved pairs), read through a
+    # permute that also gives cu_seqlens its size and the output its dtype (type_as); cos / sin sliced
+    # apart for q and for k; with a guidance batch of 2 the tokens are [B, S] and cos broadcasts over B.
+    inputs = _inputs(torch.bfloat16, batch=batch)
+    gm, gi = _rewrite(Block(torch.bfloat16).eval(), inputs, config)
+    assert _rotaries(gm) == 2
+    with torch.no_grad():
+        before = gm(**gi)
+    assert fuse_rotary(gm, config).modified
+    gm.recompile()
+    assert _rotaries(gm) == 0 and len(_fused_attentions(gm)) == 1
+    assert not fuse_rotary(gm, config).modified  # idempotent
+    with torch.no_grad():
+        assert torch.equal(gm(**gi), before)
+
+
+class VisionAttention(nn.Module):
+    """Qwen3-VL's vision attention as its block runs it: q, k, v from one qkv, rotate_half with D-wide
+    cos / sin, then SDPA on [1, H, T, D]; ``leak`` also returns the rotated q (a second reader)."""
+
+    def __init__(self, leak: bool = False, k_angle: float = 1.0):
+        super().__init__()
+        self.leak, self.k_angle = leak, k_angle
+
+    def forward(self, qkv, freqs):
+        q, k, v = qkv.unbind(1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        if self.k_angle == 1.0:
+            q, k = apply_rotary_pos_emb_vision(q, k, emb.cos(), emb.sin())
+        else:
+            q, _ = apply_rotary_pos_emb_vision(q, k, emb.cos(), emb.sin())
+            _, k = apply_rotary_pos_emb_vision(q, k, (emb * self.k_angle).cos(), (emb * self.k_angle).sin())
+        o = F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)))
+        return (o, q) if self.leak else o
+
+
+def _vision_inputs(dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    return {"qkv": torch.randn(12, 3, 2, 16, generator=g).to(dtype), "freqs": torch.randn(12, 8, generator=g)}
+
+
+def test_fuse_rotary_on_qwen3_vl_attention_is_bit_equal():
+    gm, gi = _rewrite(VisionAttention().eval(), _vision_inputs(), NATIVE)
+    assert _rotaries(gm) == 2 and count(gm, amx.varlen_attention.default) == 1
+    with torch.no_grad():
+        before = gm(**gi)
+    assert fuse_rotary(gm, NATIVE).modified
+    gm.recompile()
+    assert _rotaries(gm) == 0 and len(_fused_attentions(gm)) == 1
+    with torch.no_grad():
+        assert torch.equal(gm(**gi), before)
+
+
+def test_fuse_rotary_leaves_a_rotary_read_elsewhere():
+    gm, gi = _rewrite(VisionAttention(leak=True).eval(), _vision_inputs(), NATIVE)
+    assert not fuse_rotary(gm, NATIVE).modified
+    assert _rotaries(gm) == 2 and not _fused_attentions(gm)
+
+
+def test_fuse_rotary_leaves_different_angles_with_the_reason():
+    gm, gi = _rewrite(VisionAttention(k_angle=2.0).eval(), _vision_inputs(), NATIVE)
+    assert not fuse_rotary(gm, NATIVE).modified
+    assert _rotaries(gm) == 2
+    reasons = [n.meta[LEFT] for n in gm.graph.nodes if LEFT in n.meta]
+    assert reasons == ["its rotary embedding stays a separate op: q and k are rotated by different cos / sin"]
+
+
+def test_fuse_rotary_off_by_config():
+    gm, _ = _rewrite(VisionAttention().eval(), _vision_inputs(), NATIVE)
+    assert not fuse_rotary(gm, dataclasses.replace(NATIVE, fuse_rotary=False)).modified
+    assert _rotaries(gm) == 2
+
+
+def test_fuse_rotary_runs_after_attention_and_glue():
+    names = [p.__name__ for p in DEFAULT_PASSES]
+    assert names.index("replace_attention") < names.index("fuse_rotary")
+    assert names.index("replace_glue") < names.index("fuse_rotary") < names.index("shard_tensor_parallel")
