@@ -125,7 +125,7 @@ def _why_not(attn: fx.Node, rq: fx.Node, rk: fx.Node) -> str | None:
     xq, xk = val(rq.args[0]), val(rk.args[0])
     if xq.dim() != xk.dim() or not all(_known(a == b) for a, b in zip(xq.shape[:-2], xk.shape[:-2])):
         return f"q {tuple(xq.shape)} and k {tuple(xk.shape)} are not the same tokens (not a self-attention)"
-    if cos.dim() < 2 or not _known(cos.shape[-2] == 1):
+    if cos.dim() < 2 or cos.dim() > xq.dim() or not _known(cos.shape[-2] == 1):
         return f"cos {tuple(cos.shape)} is not one angle per token for every head"
     return None
 
