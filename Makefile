@@ -43,7 +43,8 @@ bench: $(STAMP)
 	$(BIN)/python tools/bench_models.py $$($(BIN)/python -c "$(AMX_ONLY)") --json $(BENCH_OUT)/models.json \
 		| tee $(BENCH_OUT)/models.txt
 	for m in "qwen3-vl-2b-vision --size 448" "qwen3-omni-audio --size 30" "wan2.1-t2v-1.3b --size 5,32,32,512"; do \
-		$(BIN)/amxopt profile $$m --by-shape --json $(BENCH_OUT)/profile-$${m%% *}.json | tee $(BENCH_OUT)/profile-$${m%% *}.txt; \
+		$(BIN)/amxopt profile $$m --by-shape --json $(BENCH_OUT)/profile-$${m%% *}.json \
+			| tee $(BENCH_OUT)/profile-$${m%% *}.txt || exit 1; \
 	done
 	$(BIN)/python tools/bench_load.py --json $(BENCH_OUT)/load.json | tee $(BENCH_OUT)/load.txt
 	$(BIN)/python tools/bench_tp.py | tee $(BENCH_OUT)/tp.txt

@@ -190,13 +190,17 @@ def _check_attention_rotary(q, k, cos, sin, interleaved):
     _check_float(op, "rotary_cos", cos)
     _check_float(op, "rotary_sin", sin)
     widths = (d // 2,) if interleaved else (d // 2, d)
+    wide = "" if interleaved else f" or [{t}, {d}] (rotate_half's factors per half)"
     _check(
         cos.dim() == 2 and cos.shape[0] == t and cos.shape[1] in widths,
         op,
-        f"rotary_cos must be [tokens, head_dim / 2]{'' if interleaved else ' (or [tokens, head_dim])'}, "
-        f"i.e. [{t}, {d // 2}], got {tuple(cos.shape)}",
+        f"rotary_cos must be [tokens, head_dim / 2], i.e. [{t}, {d // 2}]{wide}, got {tuple(cos.shape)}",
     )
-    _check(sin.shape == cos.shape, op, f"rotary_cos {tuple(cos.shape)} and rotary_sin {tuple(sin.shape)} differ")
+    _check(
+        sin.shape == cos.shape,
+        op,
+        f"rotary_cos {tuple(cos.shape)} and rotary_sin {tuple(sin.shape)} must have the same shape",
+    )
 
 
 def _check_segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):

@@ -23,6 +23,7 @@ cannot be taken is reported with the reason. ``AmxConfig(fuse_rotary=False)`` tu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import fx
@@ -37,10 +38,23 @@ aten = torch.ops.aten
 amx = torch.ops.amxopt
 # Ops that only re-view their input: a rotary's output reaches the attention through these.
 _VIEWS = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
-    aten.unsqueeze.default, aten.squeeze.dim, aten.select.int, aten.flatten.using_ints, aten.unflatten.int,
-    aten.alias.default,
+    aten.view.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.select.int, aten.alias.default,
 }  # fmt: skip
+# ... and these, which copy (and may reorder, a copy's fake value looking contiguous whatever it
+# holds) unless their input is laid out contiguously: taken only then.
+_RESHAPES = {aten.reshape.default, aten.flatten.using_ints, aten.unflatten.int}
+
+
+def _contiguous(t: torch.Tensor) -> bool:
+    want = make_contiguous_strides_for(t.shape)
+    return all(_known(n == 1) or _known(a == b) for n, a, b in zip(t.shape, t.stride(), want))
+
+
+def _views_only(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    return node.target in _VIEWS or (node.target in _RESHAPES and _contiguous(val(node.args[0])))
 
 
 def _reads_metadata(user: fx.Node, node: fx.Node) -> bool:
@@ -60,33 +74,36 @@ def _rotary_behind(node: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, fx.Node]
         readers.extend((u, n) for u in n.users if _reads_metadata(u, n))
         return [u for u in n.users if not _reads_metadata(u, n)]
 
-    while node.op == "call_function" and node.target in _VIEWS and len(users(node)) == 1:
+    while _views_only(node) and len(users(node)) == 1:
         node = node.args[0]
     if node.op == "call_function" and node.target is amx.rotary_embedding.default and len(users(node)) == 1:
         return node, readers
     return None
 
 
-def _reread(readers: list[tuple[fx.Node, fx.Node]], x: fx.Node) -> bool:
-    """Point each reader of a size or dtype of the rotary's output (or a view of it) at its input
-    ``x`` (the rotary keeps shape and dtype), so that nothing reads the output once the attention
-    rotates; False, with nothing changed, if a size is none of x's."""
+def _reread(readers: list[tuple[fx.Node, fx.Node]], x: fx.Node) -> Callable[[], None] | None:
+    """How to point each reader of a size or dtype of the rotary's output (or a view of it) at its
+    input ``x`` (the rotary keeps shape and dtype), so that nothing reads the output once the
+    attention rotates; None if a size is none of x's."""
     shape = val(x).shape
     dims = {}
     for u, _ in readers:
         if u.target is aten.sym_size.int:
             dims[u] = next((i for i, s in enumerate(shape) if _known(s == val(u))), None)
     if None in dims.values():
-        return False
-    for u, read in readers:
-        if u.target is aten.sym_size.int:
-            with u.graph.inserting_before(u):
-                new = u.graph.call_function(aten.sym_size.int, (x, dims[u]))
-            new.meta.update(u.meta)
-            u.replace_all_uses_with(new)
-        else:
-            u.replace_input_with(read, x)
-    return True
+        return None
+
+    def apply() -> None:
+        for u, read in readers:
+            if u.target is aten.sym_size.int:
+                with u.graph.inserting_before(u):
+                    new = u.graph.call_function(aten.sym_size.int, (x, dims[u]))
+                new.meta.update(u.meta)
+                u.replace_all_uses_with(new)
+            else:
+                u.replace_input_with(read, x)
+
+    return apply
 
 
 def _known(cond) -> bool:
@@ -94,22 +111,33 @@ def _known(cond) -> bool:
 
 
 def _same_value(a, b, depth: int = 4) -> bool:
-    """``a`` and ``b`` are one value: the same node, or the same pure op on the same values (Wan's
-    rotary rules slice cos / sin for q and for k apart)."""
-    if a is b or not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
-        return a is b or (not isinstance(a, fx.Node) and not isinstance(b, fx.Node) and a == b)
+    """``a`` and ``b`` are one value: the same node, or the same deterministic, non-mutating op on the
+    same values (Wan's rotary rules slice cos / sin for q and for k apart)."""
+    if a is b:
+        return True
+    if isinstance(a, fx.Node) != isinstance(b, fx.Node) or isinstance(a, torch.Tensor):
+        return False
+    if not isinstance(a, fx.Node):
+        return type(a) is type(b) and a == b
     if depth == 0 or a.op != "call_function" or a.target != b.target or a.kwargs != b.kwargs:
         return False
-    if not isinstance(a.target, torch._ops.OpOverload) or a.target._schema.is_mutable:
+    op = a.target
+    if (
+        not isinstance(op, torch._ops.OpOverload)
+        or op._schema.is_mutable
+        or torch.Tag.nondeterministic_seeded in op.tags
+    ):
         return False
     return len(a.args) == len(b.args) and all(_same_value(x, y, depth - 1) for x, y in zip(a.args, b.args))
 
 
 def _why_not(attn: fx.Node, rq: fx.Node, rk: fx.Node) -> str | None:
     """Why the rotaries ``rq`` (of q) and ``rk`` (of k) cannot move into ``attn``; None if they can."""
-    if not all(_same_value(a, b) for a, b in zip(rq.args[1:4], rk.args[1:4])):
+    factors = [(arg(r, 1, "cos"), arg(r, 2, "sin"), arg(r, 3, "interleaved")) for r in (rq, rk)]
+    if not all(_same_value(a, b) for a, b in zip(*factors)):
         return "q and k are rotated by different cos / sin"
-    if arg(rq, 4, "provider", "auto") != arg(attn, 9, "provider", "auto"):
+    provider = arg(attn, 9, "provider", "auto")
+    if any(arg(r, 4, "provider", "auto") != provider for r in (rq, rk)):
         return "the rotary and the attention run on different providers"
     cos = val(rq.args[1])
     for name, r, seen in (("q", rq, val(attn.args[0])), ("k", rk, val(attn.args[1]))):
@@ -164,19 +192,20 @@ def fuse_rotary(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
             continue
         (rq, q_readers), (rk, k_readers) = q_side, k_side
         reason = _why_not(attn, rq, rk)
-        if reason is None and not (_reread(q_readers, rq.args[0]) and _reread(k_readers, rk.args[0])):
+        rereads = [_reread(q_readers, rq.args[0]), _reread(k_readers, rk.args[0])]
+        if reason is None and None in rereads:
             reason = "a size read from a view of its output is not one of its input's"
         if reason is not None:
             leave(attn, f"its rotary embedding stays a separate op: {reason}")
             continue
+        for apply in rereads:
+            apply()
         args = [
             rq.args[0], rk.args[0], attn.args[2], attn.args[3], attn.args[4],
             arg(attn, 5, "max_seqlen_q"), arg(attn, 6, "max_seqlen_k"), arg(attn, 7, "scale"), arg(attn, 8, "causal"),
-            rq.args[1], rq.args[2], arg(attn, 9, "provider", "auto"), arg(rq, 3, "interleaved"),
+            arg(rq, 1, "cos"), arg(rq, 2, "sin"), arg(attn, 9, "provider", "auto"), arg(rq, 3, "interleaved"),
         ]  # fmt: skip
-        fused = insert_traced(
-            attn, _attention_with_rotary, args, attn.meta.get(REPLACED, "?"), attn.meta.get(TIMED)
-        )
+        fused = insert_traced(attn, _attention_with_rotary, args, attn.meta.get(REPLACED, "?"), attn.meta.get(TIMED))
         replace_node(attn, fused)
         n_fused += 1
     if n_fused:

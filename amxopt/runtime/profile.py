@@ -40,14 +40,16 @@ def _linear_flops(args: tuple, kwargs: dict, out: Any) -> float:
 
 
 def _attention_flops(args: tuple, kwargs: dict, out: Any) -> float:
-    # q (T, Hq, D); per segment of n queries and m keys: Q K^T and P V, 2 n m D each per head
-    # (causal: query i of n sees m - n + i + 1 keys).
-    q, cu_q, cu_k = args[0], args[3], args[4]
-    n = (cu_q[1:] - cu_q[:-1]).double()
-    m = (cu_k[1:] - cu_k[:-1]).double()
+    # q (T, Hq, Dq), out (T, Hq, Dv); per segment of n queries and m keys, Q K^T and P V: 2 Dq and
+    # 2 Dv per (query, visible key) pair and head (causal, bottom-right: query i of n sees
+    # clamp(m - n + i + 1, 0, m) keys).
+    q, cu_q, cu_k = args[0], args[3].tolist(), args[4].tolist()
     causal = bool(args[8]) if len(args) > 8 else bool(kwargs.get("causal", False))
-    pairs = n * m - (n * (n - 1) / 2 if causal else 0)
-    return 4.0 * float(pairs.sum()) * q.shape[1] * q.shape[2]
+    pairs = 0
+    for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+        n, m = q1 - q0, k1 - k0
+        pairs += sum(min(max(m - n + i + 1, 0), m) for i in range(n)) if causal else n * m
+    return 2.0 * pairs * q.shape[1] * (q.shape[2] + out.shape[2])
 
 
 def _patch_embed_flops(args: tuple, kwargs: dict, out: Any) -> float:
@@ -60,6 +62,11 @@ def _conv_flops(args: tuple, kwargs: dict, out: Any) -> float:
     return 2.0 * out.numel() * _numel(weight.shape[1:])
 
 
+def _convolution_flops(args: tuple, kwargs: dict, out: Any) -> float:
+    transposed = args[6] if len(args) > 6 else kwargs.get("transposed", False)
+    return 0.0 if transposed else _conv_flops(args, kwargs, out)  # a transposed one is not counted
+
+
 def _mm_flops(args: tuple, kwargs: dict, out: Any) -> float:
     b = args[-1]  # mm / bmm / matmul's second operand, addmm's last
     return 2.0 * out.numel() * (b.shape[-2] if b.dim() > 1 else b.shape[0])
@@ -67,7 +74,10 @@ def _mm_flops(args: tuple, kwargs: dict, out: Any) -> float:
 
 def _sdpa_flops(args: tuple, kwargs: dict, out: Any) -> float:
     q, k = args[0], args[1]  # (..., L, E), (..., S, E); v's last dim is out's
-    return 2.0 * _numel(q.shape[:-1]) * k.shape[-2] * (q.shape[-1] + out.shape[-1])
+    causal = bool(args[5]) if len(args) > 5 else bool(kwargs.get("is_causal", False))
+    length, keys = q.shape[-2], k.shape[-2]
+    pairs = sum(min(i + 1, keys) for i in range(length)) if causal else length * keys  # top-left aligned
+    return 2.0 * _numel(q.shape[:-2]) * pairs * (q.shape[-1] + out.shape[-1])
 
 
 # op -> FLOPs of one call from its (run-time) args and output.
@@ -77,7 +87,7 @@ _FLOPS: dict[Any, Callable[[tuple, dict, Any], float]] = {
     amxopt_ops.patch_embed.default: _patch_embed_flops,
     amxopt_ops.conv2d.default: _conv_flops,
     aten.linear.default: _linear_flops,
-    aten.convolution.default: _conv_flops,
+    aten.convolution.default: _convolution_flops,
     aten.conv1d.default: _conv_flops,
     aten.conv2d.default: _conv_flops,
     aten.conv3d.default: _conv_flops,
@@ -136,7 +146,8 @@ class Profile:
             gflop = f"{r.flops / 1e9:8.1f}" if r.flops else f"{'':>8}"
             tflops = f"{r.tflops:8.3f}" if r.tflops else f"{'':>8}"
             where = f"{r.op}  [{r.shapes}]" if r.shapes else r.op
-            lines.append(f"{r.seconds * 1e3:9.2f} {r.seconds / total:6.1%} {r.calls:6d} {gflop} {tflops}  {where}")
+            share = r.seconds / total if total > 0 else 0.0
+            lines.append(f"{r.seconds * 1e3:9.2f} {share:6.1%} {r.calls:6d} {gflop} {tflops}  {where}")
         return "\n".join(lines)
 
     def to_json(self) -> dict:

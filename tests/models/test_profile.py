@@ -73,6 +73,10 @@ def test_causal_attention_counts_the_pairs_it_computes():
     assert count((*args, True), {}, q) == 4 * 16 * 3 * 8
     assert count(args, {"causal": True}, q) == 4 * 16 * 3 * 8
     assert count((*args, False), {}, q) == 4 * 25 * 3 * 8
+    # More queries than keys (bottom-right): 4 queries over 2 keys see 0, 0, 1 and 2 of them.
+    q4, cu_q, cu_k = torch.empty(4, 3, 8), torch.tensor([0, 4]), torch.tensor([0, 2])
+    out = torch.empty(4, 3, 6)  # v's head dim 6: P V counts 2 x 6 per pair
+    assert count((q4, q4, q4, cu_q, cu_k, 4, 2, 1.0, True), {}, out) == 2 * 3 * 3 * (8 + 6)
 
 
 def test_patch_embed_counts_one_kernel_per_output():

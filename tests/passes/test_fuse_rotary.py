@@ -28,8 +28,8 @@ def _fused_attentions(gm) -> list:
     return [n for n in gm.graph.nodes if n.target == amx.varlen_attention.default and "rotary_cos" in n.kwargs]
 
 
-def _rewrite(model, inputs, config):
-    gm, gi = captured(model, inputs)
+def _rewrite(model, inputs, config, dynamic=True):
+    gm, gi = captured(model, inputs, dynamic)
     for p in (replace_attention, replace_glue):
         p(gm, config)
     gm.recompile()
@@ -104,6 +104,32 @@ def test_fuse_rotary_leaves_different_angles_with_the_reason():
     assert _rotaries(gm) == 2
     reasons = [n.meta[LEFT] for n in gm.graph.nodes if LEFT in n.meta]
     assert reasons == ["its rotary embedding stays a separate op: q and k are rotated by different cos / sin"]
+
+
+class SequenceFirst(nn.Module):
+    """q / k / v [S, B, H, D] rotated, then made token-major by a reshape that copies (and reorders
+    the tokens to b-major): the attention does not read the rotary's output in its own order."""
+
+    def forward(self, q, k, v, freqs):
+        s, b, h, d = q.shape
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [S, 1, D]: the rotary unsqueezes the heads
+        q, k = apply_rotary_pos_emb_vision(q, k, emb.cos(), emb.sin())
+        q, k, v = (t.transpose(0, 1).reshape(b * s, h, d) for t in (q, k, v))
+        return F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)))
+
+
+def test_fuse_rotary_leaves_a_reordering_reshape():
+    g = torch.Generator().manual_seed(0)
+    inputs = {n: torch.randn(6, 2, 2, 16, generator=g).to(torch.bfloat16) for n in "qkv"}
+    inputs["freqs"] = torch.randn(6, 8, generator=g)
+    gm, gi = _rewrite(SequenceFirst().eval(), inputs, NATIVE, dynamic=False)  # q and k: one S, one B
+    assert _rotaries(gm) == 2 and count(gm, amx.varlen_attention.default) == 1
+    with torch.no_grad():
+        before = gm(**gi)
+    assert not fuse_rotary(gm, NATIVE).modified
+    gm.recompile()
+    with torch.no_grad():
+        assert torch.equal(gm(**gi), before)
 
 
 def test_fuse_rotary_off_by_config():

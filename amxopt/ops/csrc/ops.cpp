@@ -289,10 +289,11 @@ std::pair<at::Tensor, at::Tensor> checked_rotary(const char* op, const at::Tenso
   check_float(op, "rotary_cos", *cos);
   check_float(op, "rotary_sin", *sin);
   const int64_t width = cos->dim() == 2 ? cos->size(1) : -1;
+  const std::string wide = interleaved ? "" : " or [" + std::to_string(T) + ", " + std::to_string(D) + "] (rotate_half's "
+                                                "factors per half)";
   AMX_CHECK(cos->dim() == 2 && cos->size(0) == T && (width == D / 2 || (width == D && !interleaved)), op,
-            "rotary_cos must be [tokens, head_dim / 2] (or [tokens, head_dim] for rotate_half's factors per half), "
-            "i.e. [", T, ", ", D / 2, "]", interleaved ? "" : std::string(" or [") + std::to_string(T) + ", " +
-            std::to_string(D) + "]", ", got ", shape(cos->sizes()));
+            "rotary_cos must be [tokens, head_dim / 2], i.e. [", T, ", ", D / 2, "]", wide, ", got ",
+            shape(cos->sizes()));
   AMX_CHECK(sin->sizes() == cos->sizes(), op, "rotary_cos ", shape(cos->sizes()), " and rotary_sin ",
             shape(sin->sizes()), " must have the same shape");
   return {cos->to(at::kFloat).contiguous(), sin->to(at::kFloat).contiguous()};
