@@ -198,7 +198,39 @@ def attention_cases(providers: list[str]) -> list[Case]:
         cases.append(
             Case("varlen_attention", f"{len(lengths)}x{lengths[0]} tok, {heads}h x {d} (vs {label})", flops, impls)
         )
+    cases.append(_vision_attention_with_rotary(providers))
     return cases
+
+
+def _vision_attention_with_rotary(providers: list[str]) -> Case:
+    """Qwen3-VL's vision attention as a block runs it: q, k, v slices of one qkv output, q and k
+    rotated (rotate_half, D-wide cos / sin), one segment. Eager: transformers' rotary + SDPA; amxopt:
+    the rotary inside the attention (fuse_rotary)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
+
+    t, heads, d = 784, 16, 64
+    qkv = torch.randn(t, 3, heads, d, dtype=BF16)
+    q, k, v = qkv.unbind(1)
+    angles = torch.randn(t, d // 2)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    cu = _segments([t])
+
+    def eager():
+        qr, kr = apply_rotary_pos_emb_vision(q, k, cos, sin)
+        return F.scaled_dot_product_attention(*(x.transpose(0, 1).unsqueeze(0) for x in (qr, kr, v)))
+
+    impls = {"eager": eager}
+    for p in providers:
+        impls[p] = at_tier(
+            p,
+            lambda p=provider_of(p): amx.varlen_attention(
+                q, k, v, cu, cu, t, t, d**-0.5, False, p, rotary_cos=cos, rotary_sin=sin
+            ),
+        )
+    return Case(
+        "varlen_attention", f"1x{t} tok, {heads}h x {d} + rotary (vs rotary + SDPA)", 4.0 * heads * t * t * d, impls
+    )
 
 
 def patch_embed_cases(providers: list[str]) -> list[Case]:
