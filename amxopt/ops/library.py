@@ -203,6 +203,18 @@ def _check_attention_rotary(q, k, cos, sin, interleaved):
     )
 
 
+def checked_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, rotary, rotate):
+    """The checks of a Python attention provider; its q and k, rotated by ``rotate(x, cos, sin,
+    interleaved)`` where the call carries a rotary embedding (``rotary``: cos, sin, interleaved)."""
+    cos, sin, interleaved = rotary
+    _check_attention_shapes(q, k, v, scale)
+    _check_segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_attention_rotary(q, k, cos, sin, interleaved)
+    if cos is None:
+        return q, k
+    return tuple(rotate(t, cos[:, None], sin[:, None], interleaved) for t in (q, k))
+
+
 def _check_segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """The data-dependent half of the attention checks (segment bounds): not for fakes."""
     op = "varlen_attention"
@@ -457,12 +469,10 @@ def _ref_varlen_attention(
     rotary_sin=None,
     rotary_interleaved=False,
 ):
-    _check_attention_shapes(q, k, v, scale)
-    _check_segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    _check_attention_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved)
-    if rotary_cos is not None:
-        cos, sin = rotary_cos[:, None], rotary_sin[:, None]
-        q, k = (reference.rotary_embedding(t, cos, sin, rotary_interleaved) for t in (q, k))
+    q, k = checked_attention_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+        (rotary_cos, rotary_sin, rotary_interleaved), reference.rotary_embedding,
+    )  # fmt: skip
     return reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
 
 

@@ -114,6 +114,10 @@ def patch_embed(x, packed_weight, bias, kernel_size, out_channels):
     return y.view(b, nt, nh, nw, out_channels).permute(0, 4, 1, 2, 3)
 
 
+def _native_rotary(x, cos, sin, interleaved):
+    return torch.ops.amxopt.rotary_embedding(x, cos, sin, interleaved, "native")
+
+
 def varlen_attention(
     q,
     k,
@@ -129,12 +133,11 @@ def varlen_attention(
     rotary_sin=None,
     rotary_interleaved=False,
 ):
-    library._check_attention_shapes(q, k, v, scale)
-    library._check_segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    library._check_attention_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved)
-    if rotary_cos is not None:  # SGLang's attention takes no rotary: amxopt's rotates q and k first
-        cos, sin = rotary_cos[:, None], rotary_sin[:, None]
-        q, k = (torch.ops.amxopt.rotary_embedding(t, cos, sin, rotary_interleaved, "native") for t in (q, k))
+    # SGLang's attention takes no rotary embedding: amxopt's own op rotates q and k first.
+    q, k = library.checked_attention_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+        (rotary_cos, rotary_sin, rotary_interleaved), _native_rotary,
+    )  # fmt: skip
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
     ops = _ops()
     attn = ops.flash_attn_varlen_func
