@@ -142,13 +142,13 @@ def _why_not(attn: fx.Node, rq: fx.Node, rk: fx.Node) -> str | None:
     cos = val(rq.args[1])
     for name, r, seen in (("q", rq, val(attn.args[0])), ("k", rk, val(attn.args[1]))):
         x = val(r.args[0])
-        if x.dim() < 3 or not _known(x.shape[-2] == seen.shape[1]) or not _known(x.shape[-1] == seen.shape[2]):
-            return f"the attention's {name} {tuple(seen.shape)} is not the rotary's input {tuple(x.shape)} by token"
-        if not _known(math.prod(x.shape[:-2]) == seen.shape[0]):
+        by_token = x.dim() >= 3 and all(
+            _known(a == b) for a, b in zip((math.prod(x.shape[:-2]), *x.shape[-2:]), seen.shape)
+        )
+        if not by_token:
             return f"the attention's {name} {tuple(seen.shape)} is not the rotary's input {tuple(x.shape)} by token"
         # The attention reads the rotary's (contiguous) output in its own order: as one reshape of it.
-        contiguous = make_contiguous_strides_for(seen.shape)
-        if not _known(seen.storage_offset() == 0) or not all(_known(a == b) for a, b in zip(seen.stride(), contiguous)):
+        if not (_known(seen.storage_offset() == 0) and _contiguous(seen)):
             return f"the attention reads {name} in another order than the rotary wrote it"
     xq, xk = val(rq.args[0]), val(rk.args[0])
     if xq.dim() != xk.dim() or not all(_known(a == b) for a, b in zip(xq.shape[:-2], xk.shape[:-2])):
