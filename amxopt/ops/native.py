@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -170,6 +171,34 @@ def gemm_engine(tier: str, rows: int) -> str:
 
 def attention_engine(tier: str, bf16: bool) -> str:
     return _ops().attention_engine(tier, bf16)
+
+
+class WorkSplit(NamedTuple):
+    """How a kernel cuts its work for a thread count: ``items`` of ``rows`` x ``cols`` outputs
+    (attention: ``rows`` query rows of one segment and head; ``cols`` 0)."""
+
+    rows: int
+    cols: int
+    items: int
+
+    def balance(self, threads: int) -> float:
+        """How fully the items keep ``threads`` threads busy (1: evenly shared)."""
+        most = -(-self.items // threads)  # items on the busiest thread
+        return self.items / (threads * most) if self.items else 1.0
+
+
+def linear_work_split(rows: int, n: int, k: int, threads: int) -> WorkSplit:
+    """The work items of an amxopt.linear of ``rows`` x ``k`` -> ``n`` on the active tier (default
+    schedule) at ``threads`` threads: the tuned ones where they keep every thread busy, else smaller."""
+    m, blocks, items = _ops().linear_work_split(rows, n, k, threads)
+    return WorkSplit(m, blocks * 32, items)
+
+
+def attention_work_split(q_lens: list[int], heads: int, bf16: bool, threads: int) -> WorkSplit:
+    """The work items (segment x head x query block) of an amxopt.varlen_attention with segments of
+    ``q_lens`` queries on the active tier at ``threads`` threads."""
+    rows, items = _ops().attention_work_split(q_lens, heads, bf16, threads)
+    return WorkSplit(rows, 0, items)
 
 
 _cap = TIERS[0]  # the cap set by max_tier (the C++ side holds the same value)

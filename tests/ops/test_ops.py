@@ -934,31 +934,89 @@ def test_conv2d_bad_input_raises(provider, call, match):
         call(provider)
 
 
-@pytest.mark.parametrize("threads", [3, 8])
+@pytest.mark.parametrize("threads", [3, 8, 24])
 def test_results_do_not_depend_on_the_thread_count(provider, threads):
     """The GEMM and attention share their work items between threads, which take items from each
-    other's shares once their own is done: with more threads than cores (and than some ops' items)
-    every item is still computed once, the same way, so the results are bitwise those of one thread."""
+    other's shares once their own is done, and cut smaller items where the thread count would leave
+    threads without one (native.linear_work_split): with more threads than cores (and than the
+    tuned items) every output is still computed once, the same way, so the results are bitwise
+    those of one thread."""
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(100, 64, generator=g).to(torch.bfloat16)
-    w = torch.randn(200, 64, generator=g).to(torch.bfloat16)
-    packed = ops.pack_linear_weight(w, provider)
+    gemms = []
+    for m, k, n in [(100, 64, 200), (200, 5120, 96)]:  # the second K-blocked on the amx tier
+        w = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
+        gemms.append((torch.randn(m, k, generator=g).to(torch.bfloat16), ops.pack_linear_weight(w, provider), n))
     q, k, v = (torch.randn(150, 4, 32, generator=g).to(torch.bfloat16) for _ in range(3))
     cu = torch.tensor([0, 40, 150], dtype=torch.int32)
 
     def run():
-        return (
-            ops.linear(x, packed, None, "gelu", 200, provider),
-            ops.varlen_attention(q, k, v, cu, cu, 110, 110, 0.2, True, provider),
-        )
+        linears = [ops.linear(x, packed, None, "gelu", n, provider) for x, packed, n in gemms]
+        return (*linears, ops.varlen_attention(q, k, v, cu, cu, 110, 110, 0.2, True, provider))
 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         expected = run()
         torch.set_num_threads(threads)
+        if provider == "native" and threads == 24:  # these calls cut smaller items than at one thread
+            assert native.linear_work_split(200, 96, 5120, 24) != native.linear_work_split(200, 96, 5120, 1)
+            assert native.attention_work_split([40, 110], 4, True, 24).rows < 128
         for _ in range(3):
-            for a, e in zip(run(), expected):
+            for a, e in zip(run(), expected, strict=True):
                 assert torch.equal(a, e)
     finally:
         torch.set_num_threads(before)
+
+
+# The real models' GEMMs (rows, K, N) and attentions (segments, heads), for work split checks.
+_MODEL_GEMMS = {
+    "qwen3-vl qkv": (784, 1024, 3072),
+    "qwen3-vl fc2": (784, 4096, 1024),
+    "qwen3-vl merger": (196, 4096, 2048),
+    "omni q": (390, 1280, 1280),
+    "omni fc2": (390, 5120, 1280),
+    "wan cross k": (512, 1536, 1536),
+    "wan ffn up": (1280, 1536, 8960),
+    "wan ffn down": (1280, 8960, 1536),
+    "wan time proj": (1, 1536, 9216),
+}
+_MODEL_ATTENTIONS = {"qwen3-vl": ([784], 16), "omni audio": ([98, 98, 98, 96], 20), "wan": ([1280], 12)}
+
+
+@pytest.mark.parametrize("threads", [56, 96])
+def test_work_items_keep_many_threads_busy(provider, threads):
+    """On a many-core Xeon the items tuned on 2 cores would leave most threads idle (the K-blocked AMX
+    GEMM made 10 of Qwen3-Omni's fc2, 8 of Qwen3-VL's merger; the fp32 engine 4 of Qwen3-VL's fc2; the
+    attention 60 of Wan's 12 heads): every model GEMM of 32 rows or more and every attention now keeps
+    at least 80% of the threads busy."""
+    if provider != "native":
+        pytest.skip("work items are the native kernels'")
+    for name, (m, k, n) in _MODEL_GEMMS.items():
+        split = native.linear_work_split(m, n, k, threads)
+        assert split.rows * split.cols * split.items >= m * n, (name, split)  # they cover the output
+        if m >= 32:
+            assert split.balance(threads) >= 0.8, (name, split)
+    for name, (lens, heads) in _MODEL_ATTENTIONS.items():
+        split = native.attention_work_split(lens, heads, True, threads)
+        assert split.balance(threads) >= 0.8, (name, split)
+
+
+# The items each engine was tuned for on 2 cores (rows, columns), which every model shape keeps there.
+_TUNED_ITEMS = {
+    "amx": {"qwen3-vl qkv": (32, 128), "omni fc2": (256, 256), "wan ffn down": (256, 256), "wan time proj": (96, 128)},
+    "avx512_bf16": {name: (96, 128) for name in ("qwen3-vl qkv", "omni fc2", "wan ffn down", "wan time proj")},
+    "fp32": {"qwen3-vl qkv": (784, 256), "wan ffn down": (1280, 256), "wan time proj": (1, 32)},
+}
+
+
+def test_work_items_on_two_threads_are_the_tuned_ones(provider):
+    if provider != "native":
+        pytest.skip("work items are the native kernels'")
+    for name, item in _TUNED_ITEMS[native.active_tier()].items():
+        m, k, n = _MODEL_GEMMS[name]
+        assert native.linear_work_split(m, n, k, 2)[:2] == item, name
+    for lens, heads in _MODEL_ATTENTIONS.values():
+        assert native.attention_work_split(lens, heads, True, 2).rows == (64 if native.active_tier() == "fp32" else 256)
+    # ... except where those leave a thread idle: Omni's 5 column groups of 256 on the fp32 engine
+    if native.active_tier() == "fp32":
+        assert native.linear_work_split(390, 1280, 1280, 2) == (390, 128, 10)

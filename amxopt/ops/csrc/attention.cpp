@@ -20,7 +20,8 @@
 // kKeyPad: K as the B of S (a 32-bit transpose: fp32 values or bf16 pairs), V as the B of P V
 // (bf16: pairs of keys interleaved). GQA heads read their kv head's packing.
 // Phase 2 (parallel over segment x head x query block of at most kBQ rows, balanced: 784 rows are
-// 3 x 208 + 160 in bf16, 12 x 64 + 16 in fp32; many short segments still fill every core): the
+// 3 x 208 + 160 in bf16, 12 x 64 + 16 in fp32; smaller blocks where those leave threads idle,
+// query_block_rows; many short segments still fill every core): the
 // block's Q rows are copied into a T buffer (a strided A measured slower than the copy), every
 // buffer cache-line aligned and kept per thread (common.h's thread_scratch); per key block and per
 // step of rows (the whole block on brgemm, 32 rows on tiles): S, one online softmax row at a time
@@ -74,6 +75,31 @@ constexpr int64_t kStepRows = 32;
 constexpr int64_t kTilesBK = 2048;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// A segment's query blocks for blocks of at most bq rows: as few as fit, of nearly equal size in
+// whole tiles of rows (784 rows are 3 x 208 + 160 at bq = 256). Returns the block's rows.
+int64_t query_step(int64_t lq, int64_t bq) {
+  const int64_t nblk = (lq + bq - 1) / bq;
+  return nblk ? std::min(bq, round_up((lq + nblk - 1) / nblk, kTileM)) : 0;
+}
+
+// Query rows per work item (segment x head x query block) for `threads` threads: max_rows (the
+// engine's tuned block) halved down to 32 while that leaves threads idle (common.h's pick_split):
+// on a many-core Xeon, Wan2.1's 12 heads x 1280 queries are 60 blocks of 256 rows, one round for 56
+// threads and a second one for 4 of them. *items: the work items it makes.
+int64_t query_block_rows(const std::vector<int64_t>& lq, int64_t heads, int64_t max_rows, int64_t threads,
+                         int64_t* items = nullptr) {
+  std::vector<int64_t> rows, counts;
+  for (int64_t bq = max_rows; bq >= 32 || rows.empty(); bq /= 2) {
+    int64_t n = 0;
+    for (int64_t l : lq)
+      if (l > 0) n += heads * ((l + query_step(l, bq) - 1) / query_step(l, bq));
+    rows.push_back(bq), counts.push_back(n);
+  }
+  const int i = pick_split(int(rows.size()), threads, [&](int j) { return counts[j]; });
+  if (items) *items = counts[i];
+  return rows[i];
+}
 
 // Columns [0, width) of a B operand from a [rows (reduction), cols] source whose element (i, j) is
 // src[i * si + j * sj]: B element (i, j) at dst[(i / r) * ldb * r + j * r + i % r] (r = kPair<T>)
@@ -164,9 +190,12 @@ template <typename T, typename S>
 at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::vector<int64_t>& bq, const std::vector<int64_t>& bk, double scale_d,
                             bool causal, Tier tier, const Rotary& rot) {
-  constexpr int64_t r = kPair<T>, BQ = kBQ<T>;
+  constexpr int64_t r = kPair<T>;
   constexpr bool vnni = r == 2;
   const int64_t H = q.size(1), Hk = k.size(1), D = q.size(2), group = H / Hk, nseg = int64_t(bq.size()) - 1;
+  std::vector<int64_t> lq(nseg);
+  for (int64_t s = 0; s < nseg; ++s) lq[s] = bq[s + 1] - bq[s];
+  const int64_t BQ = query_block_rows(lq, H, kBQ<T>, at::get_num_threads());
   const int64_t Dp = round_up(D, r);  // reduction width of S
   // On AMX tiles with a head dim of whole tiles (unit stride): both block GEMMs by gemm_amx.cpp's
   // tile kernel, on K and V packed in panels of 32 keys / 32 columns (each B tile one contiguous
@@ -228,10 +257,10 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
   // Phase 2: work items (segment, head, query block), blocks of at most BQ rows, as few as fit.
   std::vector<std::array<int64_t, 4>> items;
   for (int64_t s = 0; s < nseg; ++s) {
-    const int64_t lq = segs[s].lq, nblk = (lq + BQ - 1) / BQ;
-    const int64_t qstep = nblk ? std::min(BQ, round_up((lq + nblk - 1) / nblk, kTileM)) : 0;
+    const int64_t qstep = query_step(segs[s].lq, BQ);
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t r0 = 0; r0 < lq; r0 += qstep) items.push_back({s, h, r0, std::min(qstep, lq - r0)});
+      for (int64_t r0 = 0; r0 < segs[s].lq; r0 += qstep)
+        items.push_back({s, h, r0, std::min(qstep, segs[s].lq - r0)});
   }
   auto out = new_output({q.size(0), H, D}, q.options());
   S* O = out.data_ptr<S>();
@@ -341,6 +370,13 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 }  // namespace
+
+std::vector<int64_t> attention_work_split(const std::vector<int64_t>& q_lens, int64_t heads, bool bf16_gemm,
+                                          int64_t threads) {
+  int64_t items = 0;
+  const int64_t rows = query_block_rows(q_lens, heads, bf16_gemm ? kBQ<bf16> : kBQ<float>, threads, &items);
+  return {rows, items};
+}
 
 const char* attention_engine(Tier tier, const at::Tensor& q) {
   const bool bf = q.scalar_type() == at::kBFloat16;

@@ -112,6 +112,38 @@ void parallel_shares(int64_t n, const Body& body) {
   });
 }
 
+// How fully n work items of equal size keep `threads` threads busy: n over threads x the items the
+// busiest thread runs (1 where they divide evenly; 10 items on 56 threads: 0.18).
+inline double balance(int64_t n, int64_t threads) {
+  if (n <= 0 || threads <= 1) return 1.0;
+  return double(n) / double(threads * ((n + threads - 1) / threads));
+}
+
+// Work items sized to the thread count. A kernel's item sizes were tuned on 2 cores, where every
+// model shape has dozens of them; on a many-core Xeon the same items leave most cores idle (the
+// K-blocked AMX GEMM cut Qwen3-Omni's fc2, 390 x 5120 x 1280, into 10 items: 46 of 56 threads had
+// none). Of `count` candidate splits, ordered from the largest item (the tuned one) to the smallest,
+// this picks the first whose items(i) keep the threads kMinBalance busy, else the best balanced one
+// (the larger on a tie). A smaller item costs some reuse of operands in the caches, an idle core all
+// of its share.
+constexpr double kMinBalance = 0.85;
+template <typename Items>
+int pick_split(int count, int64_t threads, const Items& items) {
+  int best = 0;
+  double best_balance = -1.0;
+  for (int i = 0; i < count; ++i) {
+    const double b = balance(items(i), threads);
+    if (b >= kMinBalance) return i;
+    if (b > best_balance) best = i, best_balance = b;
+  }
+  return best;
+}
+
+// A GEMM's work item: `rows` rows x `blocks` column blocks of kNB; `items` of them cover the output.
+struct WorkSplit {
+  int64_t rows, blocks, items;
+};
+
 // What a GEMM does to its fp32 accumulator before the one rounding to the output's dtype T: + bias
 // (fp32, per column; or null), the activation, then + residual (T, rows ldr apart; or null).
 template <class T>
@@ -198,9 +230,11 @@ void set_max_tier(Tier t);
 const VecKernels& vec();  // the widest vector ISA this CPU runs
 
 // --- hand-written AVX-512-BF16 kernels (*_avx512_bf16.cpp) ---------------------------------------
-// C[M, N] (ldc) = A[M, K] (lda) @ W^T with the epilogue e, W packed VNNI; K even.
+// C[M, N] (ldc) = A[M, K] (lda) @ W^T with the epilogue e, W packed VNNI; K even; work items of
+// split.rows rows (a multiple of kAvx512Rows) x split.blocks column blocks (gemm.cpp chooses them).
+constexpr int64_t kAvx512Rows = 12;  // rows per microkernel call
 void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
-                      int64_t M, int64_t N, int64_t K);
+                      int64_t M, int64_t N, int64_t K, const WorkSplit& split);
 
 // --- the hand-written AMX tile kernel (gemm_amx.cpp) ----------------------------------------------
 // The epilogue of a finished block (rows x cols of fp32 acc, lda apart, into out), run a few rows at a
@@ -287,6 +321,9 @@ void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>&
                int64_t N, int64_t K, Tier tier, AmxSchedule schedule = AmxSchedule::Default);
 // Which engine gemm_bf16 uses for M rows on `tier` (for `amxopt info` and the benches).
 const char* gemm_engine(Tier tier, int64_t M);
+// The work items gemm_bf16 cuts M x N x K into on the active tier (default schedule) for `threads`
+// threads: {rows, column blocks of kNB, items} per item (for the tests and benches).
+std::vector<int64_t> linear_work_split(int64_t M, int64_t N, int64_t K, int64_t threads);
 at::Tensor pack_vnni(const at::Tensor& w);  // [N, K] bf16, K even -> VNNI
 // act(x2 @ W^T + bias) + residual for x2 [M, K] with unit column stride; packed VNNI (bf16) or
 // plain [N, K]; bias32 fp32 contiguous or undefined; residual [M, N] in x2's dtype with unit column
@@ -302,6 +339,10 @@ at::Tensor varlen_attention_native(const at::Tensor& q, const at::Tensor& k, con
                                    bool causal, Tier tier, const at::Tensor& rotary_cos = at::Tensor(),
                                    const at::Tensor& rotary_sin = at::Tensor(), bool rotary_interleaved = false);
 const char* attention_engine(Tier tier, const at::Tensor& q);
+// The work items of the attention's second phase for `threads` threads, segments of q_lens query
+// rows, bf16 (else fp32) block GEMMs: {query rows per item, items} (for the tests and benches).
+std::vector<int64_t> attention_work_split(const std::vector<int64_t>& q_lens, int64_t heads, bool bf16_gemm,
+                                          int64_t threads);
 // norm.cpp; scale/shift (both or neither) broadcast to x: norm(x) * (1 + scale) + shift
 at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                        const std::optional<at::Tensor>& bias, double eps, bool rms,

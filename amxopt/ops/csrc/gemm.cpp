@@ -126,14 +126,15 @@ class BlockEpilogues {
   int cur_ = 0;
 };
 
-// Work items of 32 rows x 4 column blocks; each 32 x 32 block by the hand-written tile kernel
+// Work items of 32 rows x split.blocks column blocks (4 where that keeps the threads busy); each 32 x
+// 32 block by the hand-written tile kernel
 // (gemm_amx.cpp) where K % 32 == 0 and the process may use AMX tiles, else by one brgemm call. The
 // tile kernel reads whole 16-row tiles: the last row tile, when M is not a multiple of 32, is copied
 // once into a zero-padded buffer and, at 16 rows or fewer, runs on the 16-row kernel; only its own
 // rows reach the epilogue.
 void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc, int64_t M,
-                 int64_t N, int64_t K) {
-  const int64_t nblocks = (N + kNB - 1) / kNB, ngroups = (nblocks + kBrgemmG - 1) / kBrgemmG;
+                 int64_t N, int64_t K, const WorkSplit& split) {
+  const int64_t nblocks = (N + kNB - 1) / kNB, group = split.blocks, ngroups = (nblocks + group - 1) / group;
   const int64_t mtiles = (M + kBrgemmM - 1) / kBrgemmM, panel = K * kNB, tail = M % kBrgemmM;
   const bool tiles = K > 0 && K % 32 == 0 && amx_tiles_usable();
   // Item order: column group major (a group's B panels stay in L2 while the row tiles pass), except
@@ -154,7 +155,7 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16
       const bool padded = tiles && mb < kBrgemmM;
       const bf16* a = padded ? pad.data() : A + m0 * lda;
       const int64_t la = padded ? K : lda;
-      for (int64_t nb = g * kBrgemmG; nb < std::min(nblocks, (g + 1) * kBrgemmG); ++nb) {
+      for (int64_t nb = g * group; nb < std::min(nblocks, (g + 1) * group); ++nb) {
         const int64_t n0 = nb * kNB;
         if (!tiles)
           at::native::cpublas::brgemm(mb, kNB, K, la, kNB, kNB, false, a, Wp + nb * panel, blocks.acc(), true);
@@ -247,10 +248,11 @@ void gemm_row_chunks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<
 }
 
 void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
-                          int64_t M, int64_t N, int64_t K) {
-  const int64_t nblocks = (N + kNB - 1) / kNB, panel = K * kNB, ngroups = (N + kBlkN - 1) / kBlkN;
+                          int64_t M, int64_t N, int64_t K, const WorkSplit& split) {
+  const int64_t nblocks = (N + kNB - 1) / kNB, panel = K * kNB, group = split.blocks, cols = group * kNB;
+  const int64_t ngroups = (nblocks + group - 1) / group;
   // Row chunks of nearly equal size (whole AMX tiles of 16 rows): 390 rows are 208 + 182, not 256 + 134.
-  const int64_t mchunks = (M + kBlkM - 1) / kBlkM, mc = (((M + mchunks - 1) / mchunks + 15) / 16) * 16;
+  const int64_t mchunks = (M + split.rows - 1) / split.rows, mc = (((M + mchunks - 1) / mchunks + 15) / 16) * 16;
   // The tile kernel, accumulating over the K steps in acc, where the rows fill its tiles: in-process
   // A/B, 2 threads of an AMX Xeon, against brgemm calls: 1.11-1.13x at 390-1560 x 6144-8960, level at
   // M = 16, 0.87x at M = 5 (a 16-row tile for 5 rows).
@@ -266,12 +268,12 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const Epil
   const auto& v = vec();
   // Column group major, so each thread's share of items is whole column groups of every chunk.
   parallel_shares(ngroups * mchunks, [&](auto next) {
-    float* acc = thread_scratch<float, 0>(mc * kBlkN);
+    float* acc = thread_scratch<float, 0>(mc * cols);
     std::optional<AmxTiles> held;
     if (tiles) held.emplace();
     for (int64_t t; (t = next()) >= 0;) {
-      const int64_t n0 = (t / mchunks) * kBlkN, m0 = (t % mchunks) * mc;
-      const int64_t rows = std::min(mc, M - m0), nb0 = n0 / kNB, nb1 = std::min(nblocks, nb0 + kBlkN / kNB);
+      const int64_t n0 = (t / mchunks) * cols, m0 = (t % mchunks) * mc;
+      const int64_t rows = std::min(mc, M - m0), nb0 = n0 / kNB, nb1 = std::min(nblocks, nb0 + group);
       if (rows <= 0) continue;
       for (int64_t k0 = 0; k0 < K; k0 += kstep) {
         const int64_t kk = std::min(kstep, K - k0);
@@ -279,27 +281,27 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const Epil
           for (int64_t r = 0; r < rows; r += kBrgemmM) {
             const int64_t mr = std::min(kBrgemmM, rows - r);
             const bf16* b = Wp + nb * panel + k0 * kNB;
-            float* c = acc + r * kBlkN + (nb - nb0) * kNB;
+            float* c = acc + r * cols + (nb - nb0) * kNB;
             if (!tiles) {
-              at::native::cpublas::brgemm(mr, kNB, kk, lda, kNB, kBlkN, k0 > 0, A + (m0 + r) * lda + k0, b, c, true);
+              at::native::cpublas::brgemm(mr, kNB, kk, lda, kNB, cols, k0 > 0, A + (m0 + r) * lda + k0, b, c, true);
               continue;
             }
             const bool own = padded && m0 + r == pad_row;
             const bf16* a = own ? pad.data() + k0 : A + (m0 + r) * lda + k0;
             if (mr <= 16)
-              amx_tile_16x32(a, own ? K : lda, b, kk, c, kBlkN, k0 > 0);
+              amx_tile_16x32(a, own ? K : lda, b, kk, c, cols, k0 > 0);
             else
-              amx_tile_32x32(a, own ? K : lda, b, kk, c, kBlkN, k0 > 0);
+              amx_tile_32x32(a, own ? K : lda, b, kk, c, cols, k0 > 0);
           }
       }
-      v.epilogue_bf16(acc, kBlkN, e.at(m0, n0), C + m0 * ldc + n0, ldc, rows, std::min(kBlkN, N - n0));
+      v.epilogue_bf16(acc, cols, e.at(m0, n0), C + m0 * ldc + n0, ldc, rows, std::min(cols, N - n0));
     }
     if (!tiles) at::native::cpublas::brgemm_release(true);
   });
 }
 
 void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
-                      int64_t M, int64_t N, int64_t K) {
+                      int64_t M, int64_t N, int64_t K, const WorkSplit& split) {
   const int64_t nblocks = (N + kNB - 1) / kNB, pairs = K / 2, panel = K * kNB;
   const auto& v = vec();
   auto a32 = new_output({M, K}, at::kFloat);
@@ -320,17 +322,23 @@ void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue
     });
     return;
   }
-  const int64_t ngroups = (nblocks + kFp32G - 1) / kFp32G, ldb = kFp32G * kNB;
-  at::parallel_for(0, ngroups, 1, [&](int64_t g0, int64_t g1) {
-    float *b = thread_scratch<float, 0>(K * ldb), *acc = thread_scratch<float, 1>(std::min(M, kFp32M) * ldb);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t nb0 = g * kFp32G, nb1 = std::min(nblocks, nb0 + kFp32G), n0 = nb0 * kNB;
-      const int64_t cols = std::min(N, nb1 * kNB) - n0;
-      for (int64_t nb = nb0; nb < nb1; ++nb) v.unpack_vnni(Wp + nb * panel, pairs, b + (nb - nb0) * kNB, ldb);
-      const int64_t gcols = (nb1 - nb0) * kNB;
+  // Items of split.rows rows x split.blocks column blocks, column group major: a thread's share is
+  // mostly row chunks of one group, whose weight it unpacks once.
+  const int64_t group = split.blocks, ngroups = (nblocks + group - 1) / group, ldb = group * kNB;
+  const int64_t mchunks = (M + split.rows - 1) / split.rows;
+  parallel_shares(ngroups * mchunks, [&](auto next) {
+    float *b = thread_scratch<float, 0>(K * ldb), *acc = thread_scratch<float, 1>(std::min(split.rows, kFp32M) * ldb);
+    int64_t unpacked = -1;  // the group whose weight b holds
+    for (int64_t t; (t = next()) >= 0;) {
+      const int64_t g = t / mchunks, m_begin = (t % mchunks) * split.rows, m_end = std::min(M, m_begin + split.rows);
+      const int64_t nb0 = g * group, nb1 = std::min(nblocks, nb0 + group), n0 = nb0 * kNB;
+      const int64_t cols = std::min(N, nb1 * kNB) - n0, gcols = (nb1 - nb0) * kNB;
+      if (g != unpacked)
+        for (int64_t nb = nb0; nb < nb1; ++nb) v.unpack_vnni(Wp + nb * panel, pairs, b + (nb - nb0) * kNB, ldb);
+      unpacked = g;
       auto bt = at::from_blob(b, {K, gcols}, {ldb, 1}, at::kFloat);
-      for (int64_t m0 = 0; m0 < M; m0 += kFp32M) {
-        const int64_t mt = std::min(kFp32M, M - m0);
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kFp32M) {
+        const int64_t mt = std::min(kFp32M, m_end - m0);
         // ATen's sgemm (MKL), single-threaded inside this parallel region.
         auto ct = at::from_blob(acc, {mt, gcols}, at::kFloat);
         at::mm_out(ct, at::from_blob(Af + m0 * K, {mt, K}, at::kFloat), bt);
@@ -350,13 +358,59 @@ std::atomic<int>& schedule_state() {
 }
 
 // Rows' engine for M x K on the amx tier (the K-blocked engine, which precedes it, aside).
-bool rows_schedule_runs(int64_t M, int64_t K) {
-  return M >= std::max(kRowsMinM, kBrgemmM * at::get_num_threads()) && K > kRowsFirstK && K < kBlockedK &&
-         K % 32 == 0 && amx_tiles_usable();
+bool rows_schedule_runs(int64_t M, int64_t K, int64_t threads) {
+  return M >= std::max(kRowsMinM, kBrgemmM * threads) && K > kRowsFirstK && K < kBlockedK && K % 32 == 0 &&
+         amx_tiles_usable();
 }
 
 bool k_blocked(int64_t M, int64_t K) {
   return M > kSmallM && (K >= kBlockedK || (K >= kBlockedSmallK && M > 16 && M <= kBlkM));
+}
+
+// --- which engine, and its work items for the thread count -------------------------------------------
+enum class Engine { KBlocked, Rows, Blocks, Avx512, Fp32Gemv, Fp32 };
+struct GemmPlan {
+  Engine engine;
+  WorkSplit split;
+};
+
+// Of candidate (rows, column blocks) items, largest first, the one pick_split takes for M x nblocks.
+WorkSplit split_work(std::initializer_list<std::pair<int64_t, int64_t>> candidates, int64_t M, int64_t nblocks,
+                     int64_t threads) {
+  std::vector<WorkSplit> splits;
+  for (auto [rows, blocks] : candidates)
+    splits.push_back({rows, blocks, (M + rows - 1) / rows * ((nblocks + blocks - 1) / blocks)});
+  return splits[pick_split(int(splits.size()), threads, [&](int i) { return splits[i].items; })];
+}
+
+// Each engine's first candidate is the item its caches were tuned for on 2 cores, where every model
+// shape has enough of them; the smaller ones serve many cores. The avx512_bf16 microkernel's: 96 rows
+// x 4 blocks (on a Zen 4 EPYC, 96 x 1-2, 48 x 2-4 and 192 x 4 measured within 2% of it at K =
+// 1024-5120, in-process A/B), rows in whole microkernel chunks. The tile engine's: 32-row tiles x 4
+// blocks. The K-blocked engine's: up to kBlkM rows (chunks of nearly equal size) x kBlkN columns. The
+// fp32 engine's: all rows x 8 blocks (one weight unpacking per group), then row chunks.
+GemmPlan gemm_plan(int64_t M, int64_t N, int64_t K, Tier tier, AmxSchedule schedule, int64_t threads) {
+  const int64_t nblocks = (N + kNB - 1) / kNB, r = kAvx512Rows;
+  switch (tier) {
+    case Tier::Amx:
+      if (k_blocked(M, K))
+        return {Engine::KBlocked, split_work({{kBlkM, kBlkN / kNB}, {kBlkM, 4}, {128, 4}, {128, 2}, {64, 2}, {64, 1},
+                                              {32, 1}},
+                                             M, nblocks, threads)};
+      if (amx_schedule_for(schedule) == AmxSchedule::Rows && rows_schedule_runs(M, K, threads))
+        return {Engine::Rows, {}};  // its own split: whole row chunks per thread (gemm_row_chunks)
+      if (M > kAmxSmallM && K < kBlockedK)
+        return {Engine::Blocks, split_work({{kBrgemmM, kBrgemmG}, {kBrgemmM, 2}, {kBrgemmM, 1}}, M, nblocks, threads)};
+      [[fallthrough]];
+    case Tier::Avx512Bf16:
+      return {Engine::Avx512,
+              split_work({{8 * r, 4}, {8 * r, 2}, {4 * r, 2}, {4 * r, 1}, {2 * r, 1}, {r, 1}}, M, nblocks, threads)};
+    case Tier::Fp32:
+      if (M <= kSmallM) return {Engine::Fp32Gemv, {M, 1, nblocks}};
+      return {Engine::Fp32, split_work({{M, kFp32G}, {M, 4}, {kFp32M, 4}, {kFp32M, 2}, {128, 2}, {128, 1}, {64, 1}}, M,
+                                       nblocks, threads)};
+  }
+  return {Engine::Fp32, {}};
 }
 
 }  // namespace
@@ -388,7 +442,12 @@ AmxSchedule amx_schedule_for(AmxSchedule requested) {
 }
 
 bool amx_schedule_matters(int64_t M, int64_t K) {
-  return active_tier() == Tier::Amx && !k_blocked(M, K) && rows_schedule_runs(M, K);
+  return active_tier() == Tier::Amx && !k_blocked(M, K) && rows_schedule_runs(M, K, at::get_num_threads());
+}
+
+std::vector<int64_t> linear_work_split(int64_t M, int64_t N, int64_t K, int64_t threads) {
+  const WorkSplit s = gemm_plan(M, N, K, active_tier(), AmxSchedule::Default, threads).split;
+  return {s.rows, s.blocks, s.items};
 }
 
 const char* gemm_engine(Tier tier, int64_t M) {
@@ -418,17 +477,19 @@ const char* gemm_engine(Tier tier, int64_t M) {
 void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc, int64_t M,
                int64_t N, int64_t K, Tier tier, AmxSchedule schedule) {
   if (M == 0 || N == 0) return;
-  switch (tier) {
-    case Tier::Amx:
-      if (k_blocked(M, K)) return gemm_brgemm_kblocked(A, lda, Wp, e, C, ldc, M, N, K);
-      if (amx_schedule_for(schedule) == AmxSchedule::Rows && rows_schedule_runs(M, K))
-        return gemm_row_chunks(A, lda, Wp, e, C, ldc, M, N, K);
-      if (M > kAmxSmallM && K < kBlockedK) return gemm_blocks(A, lda, Wp, e, C, ldc, M, N, K);
-      [[fallthrough]];
-    case Tier::Avx512Bf16:
-      return gemm_avx512_bf16(A, lda, Wp, e, C, ldc, M, N, K);
-    case Tier::Fp32:
-      return gemm_fp32_engine(A, lda, Wp, e, C, ldc, M, N, K);
+  const GemmPlan plan = gemm_plan(M, N, K, tier, schedule, at::get_num_threads());
+  switch (plan.engine) {
+    case Engine::KBlocked:
+      return gemm_brgemm_kblocked(A, lda, Wp, e, C, ldc, M, N, K, plan.split);
+    case Engine::Rows:
+      return gemm_row_chunks(A, lda, Wp, e, C, ldc, M, N, K);
+    case Engine::Blocks:
+      return gemm_blocks(A, lda, Wp, e, C, ldc, M, N, K, plan.split);
+    case Engine::Avx512:
+      return gemm_avx512_bf16(A, lda, Wp, e, C, ldc, M, N, K, plan.split);
+    case Engine::Fp32Gemv:
+    case Engine::Fp32:
+      return gemm_fp32_engine(A, lda, Wp, e, C, ldc, M, N, K, plan.split);
   }
 }
 

@@ -5,10 +5,11 @@
 // load feeds a vdpbf16ps over 16 columns x 2 k. Microkernel: MR (<= 12) rows x 32 columns held in
 // 2*MR zmm accumulators over the whole of K, then the epilogue: + bias (fp32), activation (gelu /
 // gelu_tanh / silu), + a residual, round to bf16. A is first copied into k-pair-major chunks of MR
-// rows (pack_a), so that a chunk is one contiguous stream. Work is split over tiles of kMT rows x
-// kNG column blocks, column-major (a thread keeps kNG weight panels hot while it sweeps rows; each
-// A chunk fetched serves kNG panels, which matters once A outgrows the caches, e.g. Wan's 1280 x 8960
-// FFN input), shared between the threads by parallel_shares (common.h).
+// rows (pack_a), so that a chunk is one contiguous stream. Work is split over tiles of rows x column
+// blocks that gemm.cpp sizes to the thread count (96 x 4 where that gives every thread enough),
+// column-major (a thread keeps a tile's weight panels hot while it sweeps rows; each A chunk
+// fetched serves them all, which matters once A outgrows the caches, e.g. Wan's 1280 x 8960 FFN
+// input), shared between the threads by parallel_shares (common.h).
 //
 // K is not blocked. Walking it in blocks of 512 with the accumulators parked in memory between
 // blocks (so that the A chunk and the weight slice stay in L1) lost at every shape measured on a
@@ -51,7 +52,7 @@ inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__
 // B ("VNNI") layout: [ceil(N/kNB)][ceil(K/2)][kNB][2] bf16 - per block of 32 output columns, k pairs
 // interleaved per column; zero padded. A ("pairs") layout: chunks of kMR rows, [ceil(K/2)][kMR]
 // uint32, each uint32 two consecutive-k bf16 of one row; zero padded.
-constexpr int kMR = 12;      // rows per A chunk (24 accumulators + 2 B + 1 A registers)
+constexpr int kMR = int(kAvx512Rows);  // rows per A chunk (24 accumulators + 2 B + 1 A registers)
 
 // One chunk of up to kMR rows of A (rows ld apart) into the pairs layout, rows beyond `rows` zeroed.
 inline void pack_a_chunk(const bf16* src, int64_t ld, int64_t rows, int64_t K, uint32_t* dst) {
@@ -85,13 +86,6 @@ template <template <int> class F, int... Is>
 constexpr auto make_row_table(std::integer_sequence<int, Is...>) {
   return std::array{F<Is + 1>::run...};
 }
-
-// Rows per parallel tile, column blocks per tile (each A chunk read from memory serves 128 columns).
-// Measured: 48-192 rows within noise (96 best on 784x4096x1024); on a Zen 4 EPYC, 96 rows x 1 or 2
-// blocks, 48 rows x 2 or 4 and 192 rows x 4 were within 2% of these at K = 1024-5120 (in-process A/B).
-constexpr int64_t kMT = 96;
-constexpr int64_t kNG = 4;
-static_assert(kMT % kMR == 0, "row tiles must hold whole microkernel row chunks");
 
 // Ap: packed A, kMR uint32 (bf16 pairs) per k pair, rows beyond MR ignored.
 template <int MR>
@@ -143,10 +137,10 @@ at::Tensor pack_a(const bf16* A, int64_t lda, int64_t M, int64_t K) {
 
 // C[M, N] (rows ldc apart) = A[M, K] @ W^T with the epilogue e, W packed; A rows lda apart.
 void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
-                      int64_t M, int64_t N, int64_t K) {
-  const int64_t nblocks = (N + kNB - 1) / kNB;
-  const int64_t ngroups = (nblocks + kNG - 1) / kNG;
-  const int64_t mtiles = (M + kMT - 1) / kMT;
+                      int64_t M, int64_t N, int64_t K, const WorkSplit& split) {
+  const int64_t nblocks = (N + kNB - 1) / kNB, tile_rows = split.rows, group = split.blocks;
+  const int64_t ngroups = (nblocks + group - 1) / group;
+  const int64_t mtiles = (M + tile_rows - 1) / tile_rows;
   const int64_t pairs = (K + 1) / 2;
   const int64_t panel = pairs * 2 * kNB;  // bf16 elements per packed column block
   auto a_buf = pack_a(A, lda, M, K);
@@ -154,12 +148,12 @@ void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue
   parallel_shares(ngroups * mtiles, [&](auto next) {
     for (int64_t t; (t = next()) >= 0;) {
       const int64_t g = t / mtiles, mt = t % mtiles;
-      const int64_t nb_end = std::min(nblocks, (g + 1) * kNG);
-      const int64_t m0 = mt * kMT, m_end = std::min(M, m0 + kMT);
+      const int64_t nb_end = std::min(nblocks, (g + 1) * group);
+      const int64_t m0 = mt * tile_rows, m_end = std::min(M, m0 + tile_rows);
       for (int64_t m = m0; m < m_end; m += kMR) {
         const int rows = int(std::min<int64_t>(kMR, m_end - m));
         const uint32_t* a = Ap + (m / kMR) * pairs * kMR;
-        for (int64_t nb = g * kNG; nb < nb_end; ++nb) {
+        for (int64_t nb = g * group; nb < nb_end; ++nb) {
           const int64_t n0 = nb * kNB;
           kMicro[rows - 1](a, Wp + nb * panel, pairs, e.at(m, n0), C + m * ldc + n0, ldc, std::min(kNB, N - n0));
         }

@@ -439,6 +439,17 @@ std::string gemm_engine_name(c10::string_view tier, int64_t rows) {
 std::string attention_engine_name(c10::string_view tier, bool bf16) {
   return attention_engine(parse_tier(std::string(tier)), at::empty({0}, bf16 ? at::kBFloat16 : at::kFloat));
 }
+std::vector<int64_t> linear_work_split_for(int64_t m, int64_t n, int64_t k, int64_t threads) {
+  AMX_CHECK(m >= 1 && n >= 1 && k >= 1 && threads >= 1, "linear_work_split", "needs positive sizes and threads, got M=",
+            m, " N=", n, " K=", k, " threads=", threads);
+  return linear_work_split(m, n, k, threads);
+}
+std::vector<int64_t> attention_work_split_for(at::IntArrayRef q_lens, int64_t heads, bool bf16, int64_t threads) {
+  AMX_CHECK(heads >= 1 && threads >= 1 && std::all_of(q_lens.begin(), q_lens.end(), [](int64_t l) { return l >= 0; }),
+            "attention_work_split", "needs non-negative segment lengths and positive heads and threads, got ",
+            list(q_lens.vec()), ", heads=", heads, ", threads=", threads);
+  return attention_work_split(q_lens.vec(), heads, bf16 && active_tier() != Tier::Fp32, threads);
+}
 
 }  // namespace
 }  // namespace amxopt
@@ -468,4 +479,7 @@ TORCH_LIBRARY(amxopt_native, m) {
   m.def("amx_schedule_matters(int rows, int k) -> bool", &amxopt::amx_schedule_matters_for);
   m.def("gemm_engine(str tier, int rows) -> str", &amxopt::gemm_engine_name);
   m.def("attention_engine(str tier, bool bf16) -> str", &amxopt::attention_engine_name);
+  m.def("linear_work_split(int m, int n, int k, int threads) -> int[]", &amxopt::linear_work_split_for);
+  m.def("attention_work_split(int[] q_lens, int heads, bool bf16, int threads) -> int[]",
+        &amxopt::attention_work_split_for);
 }
