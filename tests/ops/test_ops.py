@@ -587,9 +587,11 @@ def test_patch_embed_is_conv3d_channels_last(provider):
 # --- 5. blocking boundaries, layouts and inputs the first review found untested -------------------
 # The native engines block their loops (csrc/gemm.cpp: 4-row small-M path, 256-row and 256-column fp32
 # tiles, 32-row x 4-block brgemm tiles, and from K = 5120 balanced row chunks of at most 256 x
-# 256-column groups x K steps of 1024 (on AMX tiles from 17 rows if K % 32 == 0); the AVX-512-BF16
-# kernel: 512-deep K blocks, 96-row tiles; attention: 48-query x 256-key blocks, and 256 x 512 on
-# AMX); these shapes cross every one of them.
+# 256-column groups x K steps of 512 (on AMX tiles from 17 rows if K % 32 == 0; else brgemm calls of
+# 1024); the AVX-512-BF16 kernel: 12-row chunks in 96-row tiles over the whole of K, A packed in
+# waves of 16 MB; attention: 256-query x 512-key blocks, 64 x 256 in fp32, 32-row steps over up to
+# 2048 keys on AMX tiles); these shapes cross every one of them (at 2 threads; the smaller items of
+# more threads: test_results_do_not_depend_on_the_thread_count).
 
 _GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
     (4, 64, 33),  # the last small-M row count off AMX, N one past a 32-column block
@@ -604,6 +606,7 @@ _GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
     # K-blocked on AMX tiles: chunks of 208 (a 16-row tile at 192) + 182 (a padded last tile), a 32 tail
     (390, 6176, 300),
     (16, 6144, 40),  # K-blocked with too few rows for the tile kernel: brgemm calls
+    (2100, 4096, 40),  # AVX-512-BF16: A packed in two waves (21 tiles of 96 rows fill its 16 MB)
 ]
 
 

@@ -119,19 +119,23 @@ struct Micro {
 };
 const auto kMicro = make_row_table<Micro>(std::make_integer_sequence<int, kMR>{});
 
-// A [M, K] (rows lda apart) -> [ceil(M/kMR)][pairs][kMR] uint32 bf16 pairs, zero padded: the
+// A [M, K] (rows lda apart) -> d, [ceil(M/kMR)][pairs][kMR] uint32 bf16 pairs, zero padded: the
 // microkernel then reads one contiguous 48-byte line per k pair instead of 12 rows whose large,
 // power-of-two strides (K = 4096) alias the same L1 sets.
-at::Tensor pack_a(const bf16* A, int64_t lda, int64_t M, int64_t K) {
+void pack_a(const bf16* A, int64_t lda, int64_t M, int64_t K, uint32_t* d) {
   const int64_t pairs = (K + 1) / 2, chunks = (M + kMR - 1) / kMR;
-  auto buf = at::empty({chunks, pairs, kMR}, at::TensorOptions().dtype(at::kInt));  // every entry written
-  uint32_t* d = reinterpret_cast<uint32_t*>(buf.data_ptr<int32_t>());
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c)
       pack_a_chunk(A + c * kMR * lda, lda, std::min<int64_t>(kMR, M - c * kMR), K, d + c * pairs * kMR);
   });
-  return buf;
 }
+
+// Packed A, at most this much at a time (more threads: one row tile each). A fresh buffer per call
+// for all of A came from mmap above 32 MB and page-faulted on every 4 KB: 6240 x 4320 (the Omni
+// encoder's second conv as a GEMM) took 13,000 faults a call and ran at 0.76x ATen's linear on a Zen 4
+// EPYC. Waves in a buffer kept across calls (thread_scratch) also keep the packed rows that the
+// column groups sweep in turn within the last-level cache.
+constexpr int64_t kWaveBytes = int64_t(16) << 20;
 
 }  // namespace
 
@@ -140,26 +144,33 @@ void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue
                       int64_t M, int64_t N, int64_t K, const WorkSplit& split) {
   const int64_t nblocks = (N + kNB - 1) / kNB, tile_rows = split.rows, group = split.blocks;
   const int64_t ngroups = (nblocks + group - 1) / group;
-  const int64_t mtiles = (M + tile_rows - 1) / tile_rows;
   const int64_t pairs = (K + 1) / 2;
   const int64_t panel = pairs * 2 * kNB;  // bf16 elements per packed column block
-  auto a_buf = pack_a(A, lda, M, K);
-  const uint32_t* Ap = reinterpret_cast<const uint32_t*>(a_buf.data_ptr<int32_t>());
-  parallel_shares(ngroups * mtiles, [&](auto next) {
-    for (int64_t t; (t = next()) >= 0;) {
-      const int64_t g = t / mtiles, mt = t % mtiles;
-      const int64_t nb_end = std::min(nblocks, (g + 1) * group);
-      const int64_t m0 = mt * tile_rows, m_end = std::min(M, m0 + tile_rows);
-      for (int64_t m = m0; m < m_end; m += kMR) {
-        const int rows = int(std::min<int64_t>(kMR, m_end - m));
-        const uint32_t* a = Ap + (m / kMR) * pairs * kMR;
-        for (int64_t nb = g * group; nb < nb_end; ++nb) {
-          const int64_t n0 = nb * kNB;
-          kMicro[rows - 1](a, Wp + nb * panel, pairs, e.at(m, n0), C + m * ldc + n0, ldc, std::min(kNB, N - n0));
+  const int64_t tile_bytes = tile_rows * pairs * 4;
+  const int64_t wave_rows = std::max<int64_t>(at::get_num_threads(), kWaveBytes / tile_bytes) * tile_rows;
+  // The calling thread's buffer, read by every thread of the region.
+  uint32_t* Ap = thread_scratch<uint32_t, 0>((std::min(M, wave_rows) + kMR - 1) / kMR * kMR * pairs);
+  for (int64_t w0 = 0; w0 < M; w0 += wave_rows) {
+    const int64_t wm = std::min(wave_rows, M - w0), mtiles = (wm + tile_rows - 1) / tile_rows;
+    pack_a(A + w0 * lda, lda, wm, K, Ap);
+    parallel_shares(ngroups * mtiles, [&](auto next) {
+      for (int64_t t; (t = next()) >= 0;) {
+        const int64_t g = t / mtiles, mt = t % mtiles;
+        const int64_t nb_end = std::min(nblocks, (g + 1) * group);
+        const int64_t m0 = mt * tile_rows, m_end = std::min(wm, m0 + tile_rows);  // rows of the wave
+        for (int64_t m = m0; m < m_end; m += kMR) {
+          const int rows = int(std::min<int64_t>(kMR, m_end - m));
+          const uint32_t* a = Ap + (m / kMR) * pairs * kMR;
+          const int64_t row = w0 + m;
+          for (int64_t nb = g * group; nb < nb_end; ++nb) {
+            const int64_t n0 = nb * kNB;
+            kMicro[rows - 1](a, Wp + nb * panel, pairs, e.at(row, n0), C + row * ldc + n0, ldc,
+                             std::min(kNB, N - n0));
+          }
         }
       }
-    }
-  });
+    });
+  }
 }
 
 }  // namespace amxopt
