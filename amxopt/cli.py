@@ -1,7 +1,7 @@
 """amxopt command line: a thin layer over the library.
 
 amxopt passes                      the default pass order
-amxopt info [--tp N]               CPU features and kernel providers (and N tp ranks' cores)
+amxopt info [--tp N] [--threads N] CPU features, kernel providers, work items (and N tp ranks' cores)
 amxopt dump MODEL [--out DIR] [--tp N --rank R]   graphs before/after every pass (text, SVG, diff,
                                    index.html) + the rewrite report; MODEL is a zoo name or
                                    package.module:factory returning (model, inputs)
@@ -73,7 +73,30 @@ def _cmd_info(args) -> int:
         f"  amxopt.norm_modulate/gated_residual/rotary_embedding -> {native.vec_isa()} row kernel, fp32 math, "
         "one rounding"
     )
+    _print_work_items(args.threads or torch.get_num_threads())
     return 0
+
+
+# The issue's op shapes: linear (rows, K, N); attention (segment lengths, heads).
+_WORK_LINEARS = ((784, 1024, 3072), (784, 1024, 4096), (784, 4096, 1024), (1280, 1536, 8960), (16, 1024, 4096))
+_WORK_ATTENTIONS = (([784], 16), ([104] * 8, 20), ([1280], 12))
+
+
+def _print_work_items(threads: int) -> None:
+    """How the GEMM and attention kernels cut the work at ``threads`` threads, and the share of the
+    threads their items keep busy (smaller items than the tuned ones where those would leave some idle)."""
+    from amxopt.ops import native
+
+    print(f"work items at {threads} threads (--threads N: another count), and the threads they keep busy:")
+    for m, k, n in _WORK_LINEARS:
+        s = native.linear_work_split(m, n, k, threads)
+        item = f"{min(s.rows, m)} rows x {min(s.cols, n)} columns"
+        print(f"  linear {m}x{k}->{n}: {s.items} of {item} ({s.balance(threads):.0%})")
+    for lens, heads in _WORK_ATTENTIONS:
+        s = native.attention_work_split(lens, heads, True, threads)
+        segs = f"{len(lens)} x {lens[0]}" if len(lens) > 1 else str(lens[0])
+        rows = min(s.rows, max(lens))
+        print(f"  attention {heads} heads x {segs} (bf16): {s.items} of {rows} query rows ({s.balance(threads):.0%})")
 
 
 def _cmd_dump(args) -> int:
@@ -137,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("passes", help="list DEFAULT_PASSES in order").set_defaults(fn=_cmd_passes)
     info = sub.add_parser("info", help="CPU features and kernel providers")
     info.add_argument("--tp", type=int, default=0, help="also print the cores each of N tp ranks would bind")
+    info.add_argument("--threads", type=int, default=0, help="work items for N threads (default: torch's count)")
     info.set_defaults(fn=_cmd_info)
     for name, fn, text in (
         ("dump", _cmd_dump, "write graphs before/after each pass"),

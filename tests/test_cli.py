@@ -24,6 +24,16 @@ def test_info_names_cpu_features_and_providers(capsys):
     assert "amx_tile=" in out and "avx512_bf16=" in out and "provider reference" in out
 
 
+def test_info_shows_work_items_for_a_thread_count(capsys):
+    assert cli.main(["info", "--threads", "56"]) == 0
+    out = capsys.readouterr().out
+    assert "work items at 56 threads" in out
+    # Qwen3-VL's fc2 at 56 threads: smaller items than the tuned ones, which would keep 64-89% busy
+    fc2 = next(line for line in out.splitlines() if "linear 784x4096->1024" in line)
+    assert int(fc2.rsplit("(", 1)[1].rstrip("%)")) >= 85, fc2
+    assert "attention 12 heads x 1280 (bf16)" in out
+
+
 def test_dump_writes_graphs_and_report(tmp_path, capsys):
     assert cli.main(["dump", "tiny-wan", "--out", str(tmp_path), "--dtype", "fp32", "--no-autotune"]) == 0
     for i, p in enumerate(DEFAULT_PASSES, 1):
