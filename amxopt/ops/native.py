@@ -182,14 +182,16 @@ class WorkSplit(NamedTuple):
     items: int
 
     def balance(self, threads: int) -> float:
-        """How fully the items keep ``threads`` threads busy (1: evenly shared)."""
-        most = -(-self.items // threads)  # items on the busiest thread
-        return self.items / (threads * most) if self.items else 1.0
+        """How fully the items keep ``threads`` (>= 1) threads busy (1: evenly shared)."""
+        most = -(-self.items // max(threads, 1))  # items on the busiest thread
+        return self.items / (max(threads, 1) * most) if self.items else 1.0
 
 
 def linear_work_split(rows: int, n: int, k: int, threads: int) -> WorkSplit:
-    """The work items of an amxopt.linear of ``rows`` x ``k`` -> ``n`` on the active tier (default
-    schedule) at ``threads`` threads: the tuned ones where they keep every thread busy, else smaller."""
+    """The work items of a bf16 amxopt.linear of ``rows`` x ``k`` (even) -> ``n`` with a packed
+    weight on the active tier at ``threads`` threads, in the pinned AMX schedule if any, else the
+    default one: the tuned ones where they keep every thread busy, else smaller. ``rows`` of the
+    K-blocked and Rows engines are the rows of a chunk."""
     m, blocks, items = _ops().linear_work_split(rows, n, k, threads)
     return WorkSplit(m, blocks * 32, items)
 

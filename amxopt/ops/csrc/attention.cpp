@@ -54,8 +54,9 @@ constexpr int64_t kPair = std::is_same_v<T, bf16> ? 2 : 1;  // reduction values 
 template <typename T>
 constexpr int64_t kTileK = std::is_same_v<T, bf16> ? kKeyPad : 1;  // P V's reduction is padded to this
 
-// brgemm: query rows per work item (the M of both brgemm calls) and keys per block (the N of S, the
-// K of P V), by GEMM element type. bf16, on AMX tiles: 256 x 512, so that each call reuses its B
+// brgemm: query rows per work item at most (the M of both brgemm calls; fewer for many threads,
+// query_block_rows) and keys per block (the N of S, the K of P V), by GEMM element type. bf16, on
+// AMX tiles: 256 x 512, so that each call reuses its B
 // block over 16 row tiles and the per-call cost is spread over 16x more work (on a 2-core AMX Xeon,
 // one long segment ran at 0.84-0.93x eager SDPA with these against 0.74-0.84x with 64 x 256; about
 // 1 MB of scratch per thread; on oneDNN's AVX-512-BF16 brgemm, a Zen 5-class EPYC, 64-256 rows x

@@ -321,8 +321,9 @@ void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>&
                int64_t N, int64_t K, Tier tier, AmxSchedule schedule = AmxSchedule::Default);
 // Which engine gemm_bf16 uses for M rows on `tier` (for `amxopt info` and the benches).
 const char* gemm_engine(Tier tier, int64_t M);
-// The work items gemm_bf16 cuts M x N x K into on the active tier (default schedule) for `threads`
-// threads: {rows, column blocks of kNB, items} per item (for the tests and benches).
+// The work items gemm_bf16 cuts a bf16 M x K (even K) x N into on the active tier for `threads`
+// threads, in the process's pinned AMX schedule or else the default one: {rows, column blocks of kNB,
+// items} (the rows of a chunk of the K-blocked and Rows engines; for the tests and `amxopt info`).
 std::vector<int64_t> linear_work_split(int64_t M, int64_t N, int64_t K, int64_t threads);
 at::Tensor pack_vnni(const at::Tensor& w);  // [N, K] bf16, K even -> VNNI
 // act(x2 @ W^T + bias) + residual for x2 [M, K] with unit column stride; packed VNNI (bf16) or

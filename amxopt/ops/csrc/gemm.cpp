@@ -5,15 +5,17 @@
 // and the hand-written AVX-512-BF16 kernel's; anything else keeps the plain [N, K] matrix.
 // Engines, by tier (common.h):
 //   amx          per (32-row x 32-column) tile, A read in place, work items of 32 rows x 4 column
-//                blocks over the threads (parallel_shares; column group major, row tile major at
-//                K <= 128); each tile by the hand-written AMX kernel of
+//                blocks (fewer blocks where many threads need more items: gemm_plan) over the
+//                threads (parallel_shares; column group major, row tile major at K <= 128); each
+//                tile by the hand-written AMX kernel of
 //                gemm_amx.cpp where K % 32 == 0, else by oneDNN's brgemm (the kernel has no per-call
 //                dispatch: Wan's K = 64 patch embedding ran 2-2.6x faster on it, larger K the same
 //                within noise, 2 threads of an AMX Xeon); M = 1 (M <= 4 from K = 5120) goes to
 //                the AVX-512-BF16 kernel (one row does not fill a tile). A work item holds its 4 B
 //                panels and an A tile, 320 x K bytes, which nears a 2 MB L2 at K = 5120: from
 //                K = 5120 on (4096 for 17 to 256 rows), K is blocked too, in work items of (up to
-//                256 rows) x 256 columns whose fp32 accumulator takes the partial products of K
+//                256 rows) x 256 columns (down to 32 x 32 for many threads) whose fp32
+//                accumulator takes the partial products of K
 //                steps of 512 (the tile kernel adding to it; steps of 1024 for brgemm calls at
 //                M <= 16), so that the A chunk, the B block and the accumulator stay in L2.
 //                Measured in one process on an AMX Xeon, two rounds (steps of 1024 then):
@@ -27,10 +29,12 @@
 //                per linear where autotune timed it faster, or pinned for the process
 //                (AMXOPT_AMX_SCHEDULE=rows); it awaits its measurement on AMX.
 //   avx512_bf16  the hand-written vdpbf16ps kernel (gemm_avx512_bf16.cpp).
-//   fp32         A converted to fp32 once; per group of 8 column blocks (256 columns) the weight is
-//                unpacked to fp32 in a per-thread buffer and multiplied with ATen's sgemm in row
-//                tiles of 256; M <= 4 uses a VNNI GEMV that reads the bf16 weight directly (the
-//                weight read is the whole cost there, so it stays bf16).
+//   fp32         A converted to fp32 once; per work item of a group of 8 column blocks (256
+//                columns) x all rows (smaller groups, then row chunks, for many threads) the
+//                weight is unpacked to fp32 in a per-thread buffer and multiplied with ATen's
+//                sgemm in row tiles of 256; M <= 4 uses a VNNI GEMV that reads the bf16 weight
+//                directly (the weight read is the whole cost there, so it stays bf16).
+// Each engine's work items are sized to the thread count (gemm_plan, common.h's pick_split).
 // Every engine ends in the same epilogue (common.h's Epilogue): + bias (fp32), activation, + a
 // residual (the output's dtype), one rounding to the output dtype. On the AMX tile kernel the
 // epilogue (with an activation, or at 128 < K < 4096) runs a few rows at a time between the next
@@ -51,17 +55,17 @@ constexpr int64_t kSmallM = 4;    // rows up to which the weight-streaming kerne
 // AMX Xeon, tiles against it: 0.91x at M = 1, 1.23x at M = 2, 1.41x at M = 4; K = 1536, N = 1536).
 constexpr int64_t kAmxSmallM = 1;
 constexpr int64_t kBrgemmM = 32;  // rows per brgemm call (2 AMX tiles of 16 rows)
-constexpr int64_t kBrgemmG = 4;   // column blocks per brgemm work item (A tile reused 4 times)
+constexpr int64_t kBrgemmG = 4;   // column blocks per tile work item (A tile reused 4 times), as tuned
 // K from which an epilogue without activation is not overlapped (nor at K <= kRowsFirstK)
 constexpr int64_t kOverlapPlainK = 4096;
 constexpr int64_t kRowsFirstK = 128;  // K up to which gemm_blocks hands out row tiles first
 constexpr int64_t kBlockedK = 5120;  // K from which the brgemm engine blocks K (gemm_brgemm_kblocked)
-// ... and from which it does so for 17 to kBlkM rows (one row chunk, on tiles; fewer rows were not
-// measured there): gemm_blocks reads all of A once per 128 columns, the blocked items once per 256
-// (in-process A/B, 2 threads of an AMX Xeon: 1.06-1.11x at 196 x 4096 x 2048-4096, Qwen3-VL's patch
-// mergers; 0.95x at 784 x 4096 x 1024).
+// ... and from which it does so for 17 to kBlkM rows (one row chunk at 2 threads, on tiles; fewer
+// rows were not measured there): gemm_blocks reads all of A once per 128 columns, the blocked items
+// once per 256 (in-process A/B, 2 threads of an AMX Xeon: 1.06-1.11x at 196 x 4096 x 2048-4096,
+// Qwen3-VL's patch mergers; 0.95x at 784 x 4096 x 1024).
 constexpr int64_t kBlockedSmallK = 4096;
-constexpr int64_t kBlkM = 256, kBlkN = 256;  // its work item (rows x columns)
+constexpr int64_t kBlkM = 256, kBlkN = 256;  // its work item (rows x columns), as tuned
 // ... and its K step: 512 on the tile kernel, 1024 for brgemm calls (M <= 16). In-process A/B,
 // alternating order, 2 threads of a Granite Rapids-class Xeon, 512 against 1024 on tiles: 1.10x at
 // 390 x 5120 x 1280 + residual (Omni's fc2), 1.04x at 1280 x 8960 x 1536 (Wan's FFN down), 1.13x /
@@ -126,9 +130,9 @@ class BlockEpilogues {
   int cur_ = 0;
 };
 
-// Work items of 32 rows x split.blocks column blocks (4 where that keeps the threads busy); each 32 x
-// 32 block by the hand-written tile kernel
-// (gemm_amx.cpp) where K % 32 == 0 and the process may use AMX tiles, else by one brgemm call. The
+// Work items of 32 rows x split.blocks column blocks (4 where that keeps the threads busy); each
+// 32 x 32 block by the hand-written tile kernel (gemm_amx.cpp) where K % 32 == 0 and the process may
+// use AMX tiles, else by one brgemm call. The
 // tile kernel reads whole 16-row tiles: the last row tile, when M is not a multiple of 32, is copied
 // once into a zero-padded buffer and, at 16 rows or fewer, runs on the 16-row kernel; only its own
 // rows reach the epilogue.
@@ -186,13 +190,17 @@ void gemm_blocks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16
 // a 32 x 128 fp32 block, whose epilogue runs between the next tile's tile steps, spread over all of
 // them (OverlappedEpilogue). Chunks go in waves of at most kRowsWaveBytes of packed A (more threads:
 // one chunk each), so that the packed buffer, kept across calls, stays bounded.
+int64_t row_chunk_count(int64_t M, int64_t K, int64_t threads) {
+  const int64_t tiles = (M + kBrgemmM - 1) / kBrgemmM, most = std::max<int64_t>(1, kRowChunkBytes / (2 * kBrgemmM * K));
+  return std::max(std::min(threads, tiles), (tiles + most - 1) / most);
+}
+
 void gemm_row_chunks(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
                      int64_t M, int64_t N, int64_t K) {
   constexpr int64_t kGroupCols = kBrgemmG * kNB;
   const int64_t nblocks = (N + kNB - 1) / kNB, ngroups = (nblocks + kBrgemmG - 1) / kBrgemmG, panel = K * kNB;
   const int64_t tile = kBrgemmM * K, tiles = (M + kBrgemmM - 1) / kBrgemmM;  // bf16 of a packed tile
-  const int64_t threads = at::get_num_threads(), most = std::max<int64_t>(1, kRowChunkBytes / (2 * tile));
-  const int64_t nchunks = std::max(std::min(threads, tiles), (tiles + most - 1) / most);
+  const int64_t threads = at::get_num_threads(), nchunks = row_chunk_count(M, K, threads);
   const int64_t wave = std::max(threads, kRowsWaveBytes / kRowChunkBytes);  // chunks per wave
   // chunk c: tiles [first_tile(c), first_tile(c + 1))
   auto first_tile = [&](int64_t c) { return tiles * c / nchunks; };
@@ -251,8 +259,7 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const Epil
                           int64_t M, int64_t N, int64_t K, const WorkSplit& split) {
   const int64_t nblocks = (N + kNB - 1) / kNB, panel = K * kNB, group = split.blocks, cols = group * kNB;
   const int64_t ngroups = (nblocks + group - 1) / group;
-  // Row chunks of nearly equal size (whole AMX tiles of 16 rows): 390 rows are 208 + 182, not 256 + 134.
-  const int64_t mchunks = (M + split.rows - 1) / split.rows, mc = (((M + mchunks - 1) / mchunks + 15) / 16) * 16;
+  const int64_t mc = split.rows, mchunks = (M + mc - 1) / mc;  // rows of a chunk (kblocked_rows)
   // The tile kernel, accumulating over the K steps in acc, where the rows fill its tiles: in-process
   // A/B, 2 threads of an AMX Xeon, against brgemm calls: 1.11-1.13x at 390-1560 x 6144-8960, level at
   // M = 16, 0.87x at M = 5 (a 16-row tile for 5 rows).
@@ -388,17 +395,28 @@ WorkSplit split_work(std::initializer_list<std::pair<int64_t, int64_t>> candidat
 // x 4 blocks (on a Zen 4 EPYC, 96 x 1-2, 48 x 2-4 and 192 x 4 measured within 2% of it at K =
 // 1024-5120, in-process A/B), rows in whole microkernel chunks. The tile engine's: 32-row tiles x 4
 // blocks. The K-blocked engine's: up to kBlkM rows (chunks of nearly equal size) x kBlkN columns. The
-// fp32 engine's: all rows x 8 blocks (one weight unpacking per group), then row chunks.
+// fp32 engine's: all rows x 8 blocks (one weight unpacking per group), then row chunks. Fewer blocks
+// per item cost the tile engine some reuse of A (2 or 8 blocks instead of 4 measured 0.74-1.03x on
+// 2 threads of an AMX Xeon, gemm_amx.cpp): less than the idle threads they put to work.
 GemmPlan gemm_plan(int64_t M, int64_t N, int64_t K, Tier tier, AmxSchedule schedule, int64_t threads) {
   const int64_t nblocks = (N + kNB - 1) / kNB, r = kAvx512Rows;
   switch (tier) {
     case Tier::Amx:
-      if (k_blocked(M, K))
-        return {Engine::KBlocked, split_work({{kBlkM, kBlkN / kNB}, {kBlkM, 4}, {128, 4}, {128, 2}, {64, 2}, {64, 1},
-                                              {32, 1}},
-                                             M, nblocks, threads)};
-      if (amx_schedule_for(schedule) == AmxSchedule::Rows && rows_schedule_runs(M, K, threads))
-        return {Engine::Rows, {}};  // its own split: whole row chunks per thread (gemm_row_chunks)
+      if (k_blocked(M, K)) {
+        WorkSplit s = split_work({{kBlkM, kBlkN / kNB}, {kBlkM, 4}, {128, 4}, {128, 2}, {64, 2}, {64, 1}, {32, 1}},
+                                 M, nblocks, threads);
+        // Row chunks of nearly equal size (whole AMX tiles of 16 rows): 390 rows are 208 + 182, not 256 + 134.
+        const int64_t chunks = (M + s.rows - 1) / s.rows;
+        s.rows = ((M + chunks - 1) / chunks + 15) / 16 * 16;
+        s.items = (M + s.rows - 1) / s.rows * ((nblocks + s.blocks - 1) / s.blocks);
+        return {Engine::KBlocked, s};
+      }
+      if (amx_schedule_for(schedule) == AmxSchedule::Rows && rows_schedule_runs(M, K, threads)) {
+        // its own split: each thread whole chunks of rows (gemm_row_chunks), x column groups of 4
+        const int64_t chunks = row_chunk_count(M, K, threads), tiles = (M + kBrgemmM - 1) / kBrgemmM;
+        return {Engine::Rows, {(tiles + chunks - 1) / chunks * kBrgemmM, kBrgemmG,
+                               chunks * ((nblocks + kBrgemmG - 1) / kBrgemmG)}};
+      }
       if (M > kAmxSmallM && K < kBlockedK)
         return {Engine::Blocks, split_work({{kBrgemmM, kBrgemmG}, {kBrgemmM, 2}, {kBrgemmM, 1}}, M, nblocks, threads)};
       [[fallthrough]];

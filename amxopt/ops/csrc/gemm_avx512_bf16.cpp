@@ -146,6 +146,7 @@ void gemm_avx512_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue
   const int64_t ngroups = (nblocks + group - 1) / group;
   const int64_t pairs = (K + 1) / 2;
   const int64_t panel = pairs * 2 * kNB;  // bf16 elements per packed column block
+  TORCH_INTERNAL_ASSERT(K > 0 && tile_rows % kMR == 0 && group > 0, "amxopt: GEMM split ", tile_rows, " x ", group);
   const int64_t tile_bytes = tile_rows * pairs * 4;
   const int64_t wave_rows = std::max<int64_t>(at::get_num_threads(), kWaveBytes / tile_bytes) * tile_rows;
   // The calling thread's buffer, read by every thread of the region.

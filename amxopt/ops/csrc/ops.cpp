@@ -440,8 +440,9 @@ std::string attention_engine_name(c10::string_view tier, bool bf16) {
   return attention_engine(parse_tier(std::string(tier)), at::empty({0}, bf16 ? at::kBFloat16 : at::kFloat));
 }
 std::vector<int64_t> linear_work_split_for(int64_t m, int64_t n, int64_t k, int64_t threads) {
-  AMX_CHECK(m >= 1 && n >= 1 && k >= 1 && threads >= 1, "linear_work_split", "needs positive sizes and threads, got M=",
-            m, " N=", n, " K=", k, " threads=", threads);
+  AMX_CHECK(m >= 1 && n >= 1 && k >= 2 && k % 2 == 0 && threads >= 1, "linear_work_split",
+            "needs positive sizes, an even K (packed bf16 weights) and threads, got M=", m, " N=", n, " K=", k,
+            " threads=", threads);
   return linear_work_split(m, n, k, threads);
 }
 std::vector<int64_t> attention_work_split_for(at::IntArrayRef q_lens, int64_t heads, bool bf16, int64_t threads) {
