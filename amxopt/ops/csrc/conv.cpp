@@ -20,9 +20,10 @@
 // engine for linear and conv, and autotune a second candidate per shape. The im2col matrix is built
 // kGemmRows rows at a time into a per-thread buffer (8.8 MB at K = 4320) that is reused, never a
 // whole [M, K] matrix (207 MB there): chunks of 256 or 4096 rows ran slower (1.4x, 1.2x). The
-// weight is packed on every call (1.5 ms at 480 x 4320). Not on the avx512_bf16 tier: its GEMM
-// kernel was not measured against oneDNN's AVX-512-BF16 convolution on a CPU without AMX (a Zen 4),
-// and on the Xeon, capped to that tier, it ran at 0.12x oneDNN's (AMX) convolution.
+// weight is packed on every call (1.5 ms at 480 x 4320). Not on the avx512_bf16 tier: on a Zen 4
+// EPYC this path ran the Omni encoder's second and third convs at 0.85x and 0.79x oneDNN's
+// AVX-512-BF16 convolution on the same channels-last x (paired calls, 2 threads), and on the Xeon,
+// capped to that tier, at 0.12x oneDNN's (AMX) convolution.
 #include <array>
 
 #include "common.h"
