@@ -173,6 +173,19 @@ def attention_engine(tier: str, bf16: bool) -> str:
     return _ops().attention_engine(tier, bf16)
 
 
+def release_output_pool() -> None:
+    """Give the native ops' pool of freed large outputs (32 MB or more, kept so that a model's next
+    call reuses them instead of faulting in fresh pages) back to the system. The pool holds at most
+    ``AMXOPT_OUTPUT_POOL_MB`` (default: an eighth of the RAM, at most 4 GB; 0 turns it off)."""
+    if load()[0]:
+        _ops().release_output_pool()
+
+
+def output_pool_bytes() -> int:
+    """Bytes of freed outputs the native ops' pool holds now."""
+    return _ops().output_pool_bytes() if load()[0] else 0
+
+
 class WorkSplit(NamedTuple):
     """How a kernel cuts its work for a thread count: ``items`` of ``rows`` x ``cols`` outputs
     (attention: ``rows`` query rows of one segment and head; ``cols`` 0)."""

@@ -73,14 +73,17 @@ T* thread_scratch(int64_t n) {
   return b.p;
 }
 
-// An uninitialised op output (at::empty) whose 2 MB-aligned interior is advised to the kernel as
-// transparent huge pages (madvise MADV_HUGEPAGE; ignored where THP is off), where the kernel's THP
-// defrag policy cannot make a fault wait for memory compaction (cpu.cpp). glibc maps every
-// allocation above 32 MB fresh from the kernel and frees it back, so such an output page-faults on
-// every 4 KB of its first write: the Qwen3-Omni encoder's first conv (92 MB out) took 22,500 faults
-// a call, and 47 against 68 ms with the advice (1,000 faults; in-process A/B, an AMX Xeon VM).
-// Smaller outputs come back from glibc's heap already mapped; the advice changes nothing there.
+// An uninitialised op output. glibc maps every allocation above 32 MB fresh from the kernel and
+// frees it back, so such an output page-faults on every 4 KB of its first write (the Qwen3-Omni
+// encoder's first conv, 92 MB out: 22,500 faults a call): outputs of 32 MB or more come from a pool
+// of freed outputs of the same size (cpu.cpp), so that a model's repeated calls fault only once.
+// A new buffer's 2 MB-aligned interior is advised as transparent huge pages (madvise
+// MADV_HUGEPAGE; ignored where THP is off) where the kernel's THP defrag policy cannot make a fault
+// wait for memory compaction (47 against 68 ms for that conv with the advice, 1,000 faults; an AMX
+// Xeon VM). Smaller outputs come back from glibc's heap already mapped.
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
+void release_output_pool();   // give the pool's freed outputs back to the system
+int64_t output_pool_bytes();  // bytes of freed outputs the pool holds
 
 // Work items [0, n) over at::parallel_for's threads. Each thread starts on its own contiguous share
 // (as a static split would give it, so a thread's items share their operands in its caches) and,

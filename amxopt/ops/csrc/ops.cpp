@@ -481,6 +481,8 @@ TORCH_LIBRARY(amxopt_native, m) {
   m.def("gemm_engine(str tier, int rows) -> str", &amxopt::gemm_engine_name);
   m.def("attention_engine(str tier, bool bf16) -> str", &amxopt::attention_engine_name);
   m.def("linear_work_split(int m, int n, int k, int threads) -> int[]", &amxopt::linear_work_split_for);
+  m.def("release_output_pool() -> ()", &amxopt::release_output_pool);
+  m.def("output_pool_bytes() -> int", &amxopt::output_pool_bytes);
   m.def("attention_work_split(int[] q_lens, int heads, bool bf16, int threads) -> int[]",
         &amxopt::attention_work_split_for);
 }
