@@ -9,6 +9,7 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <ATen/EmptyTensor.h>
+#include <c10/core/CPUAllocator.h>
 #include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -16,9 +17,10 @@
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
-#include <map>
+#include <list>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "common.h"
 
@@ -181,9 +183,34 @@ void advise_huge(void* p, size_t n) {
 // does. At real video sizes (Wan at 480p: 32,760 tokens) every activation is that large; on AMX,
 // whose GEMMs run ~5x faster, the faults would be a third of such a call. A model calls its ops with
 // the same shapes over and over, so freed outputs come back for the next call's. The pool holds at
-// most AMXOPT_OUTPUT_POOL_MB of freed outputs (default: an eighth of the RAM, at most 4 GB; 0: no
-// pool); release_output_pool() gives them back to the system.
+// most AMXOPT_OUTPUT_POOL_MB (read at the first large output) of freed outputs, the oldest given back
+// first (default: an eighth of the memory this process may use, at most 2 GB; 0: no pool);
+// release_output_pool() gives them all back.
 constexpr size_t kPoolMinBytes = size_t(32) << 20;
+
+// The memory this process may use: the RAM, or its cgroup's limit where lower.
+size_t usable_memory() {
+  size_t bytes = size_t(sysconf(_SC_PHYS_PAGES)) * size_t(sysconf(_SC_PAGESIZE));
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream f(path);
+    unsigned long long limit = 0;
+    if (f >> limit && limit > 0) bytes = std::min<size_t>(bytes, limit);  // "max" (no limit) fails to parse
+  }
+  return bytes;
+}
+
+size_t pool_cap() {
+  const size_t fallback = std::min(usable_memory() / 8, size_t(2) << 30);
+  const char* env = std::getenv("AMXOPT_OUTPUT_POOL_MB");
+  if (!env) return fallback;
+  char* end = nullptr;
+  const long long mb = std::strtoll(env, &end, 10);
+  if (end == env || *end != '\0' || mb < 0 || mb > (1LL << 30)) {
+    TORCH_WARN("amxopt: AMXOPT_OUTPUT_POOL_MB='", env, "' is not a size in MB; using ", fallback >> 20);
+    return fallback;
+  }
+  return size_t(mb) << 20;
+}
 
 class OutputPool final : public c10::Allocator {
  public:
@@ -197,19 +224,20 @@ class OutputPool final : public c10::Allocator {
   }
   bool enabled() const { return cap_ > 0; }
   c10::DataPtr allocate(size_t n) override {
+    // A storage resized below the pool's sizes (resize_ allocates through its allocator) takes ATen's.
+    if (n < kPoolMinBytes) return c10::GetCPUAllocator()->allocate(n);
     void* p = take(n);
-    return {p, new Block{p, n}, &give_back, c10::Device(c10::DeviceType::CPU)};
+    return {p, p, &give_back, c10::Device(c10::DeviceType::CPU)};  // context == data, as ATen's own
   }
   void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
   void release() {
-    std::vector<std::pair<size_t, void*>> blocks;
+    std::list<std::pair<void*, size_t>> blocks;
     {
       std::lock_guard<std::mutex> g(m_);
-      blocks.assign(free_.begin(), free_.end());
-      free_.clear();
+      blocks.swap(free_);
       held_ = 0;
     }
-    for (auto& [n, p] : blocks) ::operator delete(p, std::align_val_t{kHuge});
+    for (auto& [p, n] : blocks) ::operator delete(p, std::align_val_t{kHuge});
   }
   size_t held() {
     std::lock_guard<std::mutex> g(m_);
@@ -217,49 +245,57 @@ class OutputPool final : public c10::Allocator {
   }
 
  private:
-  struct Block {
-    void* p;
-    size_t n;
-  };
-  static size_t pool_cap() {
-    if (const char* env = std::getenv("AMXOPT_OUTPUT_POOL_MB")) return size_t(std::strtoull(env, nullptr, 10)) << 20;
-    const size_t ram = size_t(sysconf(_SC_PHYS_PAGES)) * size_t(sysconf(_SC_PAGESIZE));
-    return std::min(ram / 8, size_t(4) << 30);
-  }
   void* take(size_t n) {
     {
       std::lock_guard<std::mutex> g(m_);
-      if (auto it = free_.find(n); it != free_.end()) {
-        void* p = it->second;
-        free_.erase(it);
-        held_ -= n;
-        return p;
+      for (auto it = free_.begin(); it != free_.end(); ++it)
+        if (it->second == n) {
+          void* p = it->first;
+          free_.erase(it);
+          held_ -= n;
+          sizes_[p] = n;
+          return p;
+        }
+    }
+    void* p = nullptr;
+    try {
+      p = ::operator new(n, std::align_val_t{kHuge});
+    } catch (const std::bad_alloc&) {  // the pool's freed outputs first, then once more
+      release();
+      try {
+        p = ::operator new(n, std::align_val_t{kHuge});
+      } catch (const std::bad_alloc&) {
+        TORCH_CHECK(false, "amxopt: out of memory allocating an output of ", n, " bytes");
       }
     }
-    void* p = ::operator new(std::max<size_t>(n, 1), std::align_val_t{kHuge});
     advise_huge(p, n);
+    std::lock_guard<std::mutex> g(m_);
+    sizes_[p] = n;
     return p;
   }
-  static void give_back(void* ctx) {
-    auto* b = static_cast<Block*>(ctx);
-    pool().give(b->p, b->n);
-    delete b;
-  }
-  void give(void* p, size_t n) {
+  static void give_back(void* p) { pool().give(p); }
+  // p back to the pool, the oldest freed outputs given back to the system while it holds over its cap.
+  void give(void* p) {
+    std::list<std::pair<void*, size_t>> evicted;
     {
       std::lock_guard<std::mutex> g(m_);
-      if (held_ + n <= cap_) {
-        free_.emplace(n, p);
-        held_ += n;
-        return;
+      auto it = sizes_.find(p);
+      const size_t n = it->second;
+      sizes_.erase(it);
+      free_.emplace_back(p, n);
+      held_ += n;
+      while (held_ > cap_) {
+        held_ -= free_.front().second;
+        evicted.splice(evicted.end(), free_, free_.begin());
       }
     }
-    ::operator delete(p, std::align_val_t{kHuge});
+    for (auto& [q, n] : evicted) ::operator delete(q, std::align_val_t{kHuge});
   }
 
   std::mutex m_;
-  std::multimap<size_t, void*> free_;  // freed outputs by size
-  size_t held_ = 0;                    // their bytes
+  std::list<std::pair<void*, size_t>> free_;  // freed outputs and their sizes, oldest first
+  std::unordered_map<void*, size_t> sizes_;   // outputs in use and their sizes
+  size_t held_ = 0;                           // bytes in free_
   const size_t cap_;
 };
 
@@ -267,11 +303,13 @@ class OutputPool final : public c10::Allocator {
 
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   const int64_t nbytes = c10::multiply_integers(sizes) * int64_t(options.dtype().itemsize());
-  OutputPool& pool = OutputPool::pool();
-  if (size_t(nbytes) >= kPoolMinBytes && pool.enabled())
-    return at::detail::empty_generic(sizes, &pool, c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                     c10::typeMetaToScalarType(options.dtype()),
-                                     options.memory_format_opt());
+  // at::empty fills new memory with NaN where the user asked for that (deterministic algorithms):
+  // its path then, which a reused buffer would bypass.
+  const auto& ctx = at::globalContext();
+  const bool fill = ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory();
+  if (size_t(nbytes) >= kPoolMinBytes && !fill && OutputPool::pool().enabled())
+    return at::detail::empty_generic(sizes, &OutputPool::pool(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                     c10::typeMetaToScalarType(options.dtype()), options.memory_format_opt());
   auto out = at::empty(sizes, options);
   advise_huge(out.data_ptr(), out.nbytes());
   return out;
