@@ -591,7 +591,7 @@ def test_patch_embed_is_conv3d_channels_last(provider):
 # tiles, 32-row x 4-block brgemm tiles, and from K = 5120 balanced row chunks of at most 256 x
 # 256-column groups x K steps of 512 (on AMX tiles from 17 rows if K % 32 == 0; else brgemm calls of
 # 1024); the AVX-512-BF16 kernel: 12-row chunks in 96-row tiles over the whole of K, A packed in
-# waves of 16 MB; attention: 256-query x 512-key blocks, 64 x 256 in fp32, 32-row steps over up to
+# waves of 16 MB; the fp32 engine's A converted in waves of 64 MB; attention: 256-query x 512-key blocks, 64 x 256 in fp32, 32-row steps over up to
 # 2048 keys on AMX tiles); these shapes cross every one of them (at 2 threads; the smaller items of
 # more threads: test_results_do_not_depend_on_the_thread_count).
 
@@ -609,6 +609,7 @@ _GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
     (390, 6176, 300),
     (16, 6144, 40),  # K-blocked with too few rows for the tile kernel: brgemm calls
     (2100, 4096, 40),  # AVX-512-BF16: A packed in two waves (21 tiles of 96 rows fill its 16 MB)
+    (4200, 4096, 40),  # fp32: A converted in two waves (16 chunks of 256 rows fill its 64 MB), 104 rows left
 ]
 
 
@@ -949,7 +950,9 @@ def test_results_do_not_depend_on_the_thread_count(provider, threads):
     the thread count; MKL's sgemm gives each row the same sums whatever M, on the CPUs tested.)"""
     g = torch.Generator().manual_seed(11)
     gemms = []
-    for m, k, n in [(100, 64, 200), (200, 5120, 96)]:  # the second K-blocked on the amx tier
+    # the second K-blocked on the amx tier; the third in two waves on the fp32 engine (one item of all of
+    # a wave's rows per column group at one thread, chunks of 256 rows at more)
+    for m, k, n in [(100, 64, 200), (200, 5120, 96), (4200, 4096, 40)]:
         w = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
         gemms.append((torch.randn(m, k, generator=g).to(torch.bfloat16), ops.pack_linear_weight(w, provider), n))
     q, k, v = (torch.randn(150, 4, 32, generator=g).to(torch.bfloat16) for _ in range(3))

@@ -29,8 +29,8 @@
 //                per linear where autotune timed it faster, or pinned for the process
 //                (AMXOPT_AMX_SCHEDULE=rows); it awaits its measurement on AMX.
 //   avx512_bf16  the hand-written vdpbf16ps kernel (gemm_avx512_bf16.cpp).
-//   fp32         A converted to fp32 once; per work item of a group of 8 column blocks (256
-//                columns) x all rows (smaller groups, then row chunks, for many threads) the
+//   fp32         A converted to fp32 in waves of up to 64 MB; per work item of a group of 8 column
+//                blocks (256 columns) x a wave's rows (smaller groups, then row chunks, for many threads) the
 //                weight is unpacked to fp32 in a per-thread buffer and multiplied with ATen's
 //                sgemm in row tiles of 256; M <= 4 uses a VNNI GEMV that reads the bf16 weight
 //                directly (the weight read is the whole cost there, so it stays bf16).
@@ -307,16 +307,21 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const Epil
   });
 }
 
+// A converted to fp32 in waves of at most this much (more where it takes more to keep the threads
+// busy), in the calling thread's buffer kept across calls. All of A at once came to 1.2 GB at Wan2.1's
+// 480p size (32,760 tokens x K = 8960), fresh per call (page faults on every 4 KB) or held by the
+// output pool. Each further wave costs one more unpacking of the weight: 1.3% of a wave of 1792 rows
+// (64 MB at K = 8960) on a Zen 4 EPYC, where unpacking ran at 3.4 G elements/s and the sgemm at 0.16
+// TFLOP/s (2 threads), so waves are this large.
+constexpr int64_t kFp32WaveBytes = int64_t(64) << 20;
+
 void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
                       int64_t M, int64_t N, int64_t K, const WorkSplit& split) {
   const int64_t nblocks = (N + kNB - 1) / kNB, pairs = K / 2, panel = K * kNB;
   const auto& v = vec();
-  auto a32 = new_output({M, K}, at::kFloat);
-  float* Af = a32.data_ptr<float>();
-  at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) v.bf16_to_f32(A + r * lda, Af + r * K, K);
-  });
   if (M <= kSmallM) {
+    float* Af = thread_scratch<float, 2>(M * K);
+    for (int64_t r = 0; r < M; ++r) v.bf16_to_f32(A + r * lda, Af + r * K, K);
     at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
       float acc[kNB];
       for (int64_t nb = b0; nb < b1; ++nb) {
@@ -329,30 +334,49 @@ void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue
     });
     return;
   }
-  // Items of split.rows rows x split.blocks column blocks, column group major: a thread's share is
-  // mostly row chunks of one group, whose weight it unpacks once.
+  // Items of split.rows rows (all of a wave's where the split takes all rows) x split.blocks column
+  // blocks, column group major: a thread's share is mostly row chunks of one group, whose weight it
+  // unpacks once a wave.
   const int64_t group = split.blocks, ngroups = (nblocks + group - 1) / group, ldb = group * kNB;
-  const int64_t mchunks = (M + split.rows - 1) / split.rows;
-  parallel_shares(ngroups * mchunks, [&](auto next) {
-    float *b = thread_scratch<float, 0>(K * ldb), *acc = thread_scratch<float, 1>(std::min(split.rows, kFp32M) * ldb);
-    int64_t unpacked = -1;  // the group whose weight b holds
-    for (int64_t t; (t = next()) >= 0;) {
-      const int64_t g = t / mchunks, m_begin = (t % mchunks) * split.rows, m_end = std::min(M, m_begin + split.rows);
-      const int64_t nb0 = g * group, nb1 = std::min(nblocks, nb0 + group), n0 = nb0 * kNB;
-      const int64_t cols = std::min(N, nb1 * kNB) - n0, gcols = (nb1 - nb0) * kNB;
-      if (g != unpacked)
-        for (int64_t nb = nb0; nb < nb1; ++nb) v.unpack_vnni(Wp + nb * panel, pairs, b + (nb - nb0) * kNB, ldb);
-      unpacked = g;
-      auto bt = at::from_blob(b, {K, gcols}, {ldb, 1}, at::kFloat);
-      for (int64_t m0 = m_begin; m0 < m_end; m0 += kFp32M) {
-        const int64_t mt = std::min(kFp32M, m_end - m0);
-        // ATen's sgemm (MKL), single-threaded inside this parallel region.
-        auto ct = at::from_blob(acc, {mt, gcols}, at::kFloat);
-        at::mm_out(ct, at::from_blob(Af + m0 * K, {mt, K}, at::kFloat), bt);
-        v.epilogue_bf16(acc, gcols, e.at(m0, n0), C + m0 * ldc + n0, ldc, mt, cols);
+  // Waves of whole row chunks (of 256 rows where an item takes all rows), as many as the wave's bytes
+  // allow, and at least as many as keep the threads as busy as the whole split would (the waves end
+  // one after the other, so a wave of fewer items would idle threads the split kept busy).
+  const bool all_rows = split.rows >= M;
+  const int64_t unit = all_rows ? kFp32M : split.rows, chunks = (M + unit - 1) / unit;
+  int64_t per_wave = std::clamp<int64_t>(kFp32WaveBytes / (K * 4 * unit), 1, chunks);
+  if (!all_rows) {
+    const int64_t threads = at::get_num_threads();
+    const double want = std::min(kMinBalance, balance(ngroups * chunks, threads));
+    while (per_wave < chunks && balance(ngroups * per_wave, threads) < want) ++per_wave;
+  }
+  const int64_t wave_rows = std::min(M, per_wave * unit), chunk_rows = all_rows ? wave_rows : unit;
+  float* Af = thread_scratch<float, 2>(wave_rows * K);  // the calling thread's, read by every thread
+  for (int64_t w0 = 0; w0 < M; w0 += wave_rows) {
+    const int64_t wm = std::min(wave_rows, M - w0), mchunks = (wm + chunk_rows - 1) / chunk_rows;
+    at::parallel_for(0, wm, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) v.bf16_to_f32(A + (w0 + r) * lda, Af + r * K, K);
+    });
+    parallel_shares(ngroups * mchunks, [&](auto next) {
+      float *b = thread_scratch<float, 0>(K * ldb), *acc = thread_scratch<float, 1>(std::min(chunk_rows, kFp32M) * ldb);
+      int64_t unpacked = -1;  // the group whose weight b holds
+      for (int64_t t; (t = next()) >= 0;) {
+        const int64_t g = t / mchunks, m_begin = (t % mchunks) * chunk_rows, m_end = std::min(wm, m_begin + chunk_rows);
+        const int64_t nb0 = g * group, nb1 = std::min(nblocks, nb0 + group), n0 = nb0 * kNB;
+        const int64_t cols = std::min(N, nb1 * kNB) - n0, gcols = (nb1 - nb0) * kNB;
+        if (g != unpacked)
+          for (int64_t nb = nb0; nb < nb1; ++nb) v.unpack_vnni(Wp + nb * panel, pairs, b + (nb - nb0) * kNB, ldb);
+        unpacked = g;
+        auto bt = at::from_blob(b, {K, gcols}, {ldb, 1}, at::kFloat);
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += kFp32M) {
+          const int64_t mt = std::min(kFp32M, m_end - m0), row = w0 + m0;
+          // ATen's sgemm (MKL), single-threaded inside this parallel region.
+          auto ct = at::from_blob(acc, {mt, gcols}, at::kFloat);
+          at::mm_out(ct, at::from_blob(Af + m0 * K, {mt, K}, at::kFloat), bt);
+          v.epilogue_bf16(acc, gcols, e.at(row, n0), C + row * ldc + n0, ldc, mt, cols);
+        }
       }
-    }
-  });
+    });
+  }
 }
 
 // The process's schedule: Default (not pinned) unless AMXOPT_AMX_SCHEDULE or set_amx_schedule pins one.
