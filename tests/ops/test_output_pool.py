@@ -76,6 +76,34 @@ def test_pooled_channels_last_output(empty_pool):
     torch.testing.assert_close(out.float(), ops.conv2d(*args, provider="reference").float(), atol=0.05, rtol=0.02)
 
 
+# ids as the provider fixture's: native-amx also runs on software tiles (test_providers.py)
+@pytest.mark.parametrize("tier", native.TIERS, ids=lambda t: f"native-{t}")
+def test_attention_packs_k_and_v_into_a_pooled_buffer(empty_pool, tier):
+    """The attention's packed K and V (here 8 kv heads x 8224 keys x 128, 34 or 67 MB) come from the
+    pool and go back to it: a reused buffer full of NaN must not reach the result, so the packing
+    writes every element, the padding of 8200 keys to whole chunks included."""
+    ok, why = native.tier_supported(tier)
+    if not ok:
+        pytest.skip(f"tier {tier} cannot run here: {why}")
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(16, 8, 128, generator=g).bfloat16()
+    k, v = (torch.randn(8200, 8, 128, generator=g).bfloat16() for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, 16], dtype=torch.int32), torch.tensor([0, 8200], dtype=torch.int32)
+    with native.max_tier(tier):
+        first = ops.varlen_attention(q, k, v, cu_q, cu_k, 16, 8200, 0.09, False)
+        held = native.output_pool_bytes()  # the packed K and V, freed at the call's end
+        assert held >= 8 * 8224 * 256 * 2
+        poison = ops.rms_norm(torch.ones(held // 512, 256, dtype=torch.bfloat16), None, 1e-6)  # takes that block
+        assert native.output_pool_bytes() == 0
+        poison.fill_(float("nan"))
+        del poison
+        again = ops.varlen_attention(q, k, v, cu_q, cu_k, 16, 8200, 0.09, False)
+        assert native.output_pool_bytes() == held  # the packing took the NaN block and gave it back
+        assert torch.equal(again, first)
+        reference = ops.varlen_attention(q, k, v, cu_q, cu_k, 16, 8200, 0.09, False, provider="reference")
+        torch.testing.assert_close(again.float(), reference.float(), atol=0.02, rtol=0.02)
+
+
 def test_pooled_outputs_behave_as_tensors(empty_pool):
     x = torch.randn(2048, 64).bfloat16()
     packed = ops.pack_linear_weight(torch.randn(8448, 64).bfloat16())

@@ -154,6 +154,7 @@ def test_amx_tier_on_software_tiles_passes_the_op_and_equivalence_tests():
     cmd += [
         str(tests / "test_ops.py"),
         str(tests / "test_glue_ops.py"),
+        str(tests / "test_output_pool.py"),
         str(tests.parent / "models" / "test_equivalence.py"),
     ]
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}

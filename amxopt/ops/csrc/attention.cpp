@@ -223,11 +223,15 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
     off[s + 1] = off[s] + Hk * segs[s].keys * (Dp + D);
     chunks[s + 1] = chunks[s] + segs[s].keys / kKeyPad;
   }
-  Scratch<T> packed(off[nseg]);  // every element is written by the packing
+  // Every element is written by the packing. From the output pool where it is large (common.h's
+  // new_output): fresh per call, Wan2.1's K and V at 480p (32,760 keys, 200 MB) page-faulted 49,000
+  // times a call.
+  auto packed_buffer = new_output({off[nseg]}, q.options().dtype(c10::CppTypeToScalarType<T>::value));
+  T* packed = packed_buffer.template data_ptr<T>();
   const S *Q = q.data_ptr<S>(), *K = k.data_ptr<S>(), *V = v.data_ptr<S>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1), q_d = q.stride(2);
   auto k_of = [&](int64_t s, int64_t hk) {
-    return packed.data() + off[s] + hk * segs[s].keys * (Dp + D);
+    return packed + off[s] + hk * segs[s].keys * (Dp + D);
   };
   auto v_of = [&](int64_t s, int64_t hk) { return k_of(s, hk) + segs[s].keys * Dp; };
   // Phase 1, parallel over chunks of kKeyPad keys, every kv head of a chunk in turn (the source rows
