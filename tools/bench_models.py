@@ -16,14 +16,23 @@ torch.compile is not run on them (it would compile the pipeline's Python, not on
 
     .venv/bin/python tools/bench_models.py [--models qwen3-vl-2b-vision,...,wan2.1-pipeline-step] [--repeats 5]
         [--pinned-schedules]   # on AMX: amxopt again with each GEMM schedule pinned (autotune picks per linear)
+        [--pool-off]           # amxopt again with its output pool switched off (page faults per call shown)
+
+Real sizes, where every activation is tens of MB or more: ``--size`` replaces the input size and
+``--config`` values of the real config, e.g. one block of Wan2.1-1.3B at 480p x 81 frames (32,760 tokens):
+
+    .venv/bin/python tools/bench_models.py --models wan2.1-t2v-1.3b --size 21,60,104,512 --config num_layers=1 \
+        --no-compile --pool-off --repeats 2
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import json
 import pathlib
+import resource
 import statistics
 import subprocess
 import sys
@@ -115,6 +124,20 @@ def rounds(variants: dict, repeats: int):
         yield from items if r % 2 == 0 else reversed(items)
 
 
+def page_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def in_pool_state(fn, enabled: bool):
+    """``fn`` run with the native ops' output pool switched on or off."""
+
+    def run(**inputs):
+        with native.use_output_pool(enabled):
+            return fn(**inputs)
+
+    return run
+
+
 def timed(fn, inputs) -> tuple[object, float]:
     t = time.perf_counter()
     out = fn(**inputs)
@@ -139,10 +162,13 @@ def bench_model(
     without: tuple[str, ...] = (),
     autotune_off: bool = False,
     pinned_schedules: bool = False,
+    config: dict | None = None,
+    pool_off: bool = False,
 ) -> dict:
-    print(f"\n## {name}: {DEFAULT_MODELS.get(name, (None, ''))[1]}", flush=True)
-    fp32 = models.build_model(name, torch.float32)
-    bf16 = models.build_model(name, torch.bfloat16)
+    what = DEFAULT_MODELS.get(name, (None, ""))[1] if size == DEFAULT_MODELS.get(name, (None,))[0] else f"size {size}"
+    print(f"\n## {name}: {what}{f', config {config}' if config else ''}", flush=True)
+    fp32 = models.build_model(name, torch.float32, **(config or {}))
+    bf16 = models.build_model(name, torch.bfloat16, **(config or {}))
     x32 = models.example_inputs(name, torch.float32, size=size)
     x16 = models.example_inputs(name, torch.bfloat16, size=size)
     setup = {}
@@ -175,23 +201,31 @@ def bench_model(
                 with native.use_amx_schedule(schedule):
                     pinned = amxopt.optimize(bf16, x16, amxopt.AmxConfig(keep_source=True))
                 variants[f"amxopt bf16, {schedule} schedule pinned"] = (in_schedule(pinned, schedule), x16)
+        if pool_off:  # the same optimized model, its large outputs from ATen's allocator (fresh pages)
+            variants["amxopt bf16, output pool off"] = (in_pool_state(opt, False), x16)
         outputs = {}
         for label, (fn, inputs) in variants.items():  # warm-up (and torch.compile's compilation)
             outputs[label], secs = timed(fn, inputs)
             if label == "torch.compile bf16":
                 setup["torch.compile first call"] = secs
         times = {label: [] for label in variants}
+        faults = {label: [] for label in variants}
         for label, (fn, inputs) in rounds(variants, repeats):
+            before = page_faults()
             times[label].append(timed(fn, inputs)[1])
+            faults[label].append(page_faults() - before)
     print(f"report counts {opt.report.counts()}; left {len(opt.report.left)}")
-    result = _summarize(name, str(size), opt.amx_config.provider, times, outputs, setup, opt.report.counts(), repeats)
+    result = _summarize(
+        name, str(size), opt.amx_config.provider, times, outputs, setup, opt.report.counts(), repeats, faults
+    )
+    result["config"] = config or {}
     del fp32, bf16, opt, compiled, variants, outputs
     torch._dynamo.reset()
     gc.collect()
     return result
 
 
-def _summarize(name, what, provider, times, outputs, setup, counts, repeats) -> dict:
+def _summarize(name, what, provider, times, outputs, setup, counts, repeats, faults=None) -> dict:
     med = {label: statistics.median(ts) for label, ts in times.items()}
     # Each round runs every variant once, so a round's eager bf16 / variant compares two calls a few
     # seconds apart: the median of those ratios follows the machine's slow and fast phases less than
@@ -201,13 +235,21 @@ def _summarize(name, what, provider, times, outputs, setup, counts, repeats) -> 
         for label, ts in times.items()
     }
     errors = {label: max_abs_error(outputs[label], outputs["eager fp32"]) for label in times if "bf16" in label}
+    # page faults a call (minor: fresh pages of large allocations), the median over the rounds
+    faults_med = {label: int(statistics.median(f)) for label, f in (faults or {}).items()}
     print(
-        "| variant | median s | vs eager bf16 | paired rounds vs eager bf16 | max abs err vs fp32 |\n|---|---|---|---|---|"
+        "| variant | median s | vs eager bf16 | paired rounds vs eager bf16 | max abs err vs fp32 | page faults a call |"
+        "\n|---|---|---|---|---|---|"
     )
     for label, secs in med.items():
         err = f"{errors[label]:.3e}" if label in errors else "-"
-        print(f"| {label} | {secs:.3f} | {med['eager bf16'] / secs:.2f}x | {paired[label]:.2f}x | {err} |")
-    print("one-time: " + ", ".join(f"{k} {v:.1f} s" for k, v in setup.items()), flush=True)
+        flt = f"{faults_med[label]:,}" if label in faults_med else "-"
+        print(f"| {label} | {secs:.3f} | {med['eager bf16'] / secs:.2f}x | {paired[label]:.2f}x | {err} | {flt} |")
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(
+        "one-time: " + ", ".join(f"{k} {v:.1f} s" for k, v in setup.items()) + f"; peak RSS {peak_mb:.0f} MB",
+        flush=True,
+    )
     return dict(
         model=name,
         input=what,
@@ -217,6 +259,8 @@ def _summarize(name, what, provider, times, outputs, setup, counts, repeats) -> 
         ratio_vs_eager_bf16={k: med["eager bf16"] / v for k, v in med.items()},
         paired_ratio_vs_eager_bf16=paired,
         max_abs_error_vs_fp32=errors,
+        page_faults_per_call=faults_med,
+        peak_rss_mb=peak_mb,
         setup_s=setup,
         counts=counts,
         repeats=repeats,
@@ -277,8 +321,36 @@ def main() -> None:
         "(AMXOPT_AMX_SCHEDULE), interleaved with amxopt as autotuned (the faster schedule per linear shape); "
         "model rows only, AMX CPUs only",
     )
+    parser.add_argument(
+        "--pool-off",
+        action="store_true",
+        help="also run amxopt with the native ops' output pool switched off (native.use_output_pool), interleaved",
+    )
+    parser.add_argument(
+        "--size",
+        default=None,
+        help="input size instead of the default (a Python literal as amxopt.models.example_inputs takes: "
+        "448, (224, 336), 21,60,104,512); one zoo model only",
+    )
+    parser.add_argument(
+        "--config",
+        default="",
+        help="config values replacing the real config's, comma-separated key=literal (num_layers=1): "
+        "real sizes for a part of a model; one zoo model only",
+    )
     args = parser.parse_args()
     native.refuse_software_tiles("bench_models")
+    config = {}
+    for item in filter(None, args.config.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            parser.error(f"--config: {item!r} is not key=value")
+        try:
+            config[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            parser.error(f"--config: {value!r} is not a Python literal (in {item!r})")
+    if (config or args.size) and (len(args.models.split(",")) > 1 or args.models in E2E):
+        parser.error("--size / --config: name one zoo model with --models")
     if args.pinned_schedules and native.active_tier() != "amx":
         parser.error(
             f"--pinned-schedules: the GEMM schedules order the amx tier, and this CPU runs {native.active_tier()}"
@@ -304,12 +376,14 @@ def main() -> None:
             results = [
                 bench_model(
                     name,
-                    DEFAULT_MODELS.get(name, (None,))[0],
+                    args.size if args.size is not None else DEFAULT_MODELS.get(name, (None,))[0],
                     args.repeats,
                     args.with_compile,
                     without,
                     args.autotune_off,
                     args.pinned_schedules,
+                    config,
+                    args.pool_off,
                 )
             ]
     if args.json:

@@ -188,6 +188,27 @@ def output_pool_bytes() -> int:
     return _ops().output_pool_bytes() if load()[0] else 0
 
 
+def output_pool_enabled() -> bool:
+    """Whether the native ops' large outputs come from the pool (not switched off, nor capped to 0
+    by ``AMXOPT_OUTPUT_POOL_MB``)."""
+    return bool(load()[0] and _ops().output_pool_enabled())
+
+
+@contextlib.contextmanager
+def use_output_pool(enabled: bool):
+    """Switch the native ops' output pool on or off (process-wide) inside the block, e.g. to time a
+    model with and without it in one process. Switching it off gives its freed outputs back to the
+    system, and outputs freed while it is off go back too. ``AMXOPT_OUTPUT_POOL_MB=0`` keeps it off."""
+    if not load()[0]:
+        yield
+        return
+    previous = _ops().set_output_pool_enabled(enabled)
+    try:
+        yield
+    finally:
+        _ops().set_output_pool_enabled(previous)
+
+
 class WorkSplit(NamedTuple):
     """How a kernel cuts its work for a thread count: ``items`` of ``rows`` x ``cols`` outputs
     (attention: ``rows`` query rows of one segment and head; ``cols`` 0)."""

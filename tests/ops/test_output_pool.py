@@ -76,6 +76,24 @@ def test_pooled_channels_last_output(empty_pool):
     torch.testing.assert_close(out.float(), ops.conv2d(*args, provider="reference").float(), atol=0.05, rtol=0.02)
 
 
+def test_pool_switched_off_and_on(empty_pool):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2048, 64, generator=g).bfloat16()
+    packed = ops.pack_linear_weight((torch.randn(8448, 64, generator=g) * 0.125).bfloat16())
+    expected = _linear_33mb(x, packed)  # from the pool, alive across the switch
+    _linear_33mb(x, packed)  # freed at once: back to the pool
+    assert native.output_pool_enabled() and native.output_pool_bytes() == ONE
+    with native.use_output_pool(False):
+        assert not native.output_pool_enabled() and native.output_pool_bytes() == 0  # given back
+        off = _linear_33mb(x, packed)  # ATen's allocator
+        assert torch.equal(off, expected)
+        del off, expected  # the pooled one goes back to the system too
+        assert native.output_pool_bytes() == 0
+    assert native.output_pool_enabled()
+    _linear_33mb(x, packed)
+    assert native.output_pool_bytes() == ONE
+
+
 # ids as the provider fixture's: native-amx also runs on software tiles (test_providers.py)
 @pytest.mark.parametrize("tier", native.TIERS, ids=lambda t: f"native-{t}")
 def test_attention_packs_k_and_v_into_a_pooled_buffer(empty_pool, tier):

@@ -222,7 +222,14 @@ class OutputPool final : public c10::Allocator {
     static OutputPool* p = new OutputPool;  // never destroyed: outputs may outlive static destructors
     return *p;
   }
-  bool enabled() const { return cap_ > 0; }
+  // Off where the cap is 0, or while switched off (set_output_pool_enabled: benchmarks compare a
+  // model with and without the pool in one process).
+  bool enabled() const { return cap_ > 0 && on_.load(std::memory_order_relaxed); }
+  bool set_on(bool on) {
+    const bool was = on_.exchange(on);
+    if (!on) release();
+    return was;
+  }
   c10::DataPtr allocate(size_t n) override {
     // A storage resized below the pool's sizes (resize_ allocates through its allocator) takes ATen's.
     if (n < kPoolMinBytes) return c10::GetCPUAllocator()->allocate(n);
@@ -284,7 +291,8 @@ class OutputPool final : public c10::Allocator {
       sizes_.erase(it);
       free_.emplace_back(p, n);
       held_ += n;
-      while (held_ > cap_) {
+      const size_t cap = on_.load(std::memory_order_relaxed) ? cap_ : 0;  // switched off: none kept
+      while (held_ > cap) {
         held_ -= free_.front().second;
         evicted.splice(evicted.end(), free_, free_.begin());
       }
@@ -297,6 +305,7 @@ class OutputPool final : public c10::Allocator {
   std::unordered_map<void*, size_t> sizes_;   // outputs in use and their sizes
   size_t held_ = 0;                           // bytes in free_
   const size_t cap_;
+  std::atomic<bool> on_{true};
 };
 
 }  // namespace
@@ -316,6 +325,8 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
 }
 
 void release_output_pool() { OutputPool::pool().release(); }
+bool set_output_pool_enabled(bool on) { return OutputPool::pool().set_on(on); }
+bool output_pool_enabled() { return OutputPool::pool().enabled(); }
 int64_t output_pool_bytes() { return int64_t(OutputPool::pool().held()); }
 
 }  // namespace amxopt

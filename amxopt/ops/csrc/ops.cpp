@@ -483,6 +483,8 @@ TORCH_LIBRARY(amxopt_native, m) {
   m.def("linear_work_split(int m, int n, int k, int threads) -> int[]", &amxopt::linear_work_split_for);
   m.def("release_output_pool() -> ()", &amxopt::release_output_pool);
   m.def("output_pool_bytes() -> int", &amxopt::output_pool_bytes);
+  m.def("set_output_pool_enabled(bool on) -> bool", &amxopt::set_output_pool_enabled);
+  m.def("output_pool_enabled() -> bool", &amxopt::output_pool_enabled);
   m.def("attention_work_split(int[] q_lens, int heads, bool bf16, int threads) -> int[]",
         &amxopt::attention_work_split_for);
 }
