@@ -16,7 +16,7 @@ torch.compile is not run on them (it would compile the pipeline's Python, not on
 
     .venv/bin/python tools/bench_models.py [--models qwen3-vl-2b-vision,...,wan2.1-pipeline-step] [--repeats 5]
         [--pinned-schedules]   # on AMX: amxopt again with each GEMM schedule pinned (autotune picks per linear)
-        [--pool-off]           # amxopt again with its output pool switched off (page faults per call shown)
+        [--pool-off]           # amxopt again with its output pool switched off (model rows only)
 
 Real sizes, where every activation is tens of MB or more: ``--size`` replaces the input size and
 ``--config`` values of the real config, e.g. one block of Wan2.1-1.3B at 480p x 81 frames (32,760 tokens):
@@ -32,6 +32,7 @@ import ast
 import gc
 import json
 import pathlib
+import re
 import resource
 import statistics
 import subprocess
@@ -324,7 +325,8 @@ def main() -> None:
     parser.add_argument(
         "--pool-off",
         action="store_true",
-        help="also run amxopt with the native ops' output pool switched off (native.use_output_pool), interleaved",
+        help="also run amxopt with the native ops' output pool switched off (native.use_output_pool), interleaved; "
+        "model rows only",
     )
     parser.add_argument(
         "--size",
@@ -341,7 +343,7 @@ def main() -> None:
     args = parser.parse_args()
     native.refuse_software_tiles("bench_models")
     config = {}
-    for item in filter(None, args.config.split(",")):
+    for item in filter(None, re.split(r",(?=\s*\w+\s*=)", args.config)):  # a value may hold commas: (1, 2, 2)
         key, eq, value = item.partition("=")
         if not eq:
             parser.error(f"--config: {item!r} is not key=value")

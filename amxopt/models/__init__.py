@@ -122,7 +122,8 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **
         The model, in ``eval()`` mode.
 
     Raises:
-        KeyError: ``name`` is not in the zoo (the message lists the valid names).
+        KeyError: ``name`` is not in the zoo (the message lists the valid names), or a ``config``
+            key is not one of its config's.
         MemoryError: the weights would not fit in the available memory.
 
     Example::
@@ -137,10 +138,12 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **
     torch.manual_seed(seed)
     values = spec.config()
     for key, value in config.items():
-        if isinstance(values, dict):
+        if isinstance(values, dict):  # diffusers: the class's constructor checks the keys
             values[key] = value
-        else:
+        elif hasattr(values, key):
             setattr(values, key, value)
+        else:  # a config object takes any attribute: a misspelt key would change nothing
+            raise KeyError(f"build_model({name!r}): {type(values).__name__} has no {key!r}")
     model = construct(family, values, dtype)
     torch.manual_seed(seed)
     reinit(model)

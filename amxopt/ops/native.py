@@ -197,8 +197,9 @@ def output_pool_enabled() -> bool:
 @contextlib.contextmanager
 def use_output_pool(enabled: bool):
     """Switch the native ops' output pool on or off (process-wide) inside the block, e.g. to time a
-    model with and without it in one process. Switching it off gives its freed outputs back to the
-    system, and outputs freed while it is off go back too. ``AMXOPT_OUTPUT_POOL_MB=0`` keeps it off."""
+    model with and without it in one process. Switched off, new large outputs come from ATen's
+    allocator (fresh pages); the pool keeps what it holds for later and still takes back the outputs
+    it gave (``release_output_pool()`` gives its memory back). ``AMXOPT_OUTPUT_POOL_MB=0`` keeps it off."""
     if not load()[0]:
         yield
         return

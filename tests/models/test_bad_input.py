@@ -106,3 +106,10 @@ def test_vision_tower_without_adapter_says_why_it_cannot_be_captured():
     inputs = {"hidden_states": torch.randn(64, 3 * 2 * 14 * 14), "grid_thw": torch.tensor([[1, 8, 8]])}
     with pytest.raises(amxopt.CaptureError, match="Qwen2_5_VisionTransformerPretrainedModel.*adapter must compute"):
         amxopt.optimize(model, inputs, CONFIG)
+
+
+def test_misspelt_config_key_is_named():
+    # a config object takes any attribute, so a misspelt override would build the unchanged model
+    with pytest.raises(KeyError, match=r"tiny-qwen3-vl-vision.*Qwen3VLVisionConfig has no 'depht'"):
+        models.build_model("tiny-qwen3-vl-vision", depht=1)
+    assert len(models.build_model("tiny-qwen3-vl-vision", depth=1).blocks) == 1

@@ -951,7 +951,7 @@ def test_results_do_not_depend_on_the_thread_count(provider, threads):
     g = torch.Generator().manual_seed(11)
     gemms = []
     # the second K-blocked on the amx tier; the third in two waves on the fp32 engine (one item of all of
-    # a wave's rows per column group at one thread, chunks of 256 rows at more)
+    # a wave's rows per column group at one thread, row chunks at more)
     for m, k, n in [(100, 64, 200), (200, 5120, 96), (4200, 4096, 40)]:
         w = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
         gemms.append((torch.randn(m, k, generator=g).to(torch.bfloat16), ops.pack_linear_weight(w, provider), n))

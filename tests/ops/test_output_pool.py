@@ -84,14 +84,18 @@ def test_pool_switched_off_and_on(empty_pool):
     _linear_33mb(x, packed)  # freed at once: back to the pool
     assert native.output_pool_enabled() and native.output_pool_bytes() == ONE
     with native.use_output_pool(False):
-        assert not native.output_pool_enabled() and native.output_pool_bytes() == 0  # given back
-        off = _linear_33mb(x, packed)  # ATen's allocator
-        assert torch.equal(off, expected)
-        del off, expected  # the pooled one goes back to the system too
-        assert native.output_pool_bytes() == 0
+        assert not native.output_pool_enabled() and native.output_pool_bytes() == ONE  # kept for later
+        off = _linear_33mb(x, packed)  # ATen's allocator, not the pool's block
+        assert torch.equal(off, expected) and native.output_pool_bytes() == ONE
+        del off
+        assert native.output_pool_bytes() == ONE
+        del expected  # the pool's own output comes back to it
+        assert native.output_pool_bytes() == 2 * ONE
     assert native.output_pool_enabled()
-    _linear_33mb(x, packed)
+    again = _linear_33mb(x, packed)
     assert native.output_pool_bytes() == ONE
+    del again
+    assert native.output_pool_bytes() == 2 * ONE
 
 
 # ids as the provider fixture's: native-amx also runs on software tiles (test_providers.py)

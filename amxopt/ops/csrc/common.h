@@ -84,7 +84,7 @@ T* thread_scratch(int64_t n) {
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options);
 void release_output_pool();   // give the pool's freed outputs back to the system
 int64_t output_pool_bytes();  // bytes of freed outputs the pool holds
-bool set_output_pool_enabled(bool on);  // switch the pool on / off (off: released); returns the last state
+bool set_output_pool_enabled(bool on);  // new outputs from the pool or not; returns the last state
 bool output_pool_enabled();             // on, and AMXOPT_OUTPUT_POOL_MB is not 0
 
 // Work items [0, n) over at::parallel_for's threads. Each thread starts on its own contiguous share

@@ -183,7 +183,7 @@ void advise_huge(void* p, size_t n) {
 // does. At real video sizes (Wan at 480p: 32,760 tokens) every activation is that large; on AMX,
 // whose GEMMs run ~5x faster, the faults would be a third of such a call. A model calls its ops with
 // the same shapes over and over, so freed outputs come back for the next call's. The pool holds at
-// most AMXOPT_OUTPUT_POOL_MB (read at the first large output) of freed outputs, the oldest given back
+// most AMXOPT_OUTPUT_POOL_MB (read once, at the pool's first use) of freed outputs, the oldest given back
 // first (default: an eighth of the memory this process may use, at most 2 GB; 0: no pool);
 // release_output_pool() gives them all back.
 constexpr size_t kPoolMinBytes = size_t(32) << 20;
@@ -223,13 +223,10 @@ class OutputPool final : public c10::Allocator {
     return *p;
   }
   // Off where the cap is 0, or while switched off (set_output_pool_enabled: benchmarks compare a
-  // model with and without the pool in one process).
+  // model with and without the pool in one process). Switched off, new outputs bypass the pool, which
+  // keeps what it holds (for the calls after it is switched on again) and takes back its outputs.
   bool enabled() const { return cap_ > 0 && on_.load(std::memory_order_relaxed); }
-  bool set_on(bool on) {
-    const bool was = on_.exchange(on);
-    if (!on) release();
-    return was;
-  }
+  bool set_on(bool on) { return on_.exchange(on); }
   c10::DataPtr allocate(size_t n) override {
     // A storage resized below the pool's sizes (resize_ allocates through its allocator) takes ATen's.
     if (n < kPoolMinBytes) return c10::GetCPUAllocator()->allocate(n);
@@ -291,8 +288,7 @@ class OutputPool final : public c10::Allocator {
       sizes_.erase(it);
       free_.emplace_back(p, n);
       held_ += n;
-      const size_t cap = on_.load(std::memory_order_relaxed) ? cap_ : 0;  // switched off: none kept
-      while (held_ > cap) {
+      while (held_ > cap_) {
         held_ -= free_.front().second;
         evicted.splice(evicted.end(), free_, free_.begin());
       }

@@ -419,7 +419,7 @@ WorkSplit split_work(std::initializer_list<std::pair<int64_t, int64_t>> candidat
 // x 4 blocks (on a Zen 4 EPYC, 96 x 1-2, 48 x 2-4 and 192 x 4 measured within 2% of it at K =
 // 1024-5120, in-process A/B), rows in whole microkernel chunks. The tile engine's: 32-row tiles x 4
 // blocks. The K-blocked engine's: up to kBlkM rows (chunks of nearly equal size) x kBlkN columns. The
-// fp32 engine's: all rows x 8 blocks (one weight unpacking per group), then row chunks. Fewer blocks
+// fp32 engine's: all rows (of a wave) x 8 blocks (one weight unpacking per group and wave), then row chunks. Fewer blocks
 // per item cost the tile engine some reuse of A (2 or 8 blocks instead of 4 measured 0.74-1.03x on
 // 2 threads of an AMX Xeon, gemm_amx.cpp): less than the idle threads they put to work.
 GemmPlan gemm_plan(int64_t M, int64_t N, int64_t K, Tier tier, AmxSchedule schedule, int64_t threads) {
