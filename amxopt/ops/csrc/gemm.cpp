@@ -29,9 +29,9 @@
 //                per linear where autotune timed it faster, or pinned for the process
 //                (AMXOPT_AMX_SCHEDULE=rows); it awaits its measurement on AMX.
 //   avx512_bf16  the hand-written vdpbf16ps kernel (gemm_avx512_bf16.cpp).
-//   fp32         A converted to fp32 in waves of up to 64 MB; per work item of a group of 8 column
-//                blocks (256 columns) x a wave's rows (smaller groups, then row chunks, for many threads) the
-//                weight is unpacked to fp32 in a per-thread buffer and multiplied with ATen's
+//   fp32         A converted to fp32 in waves of up to 64 MB; per work item of a group of 8
+//                column blocks (256 columns) x a wave's rows (smaller groups, then row chunks, for
+//                many threads) the weight is unpacked to fp32 in a per-thread buffer and multiplied with ATen's
 //                sgemm in row tiles of 256; M <= 4 uses a VNNI GEMV that reads the bf16 weight
 //                directly (the weight read is the whole cost there, so it stays bf16).
 // Each engine's work items are sized to the thread count (gemm_plan, common.h's pick_split).
@@ -310,9 +310,9 @@ void gemm_brgemm_kblocked(const bf16* A, int64_t lda, const bf16* Wp, const Epil
 // A converted to fp32 in waves of at most this much (more where it takes more to keep the threads
 // busy), in the calling thread's buffer kept across calls. All of A at once came to 1.2 GB at Wan2.1's
 // 480p size (32,760 tokens x K = 8960), fresh per call (page faults on every 4 KB) or held by the
-// output pool. Each further wave costs one more unpacking of the weight: 1.3% of a wave of 1792 rows
-// (64 MB at K = 8960) on a Zen 4 EPYC, where unpacking ran at 3.4 G elements/s and the sgemm at 0.16
-// TFLOP/s (2 threads), so waves are this large.
+// output pool. Each further wave costs one more unpacking of the weight: waves of 32 MB (11 at 8192 x
+// 8960 x 1536) measured 0.97x the single conversion on a Zen 4 EPYC (capped to this tier, 2 threads),
+// waves of 64 MB (5 there) 1.01x, within noise; about 1% by the unpacking's share of a wave's work.
 constexpr int64_t kFp32WaveBytes = int64_t(64) << 20;
 
 void gemm_fp32_engine(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>& e, bf16* C, int64_t ldc,
@@ -419,8 +419,8 @@ WorkSplit split_work(std::initializer_list<std::pair<int64_t, int64_t>> candidat
 // x 4 blocks (on a Zen 4 EPYC, 96 x 1-2, 48 x 2-4 and 192 x 4 measured within 2% of it at K =
 // 1024-5120, in-process A/B), rows in whole microkernel chunks. The tile engine's: 32-row tiles x 4
 // blocks. The K-blocked engine's: up to kBlkM rows (chunks of nearly equal size) x kBlkN columns. The
-// fp32 engine's: all rows (of a wave) x 8 blocks (one weight unpacking per group and wave), then row chunks. Fewer blocks
-// per item cost the tile engine some reuse of A (2 or 8 blocks instead of 4 measured 0.74-1.03x on
+// fp32 engine's: all rows (of a wave) x 8 blocks (one weight unpacking per group and wave), then row
+// chunks. Fewer blocks per item cost the tile engine some reuse of A (2 or 8 blocks instead of 4 measured 0.74-1.03x on
 // 2 threads of an AMX Xeon, gemm_amx.cpp): less than the idle threads they put to work.
 GemmPlan gemm_plan(int64_t M, int64_t N, int64_t K, Tier tier, AmxSchedule schedule, int64_t threads) {
   const int64_t nblocks = (N + kNB - 1) / kNB, r = kAvx512Rows;
