@@ -591,9 +591,10 @@ def test_patch_embed_is_conv3d_channels_last(provider):
 # tiles, 32-row x 4-block brgemm tiles, and from K = 5120 balanced row chunks of at most 256 x
 # 256-column groups x K steps of 512 (on AMX tiles from 17 rows if K % 32 == 0; else brgemm calls of
 # 1024); the AVX-512-BF16 kernel: 12-row chunks in 96-row tiles over the whole of K, A packed in
-# waves of 16 MB; the fp32 engine's A converted in waves of 64 MB; attention: 256-query x 512-key blocks, 64 x 256 in fp32, 32-row steps over up to
-# 2048 keys on AMX tiles); these shapes cross every one of them (at 2 threads; the smaller items of
-# more threads: test_results_do_not_depend_on_the_thread_count).
+# waves of 16 MB; the fp32 engine's A converted in waves of 64 MB; attention: 256-query x 512-key
+# blocks, 64 x 256 in fp32, 32-row steps over up to 2048 keys on AMX tiles); these shapes cross every
+# one of them (at 2 threads; the smaller items of more threads:
+# test_results_do_not_depend_on_the_thread_count).
 
 _GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
     (4, 64, 33),  # the last small-M row count off AMX, N one past a 32-column block
