@@ -129,27 +129,18 @@ def page_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def in_pool_state(fn, enabled: bool):
-    """``fn`` run with the native ops' output pool switched on or off."""
-
-    def run(**inputs):
-        with native.use_output_pool(enabled):
-            return fn(**inputs)
-
-    return run
-
-
 def timed(fn, inputs) -> tuple[object, float]:
     t = time.perf_counter()
     out = fn(**inputs)
     return out, time.perf_counter() - t
 
 
-def in_schedule(fn, schedule: str):
-    """``fn`` run with the amx tier's tile GEMM in ``schedule``."""
+def within(fn, context):
+    """``fn`` run inside ``context()``, a fresh context manager per call (``native.use_amx_schedule``,
+    ``native.use_output_pool``)."""
 
     def run(**inputs):
-        with native.use_amx_schedule(schedule):
+        with context():
             return fn(**inputs)
 
     return run
@@ -166,7 +157,8 @@ def bench_model(
     config: dict | None = None,
     pool_off: bool = False,
 ) -> dict:
-    what = DEFAULT_MODELS.get(name, (None, ""))[1] if size == DEFAULT_MODELS.get(name, (None,))[0] else f"size {size}"
+    default_size, default_what = DEFAULT_MODELS.get(name, (None, ""))
+    what = default_what if size == default_size else f"size {size}"
     print(f"\n## {name}: {what}{f', config {config}' if config else ''}", flush=True)
     fp32 = models.build_model(name, torch.float32, **(config or {}))
     bf16 = models.build_model(name, torch.bfloat16, **(config or {}))
@@ -201,9 +193,12 @@ def bench_model(
             for schedule in native.AMX_SCHEDULES:
                 with native.use_amx_schedule(schedule):
                     pinned = amxopt.optimize(bf16, x16, amxopt.AmxConfig(keep_source=True))
-                variants[f"amxopt bf16, {schedule} schedule pinned"] = (in_schedule(pinned, schedule), x16)
+                variants[f"amxopt bf16, {schedule} schedule pinned"] = (
+                    within(pinned, lambda s=schedule: native.use_amx_schedule(s)),
+                    x16,
+                )
         if pool_off:  # the same optimized model, its large outputs from ATen's allocator (fresh pages)
-            variants["amxopt bf16, output pool off"] = (in_pool_state(opt, False), x16)
+            variants["amxopt bf16, output pool off"] = (within(opt, lambda: native.use_output_pool(False)), x16)
         outputs = {}
         for label, (fn, inputs) in variants.items():  # warm-up (and torch.compile's compilation)
             outputs[label], secs = timed(fn, inputs)

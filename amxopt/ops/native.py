@@ -176,7 +176,7 @@ def attention_engine(tier: str, bf16: bool) -> str:
 def release_output_pool() -> None:
     """Give the native ops' pool of freed large outputs (32 MB or more, kept so that a model's next
     call reuses them instead of faulting in fresh pages) back to the system. The pool holds at most
-    ``AMXOPT_OUTPUT_POOL_MB``, read at the first large output (default: an eighth of the memory the
+    ``AMXOPT_OUTPUT_POOL_MB``, read once, at the pool's first use (default: an eighth of the memory the
     process may use, its cgroup's limit counted, at most 2 GB; 0 turns it off); past that, the
     oldest freed outputs go back first."""
     if load()[0]:

@@ -93,8 +93,10 @@ int64_t query_block_rows(const std::vector<int64_t>& lq, int64_t heads, int64_t 
   std::vector<int64_t> rows, counts;
   for (int64_t bq = max_rows; bq >= 32 || rows.empty(); bq /= 2) {
     int64_t n = 0;
-    for (int64_t l : lq)
-      if (l > 0) n += heads * ((l + query_step(l, bq) - 1) / query_step(l, bq));
+    for (int64_t l : lq) {
+      const int64_t step = query_step(l, bq);
+      if (l > 0) n += heads * ((l + step - 1) / step);
+    }
     rows.push_back(bq), counts.push_back(n);
   }
   const int i = pick_split(int(rows.size()), threads, [&](int j) { return counts[j]; });

@@ -31,8 +31,8 @@
 //   avx512_bf16  the hand-written vdpbf16ps kernel (gemm_avx512_bf16.cpp).
 //   fp32         A converted to fp32 in waves of up to 64 MB; per work item of a group of 8
 //                column blocks (256 columns) x a wave's rows (smaller groups, then row chunks, for
-//                many threads) the weight is unpacked to fp32 in a per-thread buffer and multiplied with ATen's
-//                sgemm in row tiles of 256; M <= 4 uses a VNNI GEMV that reads the bf16 weight
+//                many threads) the weight is unpacked to fp32 in a per-thread buffer and
+//                multiplied with ATen's sgemm in row tiles of 256; M <= 4 uses a VNNI GEMV that reads the bf16 weight
 //                directly (the weight read is the whole cost there, so it stays bf16).
 // Each engine's work items are sized to the thread count (gemm_plan, common.h's pick_split).
 // Every engine ends in the same epilogue (common.h's Epilogue): + bias (fp32), activation, + a
@@ -420,8 +420,9 @@ WorkSplit split_work(std::initializer_list<std::pair<int64_t, int64_t>> candidat
 // 1024-5120, in-process A/B), rows in whole microkernel chunks. The tile engine's: 32-row tiles x 4
 // blocks. The K-blocked engine's: up to kBlkM rows (chunks of nearly equal size) x kBlkN columns. The
 // fp32 engine's: all rows (of a wave) x 8 blocks (one weight unpacking per group and wave), then row
-// chunks. Fewer blocks per item cost the tile engine some reuse of A (2 or 8 blocks instead of 4 measured 0.74-1.03x on
-// 2 threads of an AMX Xeon, gemm_amx.cpp): less than the idle threads they put to work.
+// chunks. Fewer blocks per item cost the tile engine some reuse of A (2 or 8 blocks instead of 4
+// measured 0.74-1.03x on 2 threads of an AMX Xeon, gemm_amx.cpp): less than the idle threads they
+// put to work.
 GemmPlan gemm_plan(int64_t M, int64_t N, int64_t K, Tier tier, AmxSchedule schedule, int64_t threads) {
   const int64_t nblocks = (N + kNB - 1) / kNB, r = kAvx512Rows;
   switch (tier) {
