@@ -590,8 +590,8 @@ def test_patch_embed_is_conv3d_channels_last(provider):
 # The native engines block their loops (csrc/gemm.cpp: 4-row small-M path, 256-row and 256-column fp32
 # tiles, 32-row x 4-block brgemm tiles, and from K = 5120 balanced row chunks of at most 256 x
 # 256-column groups x K steps of 512 (on AMX tiles from 17 rows if K % 32 == 0; else brgemm calls of
-# 1024); the AVX-512-BF16 kernel: 12-row chunks in 96-row tiles over the whole of K, A packed in
-# waves of 16 MB; the fp32 engine's A converted in waves of 64 MB; attention: 256-query x 512-key
+# 1024); the AVX-512-BF16 kernel: 12-row chunks in 96-row tiles over the whole of K, A swept (and,
+# where its rows alias in L1, packed) in waves of 16 MB; the fp32 engine's A converted in waves of 64 MB; attention: 256-query x 512-key
 # blocks, 64 x 256 in fp32, 32-row steps over up to 2048 keys on AMX tiles); these shapes cross every
 # one of them (at 2 threads; the smaller items of more threads:
 # test_results_do_not_depend_on_the_thread_count).
@@ -624,6 +624,30 @@ def test_linear_across_blocking_boundaries(provider, shape, dtype):
     b = torch.randn(n, generator=g).to(dtype)
     out = ops.linear(x, pack(w, provider), b, "gelu_tanh", n, provider)
     assert_close_dtype(out, linear_oracle(x, w, b, "gelu_tanh"), dtype)
+
+
+# x a column slice of a wider tensor, its rows `width` elements apart. The AVX-512-BF16 kernel reads A
+# in place, or packs it where more than 8 rows lie a multiple of 4 KB apart (gemm_avx512_bf16.cpp,
+# reads_a_in_place): these cross both, odd strides (4-byte reads at 2-byte offsets) and a packing
+# transpose's last, partial group of 16 k pairs.
+_ROW_VIEW_SHAPES = [  # (M, K, N, width)
+    (40, 1000, 72, 2048),  # packed: 500 k pairs, 4 past the last whole group of 16
+    (13, 4094, 40, 4096),  # packed: a 12-row chunk + 1 row
+    (8, 4000, 40, 4096),  # in place: 8 rows alias one L1 set, within its 8 ways
+    (30, 1536, 70, 1537),  # in place, rows at odd offsets
+]
+
+
+@pytest.mark.parametrize("shape", _ROW_VIEW_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_on_row_views(provider, shape, dtype):
+    m, k, n, width = shape
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, width, generator=g).to(dtype)[:, :k]
+    assert x.stride(0) == width
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    assert_close_dtype(ops.linear(x, pack(w, provider), b, "silu", n, provider), linear_oracle(x, w, b, "silu"), dtype)
 
 
 # The amx tier's Rows schedule (gemm.cpp, gemm_row_chunks): rows in chunks of 32-row tiles (one per
