@@ -591,9 +591,9 @@ def test_patch_embed_is_conv3d_channels_last(provider):
 # tiles, 32-row x 4-block brgemm tiles, and from K = 5120 balanced row chunks of at most 256 x
 # 256-column groups x K steps of 512 (on AMX tiles from 17 rows if K % 32 == 0; else brgemm calls of
 # 1024); the AVX-512-BF16 kernel: 12-row chunks in 96-row tiles over the whole of K, A swept (and,
-# where its rows alias in L1, packed) in waves of 16 MB; the fp32 engine's A converted in waves of 64 MB; attention: 256-query x 512-key
-# blocks, 64 x 256 in fp32, 32-row steps over up to 2048 keys on AMX tiles); these shapes cross every
-# one of them (at 2 threads; the smaller items of more threads:
+# where its rows alias in L1, packed) in waves of 16 MB; the fp32 engine's A converted in waves of
+# 64 MB; attention: 256-query x 512-key blocks, 64 x 256 in fp32, 32-row steps over up to 2048 keys
+# on AMX tiles); these shapes cross every one of them (at 2 threads; the smaller items of more threads:
 # test_results_do_not_depend_on_the_thread_count).
 
 _GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
@@ -610,6 +610,7 @@ _GEMM_BOUNDARY_SHAPES = [  # (M, K, N)
     (390, 6176, 300),
     (16, 6144, 40),  # K-blocked with too few rows for the tile kernel: brgemm calls
     (2100, 4096, 40),  # AVX-512-BF16: A packed in two waves (21 tiles of 96 rows fill its 16 MB)
+    (2100, 4000, 40),  # ... and read in place in two waves (rows 8000 bytes apart)
     (4200, 4096, 40),  # fp32: A converted in two waves (16 chunks of 256 rows fill its 64 MB), 104 rows left
 ]
 

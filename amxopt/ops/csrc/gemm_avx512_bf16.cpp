@@ -5,7 +5,7 @@
 // load feeds a vdpbf16ps over 16 columns x 2 k. Microkernel: MR (<= 12) rows x 32 columns held in
 // 2*MR zmm accumulators over the whole of K, then the epilogue: + bias (fp32), activation (gelu /
 // gelu_tanh / silu), + a residual, round to bf16. The microkernel reads A's rows in place, or,
-// where they alias in L1 (rows 4 KB apart, reads_a_in_place), copied into k-pair-major chunks of MR
+// where they alias in L1 (rows 4 KB apart, reads_a_in_place), copied into k-pair-major chunks of 12
 // rows (pack_a), so that a chunk is one contiguous stream. Work is split over tiles of rows x column
 // blocks that gemm.cpp sizes to the thread count (96 x 4 where that gives every thread enough),
 // column-major (a thread keeps a tile's weight panels hot while it sweeps rows; each A chunk
