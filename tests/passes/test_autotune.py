@@ -190,23 +190,39 @@ def test_reference_provider_times_nothing(tmp_path, monkeypatch):
     assert opt.report.choices == []
 
 
+def _sleeping(calls: dict, name: str, secs: float):
+    """A side of a timing that sleeps ``secs`` and counts its calls in ``calls[name]``."""
+
+    def run():
+        calls[name] += 1
+        time.sleep(secs)
+
+    return run
+
+
 def test_a_slow_and_far_behind_side_is_decided_by_the_warm_up():
     # An emulated bf16 conv can take a minute: once it is 3x behind after one call, stop timing it.
     calls = {"amxopt": 0, "aten": 0}
-
-    def side(name, secs):
-        def run():
-            calls[name] += 1
-            time.sleep(secs)
-
-        return run
-
+    side = functools.partial(_sleeping, calls)
     amx_ms, aten_ms = _autotune._time(side("amxopt", 0.01), side("aten", 0.3))
     assert calls == {"amxopt": 1, "aten": 1} and aten_ms > 3 * amx_ms
     # Close timings take interleaved rounds, each side the same number of samples.
     calls.update(amxopt=0, aten=0)
     _autotune._time(side("amxopt", 0.004), side("aten", 0.004))
     assert calls["amxopt"] == calls["aten"] > 2
+
+
+def test_a_warm_up_longer_than_the_budget_decides_on_a_clear_lead(monkeypatch):
+    # Real-size calls (Wan2.1's attention at 480p: 17 s against 45 s) leave room for one round at
+    # most; a 1.5x lead in the warm-up settles it, a closer one still takes that round.
+    monkeypatch.setattr(_autotune, "_BUDGET_S", 0.1)
+    calls = {"amxopt": 0, "aten": 0}
+    side = functools.partial(_sleeping, calls)
+    amx_ms, aten_ms = _autotune._time(side("amxopt", 0.1), side("aten", 0.22))
+    assert calls == {"amxopt": 1, "aten": 1} and aten_ms > 2 * amx_ms
+    calls.update(amxopt=0, aten=0)
+    _autotune._time(side("amxopt", 0.2), side("aten", 0.22))
+    assert calls == {"amxopt": 2, "aten": 2}
 
 
 def test_timed_inputs_have_the_layout_of_the_graph():
