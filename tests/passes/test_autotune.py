@@ -200,29 +200,30 @@ def _sleeping(calls: dict, name: str, secs: float):
     return run
 
 
-def test_a_slow_and_far_behind_side_is_decided_by_the_warm_up():
-    # An emulated bf16 conv can take a minute: once it is 3x behind after one call, stop timing it.
-    calls = {"amxopt": 0, "aten": 0}
-    side = functools.partial(_sleeping, calls)
-    amx_ms, aten_ms = _autotune._time(side("amxopt", 0.01), side("aten", 0.3))
-    assert calls == {"amxopt": 1, "aten": 1} and aten_ms > 3 * amx_ms
-    # Close timings take interleaved rounds, each side the same number of samples.
-    calls.update(amxopt=0, aten=0)
-    _autotune._time(side("amxopt", 0.004), side("aten", 0.004))
-    assert calls["amxopt"] == calls["aten"] > 2
+# (rounds' budget s, amxopt s, ATen s, calls of each side). An emulated bf16 conv can take a minute:
+# once it is 3x behind after one call, stop timing it. Real-size calls (Wan2.1's attention at 480p,
+# 17 s against 45 s) leave room for one round at most: a 1.5x lead in the warm-up settles it, a
+# closer one still takes that round.
+_WARM_UP_CASES = {
+    "slow and 3x behind": (5.0, 0.01, 0.3, 1),
+    "longer than the budget, 2.2x behind": (0.1, 0.1, 0.22, 1),
+    "longer than the budget, close": (0.1, 0.2, 0.22, 2),
+}
 
 
-def test_a_warm_up_longer_than_the_budget_decides_on_a_clear_lead(monkeypatch):
-    # Real-size calls (Wan2.1's attention at 480p: 17 s against 45 s) leave room for one round at
-    # most; a 1.5x lead in the warm-up settles it, a closer one still takes that round.
-    monkeypatch.setattr(_autotune, "_BUDGET_S", 0.1)
+@pytest.mark.parametrize("case", list(_WARM_UP_CASES))
+def test_the_warm_up_decides_a_slow_and_clear_case(monkeypatch, case):
+    budget, amx_s, aten_s, expected = _WARM_UP_CASES[case]
+    monkeypatch.setattr(_autotune, "_BUDGET_S", budget)
     calls = {"amxopt": 0, "aten": 0}
-    side = functools.partial(_sleeping, calls)
-    amx_ms, aten_ms = _autotune._time(side("amxopt", 0.1), side("aten", 0.22))
-    assert calls == {"amxopt": 1, "aten": 1} and aten_ms > 2 * amx_ms
-    calls.update(amxopt=0, aten=0)
-    _autotune._time(side("amxopt", 0.2), side("aten", 0.22))
-    assert calls == {"amxopt": 2, "aten": 2}
+    amx_ms, aten_ms = _autotune._time(_sleeping(calls, "amxopt", amx_s), _sleeping(calls, "aten", aten_s))
+    assert calls == {"amxopt": expected, "aten": expected} and aten_ms > amx_ms
+
+
+def test_close_timings_take_interleaved_rounds():
+    calls = {"amxopt": 0, "aten": 0}
+    _autotune._time(_sleeping(calls, "amxopt", 0.004), _sleeping(calls, "aten", 0.004))
+    assert calls["amxopt"] == calls["aten"] > 2  # each side the same number of samples
 
 
 def test_timed_inputs_have_the_layout_of_the_graph():
