@@ -206,18 +206,19 @@ def _sleeping(calls: dict, name: str, secs: float):
 # closer one still takes that round.
 _WARM_UP_CASES = {
     "slow and 3x behind": (5.0, 0.01, 0.3, 1),
-    "longer than the budget, 2.2x behind": (0.1, 0.1, 0.22, 1),
-    "longer than the budget, close": (0.1, 0.2, 0.22, 2),
+    "longer than the budget, 2.5x behind": (0.1, 0.1, 0.25, 1),
+    "longer than the budget, close": (0.1, 0.2, 0.2, 2),
 }
 
 
 @pytest.mark.parametrize("case", list(_WARM_UP_CASES))
-def test_the_warm_up_decides_a_slow_and_clear_case(monkeypatch, case):
+def test_when_the_warm_up_decides(monkeypatch, case):
     budget, amx_s, aten_s, expected = _WARM_UP_CASES[case]
     monkeypatch.setattr(_autotune, "_BUDGET_S", budget)
     calls = {"amxopt": 0, "aten": 0}
     amx_ms, aten_ms = _autotune._time(_sleeping(calls, "amxopt", amx_s), _sleeping(calls, "aten", aten_s))
-    assert calls == {"amxopt": expected, "aten": expected} and aten_ms > amx_ms
+    assert calls == {"amxopt": expected, "aten": expected}
+    assert expected > 1 or aten_ms > 1.5 * amx_ms  # the warm-up decided: a clear lead
 
 
 def test_close_timings_take_interleaved_rounds():

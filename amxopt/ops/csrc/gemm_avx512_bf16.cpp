@@ -26,8 +26,8 @@
 #include <immintrin.h>
 
 #include <array>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 
 #include "common.h"
@@ -85,10 +85,9 @@ inline void transpose_16x16(__m512i (&v)[16]) {
 }
 
 // One chunk of up to kMR rows of A (rows ld apart, K even) into the pairs layout, rows beyond `rows`
-// zeroed:
-// 16 k pairs of every row at a time, transposed in registers, so that each k pair's kMR values are
-// one 48-byte store (a scalar copy, one strided 4-byte store per value, made the packing 40% of a
-// call at N = 64 on a Zen 4 EPYC).
+// zeroed: 16 k pairs of every row at a time, transposed in registers, so that each k pair's kMR
+// values are one 48-byte store (a scalar copy, one strided 4-byte store per value, made the packing
+// 40% of a call at N = 64 on a Zen 4 EPYC).
 inline void pack_a_chunk(const bf16* src, int64_t ld, int64_t rows, int64_t K, uint32_t* dst) {
   static_assert(kMR <= 16, "one transpose holds 16 rows");
   const int64_t pairs = K / 2;
