@@ -141,6 +141,9 @@ def linear_cases(providers: list[str], cold: bool = False) -> list[Case]:
     cases = []
     shapes = [(784, 1024, 3072), (784, 1024, 4096), (784, 4096, 1024), (1280, 1536, 8960)]
     shapes += [(m, k, n) for m in (16, 1) for k, n in ((1024, 4096), (1536, 1536))]
+    # Where 16-row AMX tiles overtake the AVX-512-BF16 kernel (gemm.cpp's kAmxSmallM, tuned on the
+    # packed kernel before it read A in place): on AMX, native[amx] against native[avx512_bf16].
+    shapes += [(m, 1536, 1536) for m in (2, 4, 8)]
     # + a residual in the epilogue, against eager's linear and add (Qwen3-VL's fc2, Omni's out-proj)
     with_residual = [(784, 4096, 1024), (390, 1280, 1280)]
 
