@@ -106,11 +106,14 @@ def _trace_key(fn: Callable, args: list[Any], fakes: list[Any]) -> tuple | None:
     consts = tuple(None if isinstance(a, fx.Node) else a for a in args)
     if any(isinstance(a, torch.Tensor) for a in consts):
         return None  # compared by identity, not value
-    key = (fn_key, consts, tuple(metas))
+    # Which inputs are one tensor: traced with the same value twice (``h + fc(h)``: x and the
+    # residual), the trace reads its last placeholder for both, so it cannot stand for two tensors.
+    aliases = tuple(next(j for j, g in enumerate(fakes) if g is f) for f in fakes)
+    key = (fn_key, consts, tuple(metas), aliases)
     try:
         hash(key)
     except TypeError:  # a list argument (conv strides): its repr is its value
-        key = (fn_key[0], repr(fn_key[1:]), repr(consts), tuple(metas))
+        key = (fn_key[0], repr(fn_key[1:]), repr(consts), tuple(metas), aliases)
     return key
 
 

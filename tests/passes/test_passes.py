@@ -158,6 +158,28 @@ def test_replace_linear_fuses_residual_add():
     assert_same(gm, gi, model)
 
 
+class OwnThenOtherResidual(nn.Module):
+    """``fc1(x) + x`` (the residual is the Linear's input), then ``fc2(relu(h)) + h`` (another tensor):
+    the same replacement on inputs of the same shapes, once with x and the residual one tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc1(x) + x
+        return self.fc2(torch.relu(h)) + h
+
+
+def test_a_residual_that_is_the_linear_input_does_not_leak_into_other_matches():
+    model = OwnThenOtherResidual().eval()
+    gm, gi = captured(model, {"x": torch.randn(3, 5, 16)})
+    assert run(replace_linear, gm)
+    linears = [n for n in gm.graph.nodes if n.target == amx.linear.default]
+    assert [n.args[0] is n.kwargs["residual"] for n in linears] == [True, False]
+    assert_same(gm, gi, model)
+
+
 def test_replace_linear_without_fuse_residual_keeps_the_adds():
     model = ResidualBlock().eval()
     gm, gi = captured(model, {"x": torch.randn(3, 5, 16)})
