@@ -31,6 +31,10 @@ Decisions are cached on disk (``AmxConfig.autotune_cache``, default ``~/.cache/a
 the CPU model, torch version, the kernels' build fingerprint (and whether AMX tiles are emulated), the
 AMX GEMM schedule where the process pins Rows, this rule, the active tier and the op's shapes, so a
 second ``optimize()`` of the same model times nothing.
+
+Under tensor parallelism every rank runs the passes, and rank 0 decides for all of them (it times
+or reads its cache, the others receive its decisions): ranks that decided a node differently would
+shard different graphs, and their collectives would no longer pair up.
 """
 
 from __future__ import annotations
@@ -44,14 +48,17 @@ import pathlib
 import tempfile
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from amxopt.config import AmxConfig
 from amxopt.ops import build, native
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _ROUNDS = 5
 _DECISIVE = 1.5  # a ratio this far from 1 after two rounds settles it
@@ -232,6 +239,23 @@ def _time(run_amxopt: Callable[[], object], run_aten: Callable[[], object]) -> t
     return min(amx) * 1e3, min(aten) * 1e3
 
 
+def _agreed(config: AmxConfig, decide: Callable[[], T]) -> T:
+    """``decide()``; in a tensor-parallel rank, rank 0's result, sent to every rank.
+
+    Each rank runs the passes on its own cores and would time there: ranks that decided a node
+    differently would shard different graphs, whose collectives then pair up wrongly (a hang, or
+    sums of unrelated tensors). So rank 0 times (or reads its cache) and the others wait for its
+    decision, each within ``AmxConfig.tp_timeout_s``. A graph written for one rank without a
+    process group (``amxopt dump --tp``) decides alone.
+    """
+    if not isinstance(config.tp, int) or config.tp == 1 or config.tp_group is None or not dist.is_initialized():
+        return decide()
+    group = dist.distributed_c10d._resolve_process_group(config.tp_group)
+    box = [decide() if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
+
+
 def compare(
     op: str,
     config: AmxConfig,
@@ -241,7 +265,17 @@ def compare(
 ) -> Timing:
     """Time both sides of one rewrite (or read the cached result); ``op`` names kind and shapes (and
     the AMX schedule ``run_amxopt`` runs in where :func:`amx_schedule` chose Rows, which ``schedule``
-    says)."""
+    says). In a tensor-parallel rank: rank 0's decision (:func:`_agreed`)."""
+    return _agreed(config, lambda: _compare(op, config, run_amxopt, run_aten, schedule))
+
+
+def _compare(
+    op: str,
+    config: AmxConfig,
+    run_amxopt: Callable[[], object],
+    run_aten: Callable[[], object],
+    schedule: ScheduleTiming | None,
+) -> Timing:
     path = _cache_file(config)
     table = _load(path)
     process = native.amx_schedule()  # where a call does not choose; settable: read per lookup
@@ -272,9 +306,13 @@ def amx_schedule(
     same order), so a near tie costs little either way: Rows, measured on fewer CPUs, must be
     faster by ``_SCHEDULE_MARGIN``, and again in a second timing that runs the two in the other
     order (the less favourable to Rows is kept). The thread count is in the key (``_context``):
-    Rows splits the rows between them."""
+    Rows splits the rows between them. In a tensor-parallel rank: rank 0's decision (:func:`_agreed`)."""
     if native.amx_schedule_pinned() or native.amx_emulated() or not native.amx_schedule_matters(rows, k):
         return None
+    return _agreed(config, lambda: _amx_schedule(op, config, run))
+
+
+def _amx_schedule(op: str, config: AmxConfig, run: Callable[[str], Callable[[], object]]) -> ScheduleTiming:
     path = _cache_file(config)
     table = _load(path)
     key = f"{_context()}|AMX schedules|{op}"

@@ -411,8 +411,9 @@ def _backward(node: fx.Node, user: fx.Node, out: Layout) -> Layout:
     raise _Refuse(f"{user.name} ({t}) is not known to keep the sharded dim in place")
 
 
-def _column_layouts(unit: _Unit, tp: int, rank: int) -> dict[fx.Node, Layout]:
-    """Each column Linear's output layout: from the attention's heads, or the MLP width."""
+def _column_layouts(unit: _Unit, tp: int, rank: int) -> tuple[dict[fx.Node, Layout], list[tuple[fx.Node, Layout]]]:
+    """Each column Linear's output layout, from the attention's heads or the MLP width; and the
+    layouts the attention's q, k and v must arrive in (none for an MLP)."""
     attention = [n for n in unit.nodes if n.target in _ATTENTION]
     if not attention:
         widths = {_static(_shape(c)[-1]) for c in unit.columns}
@@ -420,7 +421,7 @@ def _column_layouts(unit: _Unit, tp: int, rank: int) -> dict[fx.Node, Layout]:
             raise _Refuse(f"column Linears of different widths {sorted(widths)}")
         (n,) = widths
         rank_of = {c: len(_shape(c)) - 1 for c in unit.columns}
-        return {c: Layout(rank_of[c], n, 1, 1, tuple(owned_heads(n, tp, rank))) for c in unit.columns}
+        return {c: Layout(rank_of[c], n, 1, 1, tuple(owned_heads(n, tp, rank))) for c in unit.columns}, []
     if len(attention) != 1:
         raise _Refuse(f"{len(attention)} attentions between one set of Linears")
     (att,) = attention
@@ -438,7 +439,7 @@ def _column_layouts(unit: _Unit, tp: int, rank: int) -> dict[fx.Node, Layout]:
     missing = [c.name for c in unit.columns if c not in found]
     if missing:
         raise _Refuse(f"Linears {missing} do not reach the attention's q/k/v")
-    return found
+    return found, starts
 
 
 def _walk_back(node: fx.Node, layout: Layout, members: set, columns: set, found: dict) -> None:
@@ -465,7 +466,10 @@ def _walk_back(node: fx.Node, layout: Layout, members: set, columns: set, found:
 
 def _plan(unit: _Unit, tp: int, rank: int) -> tuple[dict[fx.Node, Layout], list[fx.Node]]:
     """Every sharded value's layout, and the norms across heads; raises _Refuse before any change."""
-    layouts = _column_layouts(unit, tp, rank)
+    layouts, starts = _column_layouts(unit, tp, rank)
+    for col in unit.columns:  # the weight's rows are what _shard gathers
+        if layouts[col].dim != len(_shape(col)) - 1:
+            raise _Refuse(f"{col.name}: its heads are not along its output features")
     norms = []
     for node in unit.nodes:
         src = node.args[0] if node.args else None
@@ -473,6 +477,9 @@ def _plan(unit: _Unit, tp: int, rank: int) -> tuple[dict[fx.Node, Layout], list[
         if node.target in (_RMS, _LAYER_NORM) and lay is not None and lay.dim == len(_shape(src)) - 1:
             if node.target is _LAYER_NORM:
                 raise _Refuse(f"{node.name}: a LayerNorm across heads")
+            kept = [h for h in lay.owned if h is not None]
+            if len(set(kept)) != len(kept):  # its all-reduced sum of squares would count them again
+                raise _Refuse(f"{node.name}: an RMSNorm across kv heads that this rank keeps more than once")
             norms.append(node)
             layouts[node] = lay
             continue
@@ -495,10 +502,18 @@ def _plan(unit: _Unit, tp: int, rank: int) -> tuple[dict[fx.Node, Layout], list[
         for user in col.users:
             if user.target is aten.sym_size.int and _norm_dim(user.args[1], len(_shape(col))) == layouts[col].dim:
                 raise _Refuse(f"{user.name} reads the sharded size of {col.name}")
+    # Propagated forward, the heads must reach the attention where walking back from it put them: a
+    # reshape of one kv head ([T, D] -> [T, 1, D]) fits either the size-1 dim or the last one.
+    for node, start in starts:
+        if layouts.get(node) != start:
+            raise _Refuse(f"{node.name}: its heads do not reach the attention along its heads dim")
     x = unit.row.args[0]
     lay = layouts.get(x)
     if lay is None or lay.dim != len(_shape(x)) - 1:
         raise _Refuse(f"the input of {unit.row.name} is not sharded along its features")
+    residual = unit.row.kwargs.get("residual")
+    if residual in layouts or residual in unit.columns:  # added after the all-reduce, it must be whole
+        raise _Refuse(f"{unit.row.name} adds a sharded residual ({residual.name})")
     return layouts, norms
 
 
@@ -633,6 +648,8 @@ def shard_tensor_parallel(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
     if config.tp_group is None:
         raise RuntimeError("amxopt: shard_tensor_parallel runs inside a tp rank (amxopt/runtime/tp.py sets tp_group)")
     tp, rank, group = config.tp, config.tp_rank, config.tp_group
+    if not 0 <= rank < tp:
+        raise ValueError(f"amxopt: shard_tensor_parallel: tp_rank {rank} is not a rank of tp {tp} (0..{tp - 1})")
     units, left, why_not = _units(gm)
     for node, reason in left:
         leave(node, f"replicated across tp ranks: {reason}")

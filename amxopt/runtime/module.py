@@ -233,6 +233,12 @@ class OptimizedModule(nn.Module):
                     return self.__dict__["_source"](*args, **kwargs)
             return self.adapter.format_output(graph.captured.gm(**graph_inputs), options)
 
+    def check_inputs(self, *args: Any, **kwargs: Any) -> None:
+        """Raise what a call with these arguments would raise before running anything: arguments
+        the model does not take, an input in another dtype than the model was optimized for."""
+        if self.eager_reason is None:
+            self._check_dtypes(self.adapter.graph_inputs(self.adapter.bind(args, kwargs)))
+
     def _check_dtypes(self, graph_inputs: dict) -> None:
         if not self._graphs:
             return

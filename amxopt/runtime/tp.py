@@ -12,14 +12,19 @@ keeps that rank's heads and MLP columns:
 
 Each rank binds itself to its cores (``os.sched_setaffinity``) and sets torch's thread count to
 match. A worker that dies or hangs makes the call fail within ``AmxConfig.tp_timeout_s`` with its
-exit code and error; workers are daemons and are stopped when the module is closed or collected,
-so nothing is left behind.
+exit code and error, and closes the module. A call that fails the same way on every rank (an op's
+error) is raised and leaves the module usable; arguments the model does not take, or inputs of
+another dtype, are refused before any rank runs them. Between calls the workers wait without a
+timeout: an idle module stays usable. Workers are daemons, stopped (and the process group left,
+and the caller's cores and threads given back) when the module is closed or collected, so
+nothing is left behind.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import logging
 import os
 import pathlib
@@ -38,10 +43,16 @@ from amxopt.config import AmxConfig
 logger = logging.getLogger(__name__)
 
 _READY = "amxopt/ready/{}"
+_OPTIMIZED = "amxopt/optimized/{}"  # a worker's optimize() is done: the first call's timeout starts after it
 # A worker's start (spawn, imports, joining the store) is not a collective: on a loaded machine it
 # can take longer than a short tp_timeout_s. A worker that dies while starting is seen at once.
 _START_TIMEOUT_S = 120.0
 _ERROR = "amxopt/error/{}"
+# Rank 0 sets _CALL of call n (or of the stop) before it broadcasts it: the workers wait for that key,
+# renewing the wait each _IDLE_WAIT, where a wait inside the broadcast would end after tp_timeout_s.
+_CALL = "amxopt/call/{}"
+_IDLE_WAIT = datetime.timedelta(days=1)
+_DONE = "amxopt/done/{}"  # the last call worker r finished, returned or raised
 
 
 # --------------------------------------------------------------------------------------------------
@@ -192,18 +203,47 @@ def _worker(rank: int, world: int, port: int, cores, model, example_inputs, conf
         rank_cfg = dataclasses.replace(config, tp=world, tp_rank=rank, tp_group=dist.group.WORLD.group_name)
         opt = amxopt.optimize(model, example_inputs, rank_cfg)
         del model
-        while True:
+        store.set(_OPTIMIZED.format(rank), "1")
+        for call in itertools.count(1):
+            _wait_for_call(store, call)
             message = [None]
             dist.broadcast_object_list(message, src=0)
             kind, args, kwargs = message[0]
             if kind == "stop":
                 break
-            with torch.no_grad():
-                opt(*args, **kwargs)
+            try:
+                with torch.no_grad():
+                    opt(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - rank 0 raises the call's error; this rank waits for the next
+                store.set(_ERROR.format(rank), traceback.format_exc()[-4000:])
+            store.set(_DONE.format(rank), str(call))
         dist.destroy_process_group()
     except BaseException:
         store.set(_ERROR.format(rank), traceback.format_exc()[-4000:])
         raise
+
+
+def _wait_for_call(store: dist.TCPStore, call: int) -> None:
+    """Until rank 0 announces ``call``, however long the module sits idle; raises where rank 0's store
+    is gone."""
+    while True:
+        try:
+            store.wait([_CALL.format(call)], _IDLE_WAIT)
+            return
+        except dist.DistStoreError as e:
+            if "timeout" not in str(e):
+                raise
+
+
+def _send(store: dist.TCPStore, state: dict, message: tuple) -> int:
+    """Rank 0: announce the next call (or the stop) and broadcast it; returns its number."""
+    state["calls"] += 1
+    call = state["calls"]
+    store.set(_CALL.format(call), "")
+    if call > 1:  # every worker has passed it: it took part in that call's broadcast
+        store.delete_key(_CALL.format(call - 1))
+    dist.broadcast_object_list([message], src=0)
+    return call
 
 
 class TPModule(nn.Module):
@@ -227,7 +267,11 @@ class TPModule(nn.Module):
         tp = config.tp
         plan = cpu_plan(tp, config.cpu_bind)
         self.tp = tp
-        self._previous = (os.sched_getaffinity(0), torch.get_num_threads())
+        self._timeout_s = config.tp_timeout_s
+        previous = (os.sched_getaffinity(0), torch.get_num_threads())
+        # Shared with the finalizer (which must not hold the module): calls sent, and whether this
+        # module's process group is the one initialized.
+        self._state = {"calls": 0, "group": False}
         port = _free_port()
         timeout = datetime.timedelta(seconds=config.tp_timeout_s)
         self._store = dist.TCPStore("127.0.0.1", port, tp, is_master=True, timeout=timeout, wait_for_workers=False)
@@ -243,31 +287,37 @@ class TPModule(nn.Module):
         ]
         for w in self._workers:
             w.start()
-        self._finalizer = weakref.finalize(self, _stop, self._workers)
+        self._finalizer = weakref.finalize(self, _shut_down, self._workers, self._store, self._state, previous)
         try:
-            self._wait_ready(max(config.tp_timeout_s, _START_TIMEOUT_S))
+            start_s = max(config.tp_timeout_s, _START_TIMEOUT_S)
+            self._wait_for(_READY, "start", start_s)
             _bind(plan[0])
             dist.init_process_group(_backend(), store=self._store, rank=0, world_size=tp, timeout=timeout)
+            self._state["group"] = True
             rank_cfg = dataclasses.replace(config, tp=tp, tp_rank=0, tp_group=dist.group.WORLD.group_name)
             self.module = amxopt.optimize(model, example_inputs, rank_cfg)
+            # A worker's optimize can end later than this one's (capture on fewer cores): the first
+            # call's broadcast would count that against tp_timeout_s.
+            self._wait_for(_OPTIMIZED, "optimize the model", start_s)
         except BaseException:
             self.close()
             raise
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_for(self, key: str, what: str, timeout_s: float) -> None:
+        """Until every worker has set ``key``; raises where one exits first or takes over ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         waiting = set(range(1, self.tp))
         while waiting:
             self._check_workers()
-            waiting = {r for r in waiting if not self._store.check([_READY.format(r)])}
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"amxopt: tp workers {sorted(waiting)} did not start within {timeout_s:.0f} s")
-            time.sleep(0.05)
+            waiting = {r for r in waiting if not self._store.check([key.format(r)])}
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(f"amxopt: tp workers {sorted(waiting)} did not {what} within {timeout_s:.0f} s")
+            time.sleep(0.05 if waiting else 0)
 
     def _check_workers(self) -> None:
         for rank, w in enumerate(self._workers, start=1):
             if w.exitcode is not None and w.exitcode != 0:
-                raise RuntimeError(f"amxopt: tp rank {rank} exited with code {w.exitcode}")
+                raise RuntimeError(f"amxopt: tp rank {rank} exited with code {w.exitcode}{self._error_of(rank)}")
 
     def _error_of(self, rank: int) -> str:
         try:
@@ -292,38 +342,67 @@ class TPModule(nn.Module):
             return getattr(module, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._finalizer is None or not self._finalizer.alive:
+        if not self._finalizer.alive:
             raise RuntimeError("amxopt: this TPModule is closed (a rank failed, or close() was called)")
+        self.module.check_inputs(*args, **kwargs)  # before any rank runs the call
         try:
             self._check_workers()
-            dist.broadcast_object_list([("call", args, kwargs)], src=0)
+            call = _send(self._store, self._state, ("call", args, kwargs))
+        except RuntimeError as e:
+            raise self._failed(e) from e
+        try:
             with torch.no_grad():
                 return self.module(*args, **kwargs)
-        except RuntimeError as e:
-            time.sleep(0.2)  # let a dying worker's exit code settle
-            failed = [
-                f"rank {r} exited with code {w.exitcode}{self._error_of(r)}"
-                for r, w in enumerate(self._workers, start=1)
-                if not w.is_alive()
-            ]
-            self.close()
-            detail = "; ".join(failed) if failed else "no rank exited: one hung past tp_timeout_s or failed in the call"
-            raise RuntimeError(f"amxopt: a tensor-parallel call failed: {detail} ({e})") from e
+        except Exception as e:
+            if self._finished(call):  # every rank is through the call: they stay in step
+                raise
+            raise self._failed(e) from e
+
+    def _finished(self, call: int) -> bool:
+        """Whether every worker finishes ``call`` (returns or raises) within tp_timeout_s."""
+        deadline = time.monotonic() + self._timeout_s
+        waiting = set(range(1, self.tp))
+        while waiting and time.monotonic() < deadline:
+            if not all(w.is_alive() for w in self._workers):
+                return False
+            keys = {r: _DONE.format(r) for r in waiting}
+            waiting = {r for r, k in keys.items() if not (self._store.check([k]) and int(self._store.get(k)) >= call)}
+            time.sleep(0.02 if waiting else 0)
+        return not waiting
+
+    def _failed(self, e: BaseException) -> RuntimeError:
+        """Close the module after a rank failed; the error that says which and how."""
+        time.sleep(0.2)  # let a dying worker's exit code settle
+        failed = [
+            f"rank {r} exited with code {w.exitcode}{self._error_of(r)}"
+            for r, w in enumerate(self._workers, start=1)
+            if not w.is_alive()
+        ]
+        self.close()
+        detail = "; ".join(failed) if failed else "no rank exited: one hung past tp_timeout_s or failed in the call"
+        return RuntimeError(f"amxopt: a tensor-parallel call failed: {detail} ({e})")
 
     def close(self) -> None:
-        """Stop the workers and leave the process group; the module cannot be called afterwards."""
+        """Stop the workers, leave the process group and give back the caller's cores and threads;
+        the module cannot be called afterwards. Closing again does nothing."""
+        self._finalizer()
+
+
+def _shut_down(workers: list, store: dist.TCPStore, state: dict, previous: tuple) -> None:
+    """A TPModule's close, also run when it is collected: only the process group it joined is left."""
+    if state["group"]:
+        state["group"] = False
+        if all(w.is_alive() for w in workers):
+            try:
+                _send(store, state, ("stop", (), {}))
+            except RuntimeError:
+                pass
         if dist.is_initialized():
-            if all(w.is_alive() for w in self._workers):
-                try:
-                    dist.broadcast_object_list([("stop", (), {})], src=0)
-                except RuntimeError:
-                    pass
             dist.destroy_process_group()
-        if self._finalizer is not None:
-            self._finalizer()
-        cores, threads = self._previous
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(threads)
+    _stop(workers)
+    cores, threads = previous
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
 
 
 def _stop(workers: list) -> None:

@@ -293,3 +293,179 @@ def test_an_attention_the_pass_cannot_follow_is_replicated_and_reported():
     report = build_graph(model, adapter, graph_inputs, config).report
     assert any("1 attention/MLP units sharded" in n for n in report.notes), report.notes
     assert any("replicated across tp ranks" in n and "flip" in n for n in report.notes), report.notes
+
+
+class _MQABlock(torch.nn.Module):
+    """8 q heads, one kv head: ``view(b, s, 1, d)`` also fits the last dim of the heads' layout."""
+
+    def __init__(self, dim: int = 48, heads: int = 8) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q = torch.nn.Linear(dim, dim)
+        self.k = torch.nn.Linear(dim, self.head_dim)
+        self.v = torch.nn.Linear(dim, self.head_dim)
+        self.o = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = (f(x).view(b, s, 1, self.head_dim).transpose(1, 2) for f in (self.k, self.v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return x + self.o(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class _NormedKBlock(torch.nn.Module):
+    """6 q / 3 kv heads with an RMSNorm over all k heads (as Wan's norm_k): at tp 2 each rank keeps a kv
+    head twice, which an all-reduced sum of squares would count twice."""
+
+    def __init__(self, dim: int = 48, heads: int = 6, kv_heads: int = 3) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, dim)
+        self.k = torch.nn.Linear(dim, kv_heads * self.head_dim)
+        self.v = torch.nn.Linear(dim, kv_heads * self.head_dim)
+        self.norm_k = torch.nn.RMSNorm(kv_heads * self.head_dim, eps=1e-6)
+        self.o = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.norm_k(self.k(x)).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return x + self.o(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class _OwnResidualMLP(torch.nn.Module):
+    """``h + fc2(h)``: replace_linear fuses h, the row Linear's own (sharded) input, as its residual."""
+
+    def __init__(self, dim: int = 48) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc1(x))
+        return h + self.fc2(h)
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, *blocks: torch.nn.Module) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+_UNSHARDABLE = {  # block, what the report says of it
+    "one kv head": (_MQABlock, "do not reach the attention along its heads dim"),
+    "norm across duplicated kv heads": (_NormedKBlock, "kv heads that this rank keeps more than once"),
+    "residual is the row's input": (_OwnResidualMLP, "adds a sharded residual"),
+}
+
+
+@pytest.mark.parametrize("case", list(_UNSHARDABLE))
+def test_units_a_shard_would_get_wrong_are_replicated_and_reported(case):
+    block, reason = _UNSHARDABLE[case]
+    torch.manual_seed(0)
+    model = _Blocks(block()).eval()
+    x = torch.randn(2, 10, 48)
+    adapter, graph_inputs = prepare(model, (x,))
+    config = dataclasses.replace(CONFIG, tp=2, tp_rank=0, tp_group="unused")
+    report = build_graph(model, adapter, graph_inputs, config).report
+    assert any("replicated across tp ranks" in n and reason in n for n in report.notes), report.notes
+    assert not any("units sharded" in n for n in report.notes), report.notes
+
+
+def test_a_rank_outside_tp_is_refused():
+    model = _Blocks(_OwnResidualMLP()).eval()
+    adapter, graph_inputs = prepare(model, (torch.randn(2, 10, 48),))
+    with pytest.raises(ValueError, match="tp_rank 2 is not a rank of tp 2"):
+        build_graph(model, adapter, graph_inputs, dataclasses.replace(CONFIG, tp=2, tp_rank=2, tp_group="unused"))
+
+
+def test_replicated_units_and_autotune_across_ranks_give_the_model_output():
+    """The unshardable blocks at tp 2 (real ranks), with autotune on: rank 0's decisions hold on every
+    rank (``_autotune._agreed``), so the ranks build one graph and their collectives pair up."""
+    torch.manual_seed(0)
+    model = _Blocks(_MQABlock(), _NormedKBlock(), _OwnResidualMLP(), _GQABlock(48, 8, 2)).eval()
+    x = torch.randn(2, 10, 48)
+    config = dataclasses.replace(CONFIG, tp=2, autotune=True)
+    sharded = amxopt.optimize(model, (x,), config)
+    try:
+        assert any("1 attention/MLP units sharded" in n for n in sharded.report.notes), sharded.report.notes
+        with torch.no_grad():
+            torch.testing.assert_close(sharded(x), model(x))
+    finally:
+        sharded.close()
+
+
+def _decide_on(rank: int, port: int, out: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from amxopt.passes import _autotune
+
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    config = dataclasses.replace(CONFIG, tp=2, tp_rank=rank, tp_group=dist.group.WORLD.group_name)
+    with open(f"{out}/rank{rank}.txt", "w") as f:
+        f.write(_autotune._agreed(config, lambda: f"decided on rank {rank}"))
+    dist.destroy_process_group()
+
+
+def test_rank_0_decides_for_every_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_decide_on, args=(tp._free_port(), str(tmp_path)), nprocs=2)
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["decided on rank 0"] * 2
+
+
+def test_an_idle_module_and_a_failed_call_leave_it_usable():
+    model = _model("qwen3-omni-vision", torch.float32)
+    inputs = models.example_inputs("tiny-qwen3-omni-vision", torch.float32)
+    sharded = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp=2, tp_timeout_s=5))
+    try:
+        time.sleep(7)  # idle past tp_timeout_s: the workers' wait for a call has no timeout
+        expected = pytree.tree_leaves(model(**inputs))
+        for a, b in zip(pytree.tree_leaves(sharded(**inputs)), expected):
+            torch.testing.assert_close(a, b)
+        bad = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+        with pytest.raises(TypeError, match="was optimized for"):  # refused before any rank runs it
+            sharded(**bad)
+        with pytest.raises((TypeError, ValueError), match="not_an_argument"):
+            sharded(**inputs, not_an_argument=1)
+        with pytest.raises(Exception) as failed:  # passes the checks, fails inside the call on every rank
+            sharded(hidden_states=inputs["hidden_states"][:, :-1], grid_thw=inputs["grid_thw"])
+        assert "tensor-parallel call failed" not in str(failed.value)
+        for a, b in zip(pytree.tree_leaves(sharded(**inputs)), expected):
+            torch.testing.assert_close(a, b)
+    finally:
+        sharded.close()
+
+
+def test_close_is_idempotent_and_collecting_a_module_leaves_nothing_behind():
+    import gc
+
+    import torch.distributed as dist
+
+    model = _model("qwen3-omni-vision", torch.float32)
+    inputs = models.example_inputs("tiny-qwen3-omni-vision", torch.float32)
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    first = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp=2))
+    first.close()
+    first.close()
+    second = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp=2))
+    first.close()  # not the group of the module now open
+    assert dist.is_initialized()
+    workers = second._workers
+    for a, b in zip(pytree.tree_leaves(second(**inputs)), pytree.tree_leaves(model(**inputs))):
+        torch.testing.assert_close(a, b)
+    del second
+    gc.collect()
+    assert not dist.is_initialized()
+    assert not any(w.is_alive() for w in workers)
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == (cores, threads)
