@@ -229,7 +229,10 @@ def build_wan_pipeline(
             f"amxopt.pipelines: {transformer} reads text_dim {dit.config.text_dim} but the {text_encoder} UMT5 "
             f"encoder writes {encoder.config.d_model}"
         )
-    vae = _init(AutoencoderKLWan(base_dim=16, z_dim=dit.config.in_channels, dim_mult=[1, 2, 2, 2]), None, seed + 2)
+    z = dit.config.in_channels
+    # The default latent statistics are Wan2.1's 16 channels; the pipeline views them as z_dim.
+    stats = {} if z == 16 else {"latents_mean": [0.0] * z, "latents_std": [1.0] * z}
+    vae = _init(AutoencoderKLWan(base_dim=16, z_dim=z, dim_mult=[1, 2, 2, 2], **stats), None, seed + 2)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     return WanPipeline(
         tokenizer=_word_tokenizer(),
@@ -247,8 +250,9 @@ def wan_call(
     height: int = 64, width: int = 64, num_frames: int = 5, steps: int = 2, output_type: str = "pt", **extra: Any
 ) -> dict[str, Any]:
     """``WanPipeline`` call kwargs: a prompt and a negative prompt from the built-in vocabulary,
-    guidance 5.0 (so every step runs the transformer on the cond and the uncond prompt)."""
-    return dict(
+    guidance 5.0 (so every step runs the transformer on the cond and the uncond prompt); ``extra``
+    adds or replaces any (``guidance_scale=1.0``: no uncond pass)."""
+    call = dict(
         prompt="a cat walks on the grass",
         negative_prompt="blurry low quality",
         height=height,
@@ -257,5 +261,5 @@ def wan_call(
         num_inference_steps=steps,
         guidance_scale=5.0,
         output_type=output_type,
-        **extra,
     )
+    return {**call, **extra}

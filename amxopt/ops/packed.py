@@ -10,22 +10,31 @@ import math
 
 import torch
 
-PACKED_ATTR = "amxopt_packed"  # on a source tensor: {provider: (its _version, packed W.reshape(N, -1))}
+PACKED_ATTR = "amxopt_packed"  # on a source tensor: {provider: (its _stamp, packed W.reshape(N, -1))}
 RELEASED_ATTR = "amxopt_released"  # on a placeholder: the unpacked weight is gone
 SHARDED_ATTR = "amxopt_sharded"  # on a source tensor: a tensor-parallel graph keeps only its rank's slice
 
 
+def _stamp(tensor: torch.Tensor) -> tuple:
+    """What a packing was made from: an in-place update (``load_state_dict``), new data under the same
+    parameter (``param.data = ...``, as ``model.to(dtype)`` and LoRA fusing do) or another shape makes
+    it stale. (An in-place update through ``param.data``, which has a version counter of its own, is
+    not seen: optimize again from a fresh model after one.)"""
+    data = 0 if tensor.device.type == "meta" else tensor.data_ptr()
+    return (tensor._version, tensor.dtype, tuple(tensor.shape), tensor.device.type, data)
+
+
 def packed_for(tensor: torch.Tensor, provider: str) -> torch.Tensor | None:
     """The packing of ``tensor`` (a source weight) for ``provider``, if one was made from its
-    current values (an in-place update since, e.g. ``load_state_dict``, makes it stale)."""
-    version, packed = getattr(tensor, PACKED_ATTR, {}).get(provider, (None, None))
-    return packed if version == tensor._version else None
+    current values (see ``_stamp``)."""
+    stamp, packed = getattr(tensor, PACKED_ATTR, {}).get(provider, (None, None))
+    return packed if stamp == _stamp(tensor) else None
 
 
 def remember(tensor: torch.Tensor, provider: str, packed: torch.Tensor) -> None:
     if not hasattr(tensor, PACKED_ATTR):
         setattr(tensor, PACKED_ATTR, {})
-    getattr(tensor, PACKED_ATTR)[provider] = (tensor._version, packed)
+    getattr(tensor, PACKED_ATTR)[provider] = (_stamp(tensor), packed)
 
 
 def forget(tensor: torch.Tensor, provider: str) -> None:
@@ -35,7 +44,8 @@ def forget(tensor: torch.Tensor, provider: str) -> None:
 
 def packings(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """Every fresh packing of ``tensor``, by provider."""
-    return {p: t for p, (v, t) in getattr(tensor, PACKED_ATTR, {}).items() if v == tensor._version}
+    stamp = _stamp(tensor)
+    return {p: t for p, (s, t) in getattr(tensor, PACKED_ATTR, {}).items() if s == stamp}
 
 
 def transfer(source: torch.Tensor, target: torch.Tensor) -> None:

@@ -289,6 +289,9 @@ def _restore_attr(target: str, spec: dict, module: nn.Module, tensors: Mapping[s
         except AttributeError:
             raise GraphStoreError(f"{type(module).__name__} has no tensor {name} (read by {target})") from None
         if "source" in spec:
+            if packed.is_released(source) or source.device.type == "meta":
+                # released since (a model built by from_pretrained packs as it reads): no unpacked copy
+                raise GraphStoreError(f"{name} was released (only its packing is kept), and {target} reads it unpacked")
             t = source
         else:
             t = packed.packed_for(source, spec["provider"])
@@ -518,6 +521,7 @@ def _versions() -> dict[str, str]:
 
 def read_cache(key: str, module: nn.Module, config: AmxConfig) -> GraphEntry | None:
     """The cached graph under ``key`` restored on ``module``, or ``None`` (absent or unusable: logged)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = config.cache_dir() / "graphs" / f"{key}.json"
@@ -527,7 +531,7 @@ def read_cache(key: str, module: nn.Module, config: AmxConfig) -> GraphEntry | N
         entry = json.loads(path.read_text())
         tensors = load_file(str(path.with_suffix(".safetensors"))) if entry.get("has_tensors") else {}
         return restore(entry, module, config.provider, tensors, f"the graph cache ({path})")
-    except (OSError, ValueError, KeyError, GraphStoreError) as e:
+    except (OSError, ValueError, KeyError, GraphStoreError, SafetensorError) as e:
         logger.warning("amxopt: cached graph %s is unusable (%s); capturing again", path, e)
         return None
 
@@ -545,8 +549,13 @@ def write_cache(key: str, graph: GraphEntry, module: nn.Module, config: AmxConfi
     directory = config.cache_dir() / "graphs"
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        # Each file written aside and renamed into place: another process may be reading (or have
+        # memory-mapped) the entry this one replaces, or be writing the same key.
         if tensors:
-            save_file(tensors, str(directory / f"{key}.safetensors"))
+            with tempfile.NamedTemporaryFile(dir=directory, delete=False, suffix=".tmp") as f:
+                pass
+            save_file(tensors, f.name)
+            os.replace(f.name, directory / f"{key}.safetensors")
         with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
             json.dump(entry, f)
         os.replace(f.name, directory / f"{key}.json")

@@ -24,7 +24,10 @@ import importlib
 import json
 import logging
 import mmap
+import os
 import pathlib
+import re
+import tempfile
 from typing import Any
 
 import torch
@@ -43,6 +46,7 @@ MANIFEST = "amxopt.json"
 WEIGHTS = "weights.safetensors"
 _PACKED_PREFIX = "packed::"
 _GRAPH_PREFIX = "graph"  # graph{i}::{target}: a tensor only a saved graph reads (a lifted constant)
+_GRAPH_TENSOR = re.compile(rf"{_GRAPH_PREFIX}\d+::")
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
            "I32": torch.int32, "BOOL": torch.bool, "F64": torch.float64, "U8": torch.uint8, "I8": torch.int8}  # fmt: skip
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -216,14 +220,17 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(owner) if owner else model), attr
 
 
-def _set(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def _set(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Put ``tensor`` under ``name`` (wrapped as a Parameter where the slot is one); returns what was
+    put, which the other names of a tied tensor must then get (one object, as the model had)."""
     module, attr = _owner(model, name)
     if attr in module._parameters:
-        module._parameters[attr] = (
-            tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
-        )
+        if not isinstance(tensor, nn.Parameter):
+            tensor = nn.Parameter(tensor, requires_grad=False)
+        module._parameters[attr] = tensor
     else:
         module._buffers[attr] = tensor
+    return tensor
 
 
 def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -333,6 +340,7 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
     files = _checkpoint(path, "model" if _is_transformers(cls) else "diffusion_pytorch_model")
     expected = _expected(model)
     stored = _check_keys(expected, files, str(path))
+    parts = _packed_parts(model)
     done: dict[int, torch.Tensor] = {}  # tied names share one tensor: loaded (and packed) once
     for name in tqdm(sorted(expected), desc=f"amxopt: loading {cls.__name__}", unit="tensor", leave=False):
         like = expected[name]
@@ -340,17 +348,35 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
             key = stored[name]
             value = _convert(key, files[key].tensors.pop(key), like, str(path))
             module, attr = _owner(model, name)
-            if packable(module, attr) and like.dtype in DTYPES:
-                done[id(like)] = placeholder(like, {provider: pack(value, provider)})
+            in_part = any(name.startswith(p) for p in parts)
+            if in_part and packable(module, attr) and like.dtype in DTYPES:
+                done[id(like)] = _set(model, name, placeholder(like, {provider: pack(value, provider)}))
             else:
                 # A copy: the model must not keep the checkpoint's memory map (or its file) alive.
-                done[id(like)] = value.clone() if value.dtype == like.dtype else value
+                done[id(like)] = _set(model, name, value.clone() if value.dtype == like.dtype else value)
             del value
             files[key].drop(key)
         _set(model, name, done[id(like)])
     del files
-    guard(model)
+    for prefix in parts:
+        guard(model.get_submodule(prefix.rstrip(".")) if prefix else model)
     return model
+
+
+def _packed_parts(model: nn.Module) -> list[str]:
+    """Name prefixes of the modules whose weights are packed as they are read: the whole model, or,
+    for one that optimize() does not rewrite itself but whose towers it replaces (Qwen3-VL's
+    ``visual`` in ``Qwen3VLForConditionalGeneration``), those towers: the language model runs as
+    eager PyTorch on its weights."""
+    from amxopt.runtime.components import _tower, has_towers
+
+    if not has_towers(model):
+        return [""]
+    parts: list[str] = []
+    for name, module in model.named_modules():
+        if _tower(module) and not any(f"{name}.".startswith(p) for p in parts):
+            parts.append(f"{name}.")
+    return parts
 
 
 def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
@@ -366,6 +392,9 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         )
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    # Weights some graph reads unpacked (a node autotune kept on ATen) are stored plain too, even
+    # where another graph reads their packing.
+    read_plain = {id(t) for gm in opt.graphs for t in (*gm.parameters(), *gm.buffers())}
     tensors, entries, first = {}, {}, {}
     for name, t in _expected(source).items():
         if id(t) in first:  # a tied name: stored once, under the first name
@@ -376,6 +405,9 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         if done is not None:
             tensors[_PACKED_PREFIX + name] = done.contiguous()
             entries[name] = {"packed": True, "shape": list(t.shape), "dtype": _NAMES[t.dtype]}
+            if id(t) in read_plain and t.device.type != "meta":
+                tensors[name] = t.detach().contiguous()
+                entries[name]["plain"] = True
         elif t.device.type == "meta":
             raise RuntimeError(f"amxopt: save: {name} was released but has no packing for provider {provider!r}")
         else:
@@ -394,12 +426,17 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
             graphs.append(entry)
     except graph_store.GraphStoreError as e:
         graphs, skipped = [], str(e)
-        tensors = {k: v for k, v in tensors.items() if not k.startswith(_GRAPH_PREFIX)}
+        tensors = {k: v for k, v in tensors.items() if not _GRAPH_TENSOR.match(k)}
         logger.warning(
             "amxopt: save: the rewritten graph of %s is not saved (%s); load() captures again", type(source).__name__, e
         )
+    # Written aside and renamed into place, the manifest last: a process that has this artifact loaded
+    # maps the old file (replacing it in place would pull its pages away), and an interrupted save
+    # leaves the old artifact whole.
     weights = directory / WEIGHTS
-    save_file(tensors, str(weights))
+    staged = _staged(directory, WEIGHTS)
+    save_file(tensors, str(staged))
+    file_bytes = staged.stat().st_size
     cls = type(source)
     config_values = _config_dict(source)
     manifest = {
@@ -412,14 +449,25 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         "config": config_values,
         "config_hash": hashlib.sha256(json.dumps(config_values, sort_keys=True, default=str).encode()).hexdigest(),
         "dtype": _NAMES[_model_dtype(source)],
-        "file_bytes": weights.stat().st_size,
+        "file_bytes": file_bytes,
         "tensors": entries,
+        # Buffers that are not stored (rotary tables, built by the class) in the dtype the graphs read.
+        "buffer_dtypes": {n: _NAMES[b.dtype] for n, b in source.named_buffers() if n not in entries},
         "adapter": opt.adapter.name,
         "graphs": graphs,
         "graphs_not_saved": skipped,
     }
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    staged_manifest = _staged(directory, MANIFEST)
+    staged_manifest.write_text(json.dumps(manifest, indent=1, default=str))
+    os.replace(staged, weights)
+    os.replace(staged_manifest, directory / MANIFEST)
     return directory
+
+
+def _staged(directory: pathlib.Path, name: str) -> pathlib.Path:
+    """A new file beside ``directory / name`` to write before renaming it over that one."""
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=f".{name}.", suffix=".tmp", delete=False) as f:
+        return pathlib.Path(f.name)
 
 
 def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
@@ -443,24 +491,34 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
     module_name, _, cls_name = manifest["class"].rpartition(".")
     cls = getattr(importlib.import_module(module_name), cls_name)
     model = _build_empty(cls, _config_from_dict(cls, manifest["config"]), _DTYPES[manifest["dtype"]])
+    for name, dtype in manifest.get("buffer_dtypes", {}).items():
+        buffer = model.get_buffer(name)
+        if buffer.dtype != _DTYPES[dtype]:
+            _set(model, name, buffer.to(_DTYPES[dtype]))
     tensors = mmap_safetensors(weights)
     expected = _expected(model)
-    names = {n.removeprefix(_PACKED_PREFIX) for n in tensors if not n.startswith(_GRAPH_PREFIX)}
+    names = {n.removeprefix(_PACKED_PREFIX) for n in tensors if not _GRAPH_TENSOR.match(n)}
     stored = _check_keys(expected, names, str(weights))
     done: dict[int, torch.Tensor] = {}
     for name, like in expected.items():
         key = stored[name]
         entry = manifest["tensors"].get(key)
-        if entry is None or entry["shape"] != list(like.shape):
+        if entry is None or entry["shape"] != list(like.shape) or entry.get("dtype") not in _DTYPES:
             raise CheckpointError(
                 f"amxopt: {weights}: manifest entry for {key} is {entry}, model has {tuple(like.shape)}"
             )
         if id(like) not in done:
-            if entry["packed"]:
-                done[id(like)] = placeholder(like, {config.provider: tensors[_PACKED_PREFIX + key]})
+            # In the dtype it was saved in: the model may have been cast whole (``.to(bf16)``), modules
+            # the class keeps in fp32 included, and its graphs read them so.
+            like = torch.empty(like.shape, dtype=_DTYPES[entry["dtype"]], device="meta")
+            if not entry["packed"]:
+                done[id(expected[name])] = _set(model, name, _convert(key, tensors[key], like, str(weights)))
+            elif entry.get("plain"):  # also read unpacked by a graph: the plain tensor, carrying its packing
+                done[id(expected[name])] = _set(model, name, _convert(key, tensors[key], like, str(weights)))
+                packed.remember(done[id(expected[name])], config.provider, tensors[_PACKED_PREFIX + key])
             else:
-                done[id(like)] = _convert(key, tensors[key], like, str(weights))
-        _set(model, name, done[id(like)])
+                done[id(expected[name])] = placeholder(like, {config.provider: tensors[_PACKED_PREFIX + key]})
+        _set(model, name, done[id(expected[name])])
     guard(model)
     opt = amxopt.optimize(model, config=config)
     if manifest.get("graphs") and manifest.get("adapter") != opt.adapter.name:

@@ -97,7 +97,10 @@ def release(model: nn.Module, keep: set[int]) -> int:
         with torch.no_grad():
             for t in (*model.parameters(), *model.buffers()):
                 if t.device.type != "meta":
+                    fresh = packings(t)  # a kept weight's packings stay fresh: the values are the same
                     t.data = t.data.clone()
+                    for provider, done_packing in fresh.items():
+                        remember(t, provider, done_packing)
         _return_freed_heap()
     if freed:
         guard(model)

@@ -189,3 +189,137 @@ def test_save_and_load_a_model_with_tied_weights(tmp_path):
     assert manifest["tensors"]["encoder.embed_tokens.weight"]["tied_to"] == "shared.weight"
     with torch.no_grad():
         torch.testing.assert_close(amxopt.load(tmp_path, RELEASE)(ids, mask).last_hidden_state, expected)
+
+
+def test_a_loaded_model_saves_again_even_over_its_own_artifact(tmp_path):
+    """Tied weights stay one Parameter through load (safetensors refuses two that share memory), and
+    saving over the artifact a live model maps leaves that model and the new artifact whole."""
+    from amxopt import pipelines
+
+    encoder = pipelines.build_wan_pipeline("tiny-wan", torch.float32).text_encoder  # shared == embed_tokens
+    ids = torch.tensor([[3, 4, 5, 1, 0, 0]])
+    mask = (ids > 0).long()
+    with torch.no_grad():
+        expected = encoder(ids, mask).last_hidden_state
+    amxopt.optimize(encoder, (ids, mask), RELEASE).save(tmp_path)
+    loaded = amxopt.load(tmp_path, RELEASE)
+    source = loaded.__dict__["_source"]
+    assert source.shared.weight is source.encoder.embed_tokens.weight
+    loaded.save(tmp_path)  # over the file it maps
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, mask).last_hidden_state, expected)
+        torch.testing.assert_close(amxopt.load(tmp_path, RELEASE)(ids, mask).last_hidden_state, expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [loading.MANIFEST, loading.WEIGHTS]
+
+
+def test_a_model_cast_whole_loads_in_the_dtypes_it_was_saved_in(tmp_path):
+    """Wan keeps some modules in fp32; ``.to(bf16)`` casts them too, and its graphs read them so."""
+    model = models.build_model("tiny-wan", torch.float32).to(torch.bfloat16)
+    inputs = models.example_inputs("tiny-wan", torch.bfloat16)
+    opt = amxopt.optimize(model, inputs, RELEASE)
+    with torch.no_grad():
+        expected = opt(**inputs)
+    opt.save(tmp_path)
+    with torch.no_grad():
+        got = amxopt.load(tmp_path, RELEASE)(**inputs)
+    for a, b in zip(_leaves(got), _leaves(expected)):
+        assert torch.equal(a, b)
+
+
+def test_a_cached_graph_that_reads_a_weight_unpacked_is_not_served_to_a_packed_load(checkpoint, tmp_path, monkeypatch):
+    """A graph cached where a Linear stayed ATen (autotune found it faster) reads that weight unpacked;
+    from_pretrained releases every packed weight as it reads, so it must capture its own graph."""
+    from amxopt.passes import _rewrite
+    from amxopt.passes._graph import leave
+
+    # a graph cache of its own; captured in this process, where the test's stand-in for autotune runs
+    config = dataclasses.replace(RELEASE, autotune_cache=str(tmp_path), isolate_capture=False)
+    inputs = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)
+    kept = []
+
+    def keep_the_first_linear(node, timing):
+        if kept or node.target is not torch.ops.aten.linear.default:
+            return False
+        leave(node, "kept on ATen by the test")
+        kept.append(node)
+        return True
+
+    monkeypatch.setattr(_rewrite, "kept_for_speed", keep_the_first_linear)
+    model = Qwen3VLVisionModel.from_pretrained(checkpoint, dtype=torch.bfloat16)  # as a user would load it
+    with torch.no_grad():
+        expected = amxopt.optimize(model, config=config)(**inputs)
+    monkeypatch.undo()
+    assert kept and list((tmp_path / "graphs").glob("*.json"))
+    loaded = amxopt.from_pretrained(Qwen3VLVisionModel, checkpoint, torch.bfloat16, config)
+    with torch.no_grad():
+        got = loaded(**inputs)
+    assert "kept on ATen by the test" not in str(loaded.report)
+    for a, b in zip(_leaves(got), _leaves(expected)):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+
+
+class _WithConstant(torch.nn.Module):
+    """A tensor made in forward: export lifts it to a constant, which the graph cache stores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * torch.tensor([0.5, 2.0] * 4)
+
+
+def test_a_damaged_graph_cache_entry_is_captured_again(tmp_path, caplog):
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path))
+    model, x = _WithConstant().eval(), torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(amxopt.optimize(model, (x,), config)(x), expected)
+    stored = list((tmp_path / "graphs").glob("*.safetensors"))
+    assert stored
+    for path in stored:
+        path.write_bytes(path.read_bytes()[:100])
+    with torch.no_grad():
+        torch.testing.assert_close(amxopt.optimize(model, (x,), config)(x), expected)
+    assert "unusable" in caplog.text
+
+
+def test_a_packing_is_not_reused_after_the_weight_changes():
+    """``model.to(dtype)`` and LoRA fusing give a parameter new data without bumping its version."""
+    model = models.build_model("tiny-qwen3-vl-vision", torch.float32)
+    amxopt.optimize(model, models.example_inputs("tiny-qwen3-vl-vision", torch.float32), CONFIG)
+    weight = model.blocks[0].mlp.linear_fc1.weight
+    assert packed.packings(weight)
+    with torch.no_grad():
+        weight.data = weight.data * 2  # a fused LoRA delta, say
+    assert not packed.packings(weight)
+    model.to(torch.bfloat16)
+    inputs = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)
+    opt = amxopt.optimize(model, inputs, CONFIG)
+    with torch.no_grad():
+        for a, b in zip(_leaves(opt(**inputs)), _leaves(model(**inputs))):
+            torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+
+
+def test_only_graph_tensors_are_told_apart_by_their_prefix():
+    assert loading._GRAPH_TENSOR.match("graph0::_lifted_tensor_constant0")
+    assert not loading._GRAPH_TENSOR.match("graph_proj.weight")
+
+
+def test_from_pretrained_of_a_whole_model_packs_only_its_towers(tmp_path):
+    """Qwen3-VL's language model stays eager: its weights (and the tied lm_head) are not released."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from amxopt import pipelines
+
+    model = pipelines.build_qwen3_vl("tiny", torch.float32)
+    inputs = pipelines.qwen3_vl_prompt(model, images=[(64, 64)])
+    with torch.no_grad():
+        expected = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+    model.save_pretrained(tmp_path)
+    loaded = amxopt.from_pretrained(Qwen3VLForConditionalGeneration, tmp_path, torch.float32, RELEASE)
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(**inputs, max_new_tokens=3, do_sample=False), expected)
+    assert not packed.is_released(loaded.lm_head.weight)
+    visual = loaded.model.visual.__dict__["_source"]
+    assert packed.is_released(visual.blocks[0].mlp.linear_fc1.weight)
