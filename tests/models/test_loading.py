@@ -323,3 +323,37 @@ def test_from_pretrained_of_a_whole_model_packs_only_its_towers(tmp_path):
     assert not packed.is_released(loaded.lm_head.weight)
     visual = loaded.model.visual.__dict__["_source"]
     assert packed.is_released(visual.blocks[0].mlp.linear_fc1.weight)
+
+
+def test_a_weight_one_graph_reads_unpacked_and_another_packed_is_saved_both_ways(tmp_path, monkeypatch):
+    """Graph 1 keeps a Linear on ATen (autotune found it faster; the test stands in), graph 2 (another
+    input size) packs it: the artifact must hold both forms, or graph 1 reads a placeholder after load."""
+    from amxopt.passes import _rewrite
+    from amxopt.passes._graph import leave
+
+    config = dataclasses.replace(RELEASE, isolate_capture=False, dynamic=False, graph_cache=False)
+    small = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)
+    large = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16, size=96)
+    opt = amxopt.optimize(models.build_model("tiny-qwen3-vl-vision", torch.bfloat16), config=config)
+    kept = []
+
+    def keep_the_first_linear(node, timing):
+        if kept or node.target is not torch.ops.aten.linear.default:
+            return False
+        leave(node, "kept on ATen by the test")
+        kept.append(node)
+        return True
+
+    monkeypatch.setattr(_rewrite, "kept_for_speed", keep_the_first_linear)
+    with torch.no_grad():
+        expected = [opt(**small)]
+    monkeypatch.undo()
+    with torch.no_grad():
+        expected.append(opt(**large))
+    assert len(opt.graphs) == 2 and kept
+    opt.save(tmp_path)
+    loaded = amxopt.load(tmp_path, config)
+    with torch.no_grad():
+        for inputs, want in zip((small, large), expected):
+            for a, b in zip(_leaves(loaded(**inputs)), _leaves(want)):
+                assert torch.equal(a, b)
