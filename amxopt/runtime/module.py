@@ -228,6 +228,15 @@ class OptimizedModule(nn.Module):
                 except CaptureError as e:
                     if not self.eager_fallback or self._graphs:
                         raise
+                    source = self.__dict__["_source"]
+                    if any(packed.is_released(p) for p in source.parameters()):
+                        # from_pretrained / load packed its weights as they were read: no eager copy
+                        raise CaptureError(
+                            f"{e}; it cannot run as eager PyTorch either: its weights were packed as they were "
+                            f"loaded (amxopt.from_pretrained or amxopt.load). Load {type(source).__name__} with "
+                            "its own from_pretrained and pass it to amxopt.optimize, which keeps the eager "
+                            "fallback"
+                        ) from e
                     self.eager_reason = str(e)
                     logger.warning("%s; it runs as eager PyTorch", e)
                     return self.__dict__["_source"](*args, **kwargs)

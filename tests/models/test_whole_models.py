@@ -169,3 +169,14 @@ def test_pipeline_part_export_cannot_capture_runs_eager_and_says_why():
     opt = pipe.amxopt_report.optimized["text_encoder"]
     assert opt.eager_reason and "could not capture _DataDependent" in opt.eager_reason
     assert "runs as eager PyTorch" in str(pipe.amxopt_report)
+
+
+def test_a_part_loaded_packed_that_cannot_be_captured_says_how_to_run_it():
+    from amxopt.runtime import weights
+
+    source = _DataDependent().eval()
+    weights.guard(source)  # as from_pretrained leaves a part: packed placeholders, eager calls refused
+    source.proj.weight = weights.placeholder(source.proj.weight, {})
+    pipe = amxopt.optimize(_Pipeline(source), config=CONFIG)
+    with torch.no_grad(), pytest.raises(amxopt.CaptureError, match="packed as they were loaded"):
+        pipe.text_encoder(torch.randn(3, 8))
