@@ -460,7 +460,7 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
     leaves, spec = pytree.tree_flatten(graph_inputs)
     parts = {
         "format": FORMAT,
-        "code": _code_hash(),
+        "code": code_hash(),
         "versions": _versions(),
         "cpu": native.cpu_model(),
         "tier": native.active_tier() if config.provider == "native" else config.provider,
@@ -498,7 +498,8 @@ def _model_config(module: nn.Module) -> Any:
 
 
 @functools.cache
-def _code_hash() -> str:
+def code_hash() -> str:
+    """A digest of amxopt's own sources (Python and C++): what graphs were rewritten by."""
     package = pathlib.Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
     for path in sorted(package.rglob("*")):

@@ -454,6 +454,7 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         # Buffers that are not stored (rotary tables, built by the class) in the dtype the graphs read.
         "buffer_dtypes": {n: _NAMES[b.dtype] for n, b in source.named_buffers() if n not in entries},
         "adapter": opt.adapter.name,
+        "graph_origin": _graph_origin(opt.amx_config),
         "graphs": graphs,
         "graphs_not_saved": skipped,
     }
@@ -527,13 +528,30 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
             f"this amxopt picks {opt.adapter.name!r} for {cls_name}; re-create the artifact"
         )
     module = opt.adapter.export_module(model)
-    for i, entry in enumerate(manifest.get("graphs", [])):
+    graphs = manifest.get("graphs", [])
+    if graphs and manifest.get("graph_origin") != _graph_origin(config):
+        # Made by other amxopt code or under other options: the weights serve, the graphs are captured again.
+        logger.warning(
+            "amxopt: %s: its graphs were rewritten by other amxopt code or options; they are captured again", directory
+        )
+        graphs = []
+    for i, entry in enumerate(graphs):
         try:
             graph_store.check(entry)
         except graph_store.GraphStoreError as e:
             raise CheckpointError(f"amxopt: {directory}: saved graph {i} cannot be restored: {e}") from None
         opt.defer(functools.partial(_restore, entry, module, config.provider, tensors, directory, i))
     return opt
+
+
+# The options that change what the passes make of a model (the provider is checked on its own).
+_GRAPH_OPTIONS = ("passes", "dynamic", "stamp_blocks", "fuse_activation", "fuse_residual", "fuse_rotary")
+
+
+def _graph_origin(config: AmxConfig) -> dict:
+    """What a saved graph was rewritten by: amxopt's code and the options that shape graphs."""
+    options = {k: getattr(config, k) for k in _GRAPH_OPTIONS}
+    return json.loads(json.dumps({"code": graph_store.code_hash(), "options": options}, default=str))
 
 
 def _restore(entry: dict, module: nn.Module, provider: str, tensors: dict, directory: pathlib.Path, i: int) -> Any:

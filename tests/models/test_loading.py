@@ -357,3 +357,30 @@ def test_a_weight_one_graph_reads_unpacked_and_another_packed_is_saved_both_ways
         for inputs, want in zip((small, large), expected):
             for a, b in zip(_leaves(loaded(**inputs)), _leaves(want)):
                 assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("origin", ["code", "options"])
+def test_graphs_saved_by_other_code_or_options_are_captured_again(checkpoint, tmp_path, origin, caplog):
+    inputs = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)
+    opt = amxopt.from_pretrained(Qwen3VLVisionModel, checkpoint, torch.bfloat16, RELEASE)
+    with torch.no_grad():
+        expected = opt(**inputs)
+    opt.save(tmp_path)
+    same = amxopt.load(tmp_path, RELEASE)
+    with torch.no_grad():
+        same(**inputs)
+    assert any("restored from the artifact" in n for n in same.report.notes), same.report.notes
+    config = RELEASE
+    if origin == "code":
+        manifest = json.loads((tmp_path / loading.MANIFEST).read_text())
+        manifest["graph_origin"]["code"] = "an older amxopt"
+        (tmp_path / loading.MANIFEST).write_text(json.dumps(manifest))
+    else:
+        config = dataclasses.replace(RELEASE, fuse_rotary=False)
+    loaded = amxopt.load(tmp_path, config)
+    with torch.no_grad():
+        got = loaded(**inputs)
+    assert "captured again" in caplog.text
+    assert not any("restored from the artifact" in n for n in loaded.report.notes), loaded.report.notes
+    for a, b in zip(_leaves(got), _leaves(expected)):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
