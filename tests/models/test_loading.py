@@ -226,15 +226,12 @@ def test_a_model_cast_whole_loads_in_the_dtypes_it_was_saved_in(tmp_path):
         assert torch.equal(a, b)
 
 
-def test_a_cached_graph_that_reads_a_weight_unpacked_is_not_served_to_a_packed_load(checkpoint, tmp_path, monkeypatch):
-    """A graph cached where a Linear stayed ATen (autotune found it faster) reads that weight unpacked;
-    from_pretrained releases every packed weight as it reads, so it must capture its own graph."""
+def _keep_the_first_linear_on_aten(monkeypatch) -> list:
+    """Stand in for autotune finding ATen faster at the first Linear the rewrite meets (in this
+    process: a forked capture would keep it there); returns the list that receives that node."""
     from amxopt.passes import _rewrite
     from amxopt.passes._graph import leave
 
-    # a graph cache of its own; captured in this process, where the test's stand-in for autotune runs
-    config = dataclasses.replace(RELEASE, autotune_cache=str(tmp_path), isolate_capture=False)
-    inputs = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)
     kept = []
 
     def keep_the_first_linear(node, timing):
@@ -245,6 +242,16 @@ def test_a_cached_graph_that_reads_a_weight_unpacked_is_not_served_to_a_packed_l
         return True
 
     monkeypatch.setattr(_rewrite, "kept_for_speed", keep_the_first_linear)
+    return kept
+
+
+def test_a_cached_graph_that_reads_a_weight_unpacked_is_not_served_to_a_packed_load(checkpoint, tmp_path, monkeypatch):
+    """A graph cached where a Linear stayed ATen (autotune found it faster) reads that weight unpacked;
+    from_pretrained releases every packed weight as it reads, so it must capture its own graph."""
+    # a graph cache of its own; captured in this process, where the test's stand-in for autotune runs
+    config = dataclasses.replace(RELEASE, autotune_cache=str(tmp_path), isolate_capture=False)
+    inputs = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)
+    kept = _keep_the_first_linear_on_aten(monkeypatch)
     model = Qwen3VLVisionModel.from_pretrained(checkpoint, dtype=torch.bfloat16)  # as a user would load it
     with torch.no_grad():
         expected = amxopt.optimize(model, config=config)(**inputs)
@@ -328,23 +335,11 @@ def test_from_pretrained_of_a_whole_model_packs_only_its_towers(tmp_path):
 def test_a_weight_one_graph_reads_unpacked_and_another_packed_is_saved_both_ways(tmp_path, monkeypatch):
     """Graph 1 keeps a Linear on ATen (autotune found it faster; the test stands in), graph 2 (another
     input size) packs it: the artifact must hold both forms, or graph 1 reads a placeholder after load."""
-    from amxopt.passes import _rewrite
-    from amxopt.passes._graph import leave
-
     config = dataclasses.replace(RELEASE, isolate_capture=False, dynamic=False, graph_cache=False)
     small = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)
     large = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16, size=96)
     opt = amxopt.optimize(models.build_model("tiny-qwen3-vl-vision", torch.bfloat16), config=config)
-    kept = []
-
-    def keep_the_first_linear(node, timing):
-        if kept or node.target is not torch.ops.aten.linear.default:
-            return False
-        leave(node, "kept on ATen by the test")
-        kept.append(node)
-        return True
-
-    monkeypatch.setattr(_rewrite, "kept_for_speed", keep_the_first_linear)
+    kept = _keep_the_first_linear_on_aten(monkeypatch)
     with torch.no_grad():
         expected = [opt(**small)]
     monkeypatch.undo()

@@ -266,9 +266,14 @@ def test_gqa_kv_heads_split_or_kept_per_q_head(attention):
     model = GQAModel().eval()
     x = torch.randn(2, 10, 48)
     passes = None if attention == "amxopt" else tuple(p for p in amxopt.passes.PASSES if p != "replace_attention")
-    sharded = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, tp=2, passes=passes))
+    _check_shards(model, x, dataclasses.replace(CONFIG, tp=2, passes=passes), units=2)
+
+
+def _check_shards(model, x, config, units: int) -> None:
+    """``units`` units sharded, and the ranks' output that of ``model``."""
+    sharded = amxopt.optimize(model, (x,), config)
     try:
-        assert any("2 attention/MLP units sharded" in n for n in sharded.report.notes), sharded.report.notes
+        assert any(f"{units} attention/MLP units sharded" in n for n in sharded.report.notes), sharded.report.notes
         with torch.no_grad():
             torch.testing.assert_close(sharded(x), model(x))
     finally:
@@ -392,14 +397,7 @@ def test_replicated_units_and_autotune_across_ranks_give_the_model_output():
     torch.manual_seed(0)
     model = _Blocks(_MQABlock(), _NormedKBlock(), _OwnResidualMLP(), _GQABlock(48, 8, 2)).eval()
     x = torch.randn(2, 10, 48)
-    config = dataclasses.replace(CONFIG, tp=2, autotune=True)
-    sharded = amxopt.optimize(model, (x,), config)
-    try:
-        assert any("1 attention/MLP units sharded" in n for n in sharded.report.notes), sharded.report.notes
-        with torch.no_grad():
-            torch.testing.assert_close(sharded(x), model(x))
-    finally:
-        sharded.close()
+    _check_shards(model, x, dataclasses.replace(CONFIG, tp=2, autotune=True), units=1)
 
 
 def _decide_on(rank: int, port: int, out: str) -> None:
