@@ -307,12 +307,13 @@ def amx_schedule(
     faster by ``_SCHEDULE_MARGIN``, and again in a second timing that runs the two in the other
     order (the less favourable to Rows is kept). The thread count is in the key (``_context``):
     Rows splits the rows between them. In a tensor-parallel rank: rank 0's decision (:func:`_agreed`)."""
-    if native.amx_schedule_pinned() or native.amx_emulated() or not native.amx_schedule_matters(rows, k):
+    if native.amx_schedule_pinned() or native.amx_emulated():
         return None
-    return _agreed(config, lambda: _amx_schedule(op, config, run))
+    # Whether the schedules differ depends on the thread count, which tp ranks may not share: agreed too.
+    return _agreed(config, lambda: _amx_schedule(op, config, run) if native.amx_schedule_matters(rows, k) else None)
 
 
-def _amx_schedule(op: str, config: AmxConfig, run: Callable[[str], Callable[[], object]]) -> ScheduleTiming:
+def _amx_schedule(op: str, config: AmxConfig, run: Callable[[str], Callable[[], object]]) -> ScheduleTiming | None:
     path = _cache_file(config)
     table = _load(path)
     key = f"{_context()}|AMX schedules|{op}"

@@ -411,9 +411,12 @@ def _backward(node: fx.Node, user: fx.Node, out: Layout) -> Layout:
     raise _Refuse(f"{user.name} ({t}) is not known to keep the sharded dim in place")
 
 
-def _column_layouts(unit: _Unit, tp: int, rank: int) -> tuple[dict[fx.Node, Layout], list[tuple[fx.Node, Layout]]]:
-    """Each column Linear's output layout, from the attention's heads or the MLP width; and the
-    layouts the attention's q, k and v must arrive in (none for an MLP)."""
+def _column_layouts(
+    unit: _Unit, tp: int, rank: int
+) -> tuple[dict[fx.Node, Layout], list[tuple[fx.Node, Layout]], int | None]:
+    """Each column Linear's output layout, from the attention's heads or the MLP width; the layouts
+    the attention's q, k and v must arrive in (none for an MLP); and the kv head count where ranks
+    keep kv heads per q head (so some kv heads on several ranks, or twice on one), else None."""
     attention = [n for n in unit.nodes if n.target in _ATTENTION]
     if not attention:
         widths = {_static(_shape(c)[-1]) for c in unit.columns}
@@ -421,7 +424,7 @@ def _column_layouts(unit: _Unit, tp: int, rank: int) -> tuple[dict[fx.Node, Layo
             raise _Refuse(f"column Linears of different widths {sorted(widths)}")
         (n,) = widths
         rank_of = {c: len(_shape(c)) - 1 for c in unit.columns}
-        return {c: Layout(rank_of[c], n, 1, 1, tuple(owned_heads(n, tp, rank))) for c in unit.columns}, []
+        return {c: Layout(rank_of[c], n, 1, 1, tuple(owned_heads(n, tp, rank))) for c in unit.columns}, [], None
     if len(attention) != 1:
         raise _Refuse(f"{len(attention)} attentions between one set of Linears")
     (att,) = attention
@@ -439,7 +442,8 @@ def _column_layouts(unit: _Unit, tp: int, rank: int) -> tuple[dict[fx.Node, Layo
     missing = [c.name for c in unit.columns if c not in found]
     if missing:
         raise _Refuse(f"Linears {missing} do not reach the attention's q/k/v")
-    return found, starts
+    per_q_head = kv_heads != q_heads and not (q_heads % tp == 0 and kv_heads % tp == 0)  # owned_kv_heads
+    return found, starts, kv_heads if per_q_head else None
 
 
 def _walk_back(node: fx.Node, layout: Layout, members: set, columns: set, found: dict) -> None:
@@ -466,7 +470,7 @@ def _walk_back(node: fx.Node, layout: Layout, members: set, columns: set, found:
 
 def _plan(unit: _Unit, tp: int, rank: int) -> tuple[dict[fx.Node, Layout], list[fx.Node]]:
     """Every sharded value's layout, and the norms across heads; raises _Refuse before any change."""
-    layouts, starts = _column_layouts(unit, tp, rank)
+    layouts, starts, repeated_kv = _column_layouts(unit, tp, rank)
     for col in unit.columns:  # the weight's rows are what _shard gathers
         if layouts[col].dim != len(_shape(col)) - 1:
             raise _Refuse(f"{col.name}: its heads are not along its output features")
@@ -477,9 +481,8 @@ def _plan(unit: _Unit, tp: int, rank: int) -> tuple[dict[fx.Node, Layout], list[
         if node.target in (_RMS, _LAYER_NORM) and lay is not None and lay.dim == len(_shape(src)) - 1:
             if node.target is _LAYER_NORM:
                 raise _Refuse(f"{node.name}: a LayerNorm across heads")
-            kept = [h for h in lay.owned if h is not None]
-            if len(set(kept)) != len(kept):  # its all-reduced sum of squares would count them again
-                raise _Refuse(f"{node.name}: an RMSNorm across kv heads that this rank keeps more than once")
+            if lay.count == repeated_kv:  # its all-reduced sum of squares would count some heads again
+                raise _Refuse(f"{node.name}: an RMSNorm across kv heads that ranks keep per q head (repeated)")
             norms.append(node)
             layouts[node] = lay
             continue

@@ -555,7 +555,11 @@ def write_cache(key: str, graph: GraphEntry, module: nn.Module, config: AmxConfi
         if tensors:
             with tempfile.NamedTemporaryFile(dir=directory, delete=False, suffix=".tmp") as f:
                 pass
-            save_file(tensors, f.name)
+            try:
+                save_file(tensors, f.name)
+            except BaseException:
+                pathlib.Path(f.name).unlink(missing_ok=True)
+                raise
             os.replace(f.name, directory / f"{key}.safetensors")
         with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
             json.dump(entry, f)

@@ -435,7 +435,11 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
     # leaves the old artifact whole.
     weights = directory / WEIGHTS
     staged = _staged(directory, WEIGHTS)
-    save_file(tensors, str(staged))
+    try:
+        save_file(tensors, str(staged))
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
     file_bytes = staged.stat().st_size
     cls = type(source)
     config_values = _config_dict(source)

@@ -204,6 +204,7 @@ def _worker(rank: int, world: int, port: int, cores, model, example_inputs, conf
         opt = amxopt.optimize(model, example_inputs, rank_cfg)
         del model
         store.set(_OPTIMIZED.format(rank), "1")
+        failed = False  # the last call raised: its error stays readable until one succeeds
         for call in itertools.count(1):
             _wait_for_call(store, call)
             message = [None]
@@ -214,13 +215,25 @@ def _worker(rank: int, world: int, port: int, cores, model, example_inputs, conf
             try:
                 with torch.no_grad():
                     opt(*args, **kwargs)
-            except Exception:  # noqa: BLE001 - rank 0 raises the call's error; this rank waits for the next
+                if failed:
+                    store.delete_key(_ERROR.format(rank))
+                    failed = False
+            except Exception as e:  # noqa: BLE001 - the call's own error: rank 0 raises it; wait for the next
+                if _collective_failure(e):  # out of step with the others: this rank is done
+                    raise
                 store.set(_ERROR.format(rank), traceback.format_exc()[-4000:])
+                failed = True
             store.set(_DONE.format(rank), str(call))
         dist.destroy_process_group()
     except BaseException:
         store.set(_ERROR.format(rank), traceback.format_exc()[-4000:])
         raise
+
+
+def _collective_failure(e: BaseException) -> bool:
+    """A collective that failed (a timeout, a peer gone): the ranks' collectives no longer pair up.
+    gloo raises plain RuntimeErrors naming its sources."""
+    return isinstance(e, dist.DistError) or "/gloo/" in str(e)
 
 
 def _wait_for_call(store: dist.TCPStore, call: int) -> None:
@@ -271,7 +284,7 @@ class TPModule(nn.Module):
         previous = (os.sched_getaffinity(0), torch.get_num_threads())
         # Shared with the finalizer (which must not hold the module): calls sent, and whether this
         # module's process group is the one initialized.
-        self._state = {"calls": 0, "group": False}
+        self._state = {"calls": 0, "group": False, "in_step": True}
         port = _free_port()
         timeout = datetime.timedelta(seconds=config.tp_timeout_s)
         self._store = dist.TCPStore("127.0.0.1", port, tp, is_master=True, timeout=timeout, wait_for_workers=False)
@@ -348,15 +361,21 @@ class TPModule(nn.Module):
         try:
             self._check_workers()
             call = _send(self._store, self._state, ("call", args, kwargs))
-        except RuntimeError as e:
+        except Exception as e:  # the workers may have seen the call announced and not received it
             raise self._failed(e) from e
+        except BaseException:  # KeyboardInterrupt: as above, and raised as it is
+            self._failed(None)
+            raise
         try:
             with torch.no_grad():
                 return self.module(*args, **kwargs)
         except Exception as e:
-            if self._finished(call):  # every rank is through the call: they stay in step
+            if not _collective_failure(e) and self._finished(call):  # every rank is through: still in step
                 raise
             raise self._failed(e) from e
+        except BaseException:
+            self._failed(None)
+            raise
 
     def _finished(self, call: int) -> bool:
         """Whether every worker finishes ``call`` (returns or raises) within tp_timeout_s."""
@@ -370,8 +389,10 @@ class TPModule(nn.Module):
             time.sleep(0.02 if waiting else 0)
         return not waiting
 
-    def _failed(self, e: BaseException) -> RuntimeError:
-        """Close the module after a rank failed; the error that says which and how."""
+    def _failed(self, e: BaseException | None) -> RuntimeError:
+        """Close the module after a rank failed or the ranks fell out of step (no stop message: a
+        worker may be waiting in a collective of the failed call); the error that says which and how."""
+        self._state["in_step"] = False
         time.sleep(0.2)  # let a dying worker's exit code settle
         failed = [
             f"rank {r} exited with code {w.exitcode}{self._error_of(r)}"
@@ -392,7 +413,7 @@ def _shut_down(workers: list, store: dist.TCPStore, state: dict, previous: tuple
     """A TPModule's close, also run when it is collected: only the process group it joined is left."""
     if state["group"]:
         state["group"] = False
-        if all(w.is_alive() for w in workers):
+        if state["in_step"] and all(w.is_alive() for w in workers):
             try:
                 _send(store, state, ("stop", (), {}))
             except RuntimeError:

@@ -366,7 +366,7 @@ class _Blocks(torch.nn.Module):
 
 _UNSHARDABLE = {  # block, what the report says of it
     "one kv head": (_MQABlock, "do not reach the attention along its heads dim"),
-    "norm across duplicated kv heads": (_NormedKBlock, "kv heads that this rank keeps more than once"),
+    "norm across duplicated kv heads": (_NormedKBlock, "kv heads that ranks keep per q head"),
     "residual is the row's input": (_OwnResidualMLP, "adds a sharded residual"),
 }
 
@@ -382,6 +382,17 @@ def test_units_a_shard_would_get_wrong_are_replicated_and_reported(case):
     report = build_graph(model, adapter, graph_inputs, config).report
     assert any("replicated across tp ranks" in n and reason in n for n in report.notes), report.notes
     assert not any("units sharded" in n for n in report.notes), report.notes
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_every_rank_refuses_a_norm_across_kv_heads_kept_per_q_head(rank):
+    """4 q / 2 kv heads at tp 4: each rank keeps one kv head, none twice, but each kv head is on two
+    ranks; every rank must decide alike (from the head counts), or their all-reduces pair up wrongly."""
+    model = _Blocks(_NormedKBlock(48, 4, 2)).eval()
+    adapter, graph_inputs = prepare(model, (torch.randn(2, 10, 48),))
+    config = dataclasses.replace(CONFIG, tp=4, tp_rank=rank, tp_group="unused")
+    report = build_graph(model, adapter, graph_inputs, config).report
+    assert any("kv heads that ranks keep per q head" in n for n in report.notes), report.notes
 
 
 def test_a_rank_outside_tp_is_refused():
