@@ -43,9 +43,7 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import pathlib
-import tempfile
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -55,6 +53,7 @@ import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from amxopt.config import AmxConfig
+from amxopt.files import replacing
 from amxopt.ops import build, native
 
 logger = logging.getLogger(__name__)
@@ -199,9 +198,8 @@ def reload() -> None:
 def _store(path: pathlib.Path, table: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump(table, f, indent=0, sort_keys=True)
-        os.replace(f.name, path)
+        with replacing(path) as staged:
+            staged.write_text(json.dumps(table, indent=0, sort_keys=True))
     except OSError as e:  # a read-only home is no reason to fail optimize()
         logger.warning("amxopt: could not save kernel choices to %s: %s", path, e)
 

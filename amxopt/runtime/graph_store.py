@@ -29,9 +29,7 @@ import json
 import logging
 import math
 import operator
-import os
 import pathlib
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +40,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from amxopt.capture import Captured
 from amxopt.config import AmxConfig
+from amxopt.files import replacing
 from amxopt.ops import native, packed
 from amxopt.passes import PassRecord
 from amxopt.passes._graph import fetch
@@ -550,19 +549,12 @@ def write_cache(key: str, graph: GraphEntry, module: nn.Module, config: AmxConfi
     directory = config.cache_dir() / "graphs"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        # Each file written aside and renamed into place: another process may be reading (or have
-        # memory-mapped) the entry this one replaces, or be writing the same key.
+        # Another process may be reading (or have memory-mapped) the entry this one replaces, or be
+        # writing the same key.
         if tensors:
-            with tempfile.NamedTemporaryFile(dir=directory, delete=False, suffix=".tmp") as f:
-                pass
-            try:
-                save_file(tensors, f.name)
-            except BaseException:
-                pathlib.Path(f.name).unlink(missing_ok=True)
-                raise
-            os.replace(f.name, directory / f"{key}.safetensors")
-        with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
-            json.dump(entry, f)
-        os.replace(f.name, directory / f"{key}.json")
+            with replacing(directory / f"{key}.safetensors") as staged:
+                save_file(tensors, str(staged))
+        with replacing(directory / f"{key}.json") as staged:
+            staged.write_text(json.dumps(entry))
     except OSError as e:
         logger.warning("amxopt: could not write the graph cache in %s: %s", directory, e)

@@ -24,16 +24,15 @@ import importlib
 import json
 import logging
 import mmap
-import os
 import pathlib
 import re
-import tempfile
 from typing import Any
 
 import torch
 from torch import nn
 
 from amxopt.config import AmxConfig
+from amxopt.files import replacing
 from amxopt.ops import DTYPES, native, packed
 from amxopt.ops.providers import resolve
 from amxopt.runtime import graph_store
@@ -430,17 +429,6 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         logger.warning(
             "amxopt: save: the rewritten graph of %s is not saved (%s); load() captures again", type(source).__name__, e
         )
-    # Written aside and renamed into place, the manifest last: a process that has this artifact loaded
-    # maps the old file (replacing it in place would pull its pages away), and an interrupted save
-    # leaves the old artifact whole.
-    weights = directory / WEIGHTS
-    staged = _staged(directory, WEIGHTS)
-    try:
-        save_file(tensors, str(staged))
-    except BaseException:
-        staged.unlink(missing_ok=True)
-        raise
-    file_bytes = staged.stat().st_size
     cls = type(source)
     config_values = _config_dict(source)
     manifest = {
@@ -453,7 +441,7 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         "config": config_values,
         "config_hash": hashlib.sha256(json.dumps(config_values, sort_keys=True, default=str).encode()).hexdigest(),
         "dtype": _NAMES[_model_dtype(source)],
-        "file_bytes": file_bytes,
+        "file_bytes": None,  # below, once written
         "tensors": entries,
         # Buffers that are not stored (rotary tables, built by the class) in the dtype the graphs read.
         "buffer_dtypes": {n: _NAMES[b.dtype] for n, b in source.named_buffers() if n not in entries},
@@ -462,17 +450,15 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         "graphs": graphs,
         "graphs_not_saved": skipped,
     }
-    staged_manifest = _staged(directory, MANIFEST)
-    staged_manifest.write_text(json.dumps(manifest, indent=1, default=str))
-    os.replace(staged, weights)
-    os.replace(staged_manifest, directory / MANIFEST)
+    # Written aside and renamed into place, the manifest last: a process that has this artifact loaded
+    # maps the old file (replacing it in place would pull its pages away), and an interrupted save
+    # leaves the old artifact whole.
+    with replacing(directory / WEIGHTS) as staged:
+        save_file(tensors, str(staged))
+        manifest["file_bytes"] = staged.stat().st_size
+    with replacing(directory / MANIFEST) as staged:
+        staged.write_text(json.dumps(manifest, indent=1, default=str))
     return directory
-
-
-def _staged(directory: pathlib.Path, name: str) -> pathlib.Path:
-    """A new file beside ``directory / name`` to write before renaming it over that one."""
-    with tempfile.NamedTemporaryFile(dir=directory, prefix=f".{name}.", suffix=".tmp", delete=False) as f:
-        return pathlib.Path(f.name)
 
 
 def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:

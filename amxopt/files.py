@@ -1,0 +1,24 @@
+"""Files amxopt writes that others may be reading: kernel choices, cached graphs, saved artifacts."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import tempfile
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def replacing(path: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A new file beside ``path`` to write in the block, renamed over ``path`` when the block ends
+    (and removed when it raises): a reader never sees half a file, a process that has the old one
+    open or memory-mapped keeps it whole, and an interrupted write leaves the old file as it was."""
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as f:
+        staged = pathlib.Path(f.name)
+    try:
+        yield staged
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+    os.replace(staged, path)
