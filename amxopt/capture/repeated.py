@@ -118,6 +118,8 @@ def find_stacks(module: nn.Module) -> list[Stack]:
             continue  # inside a stack, or sharing a block with one
         if len({id(b) for b in child}) != len(child):
             continue  # one block listed twice
+        if any(hooked(b) for b in child):
+            continue  # a copy of the first block would run its hooks, not the block's own
         first = child[0]
         layout, settings = _layout(first), _settings(first)
         if layout and all(type(b) is type(first) and _layout(b) == layout and _settings(b) == settings for b in child):
@@ -134,14 +136,27 @@ def _layout(block: nn.Module) -> tuple:
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
+def hooked(module: nn.Module) -> list[str]:
+    """Where forward hooks would run inside ``module``: the paths of its submodules that have one
+    (``"*"`` for a global hook), except amxopt's own (marked ``amxopt_own``)."""
+    from torch.nn.modules import module as m
+
+    def users(*dicts) -> bool:
+        return any(not getattr(h, "amxopt_own", False) for d in dicts for h in d.values())
+
+    found = ["*"] if users(m._global_forward_hooks, m._global_forward_pre_hooks) else []
+    return found + [path for path, sub in module.named_modules() if users(sub._forward_hooks, sub._forward_pre_hooks)]
+
+
 def _settings(block: nn.Module) -> tuple:
     """The Python attributes of ``block`` and its submodules (``layer_idx``, a sliding window, an
-    attention processor and its settings): blocks that differ in one may trace differently."""
+    attention processor and its settings), and which are in training mode: blocks that differ in
+    one may trace differently."""
     return tuple(
         (path, name, _value(v, 0))
         for path, sub in block.named_modules()
-        for name, v in sorted(vars(sub).items())
-        if name not in _MODULE_INTERNALS
+        for name, v in sorted([*vars(sub).items(), ("training", sub.training)])
+        if name == "training" or name not in _MODULE_INTERNALS
     )
 
 

@@ -48,8 +48,8 @@ def insert_traced(node: fx.Node, fn: Callable, args: list[Any], replaced: str, t
     graph = node.graph
     node_pos = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
     inputs = [args[i] for i in node_pos]
-    fakes = [val(a) for a in inputs]
-    key = _trace_key(fn, args, fakes)
+    fakes = _distinct_fakes(inputs)
+    key = _trace_key(fn, args, inputs, fakes)
     traces = _TRACES.setdefault(graph, {})
     sub = traces.get(key) if key is not None else None
     if sub is None:
@@ -92,7 +92,33 @@ def insert_traced(node: fx.Node, fn: Callable, args: list[Any], replaced: str, t
 _TRACES: weakref.WeakKeyDictionary[fx.Graph, dict] = weakref.WeakKeyDictionary()
 
 
-def _trace_key(fn: Callable, args: list[Any], fakes: list[Any]) -> tuple | None:
+def _distinct_fakes(inputs: list[fx.Node]) -> list[Any]:
+    """The fake values to trace ``inputs`` on: one object per distinct node.
+
+    make_fx reads a tensor passed twice through one placeholder, so two nodes must not share a fake
+    (block stamping gives every copy of a node its template's): the second gets a fresh one alike.
+    """
+    fakes, owner = [], {}
+    for a in inputs:
+        f = val(a)
+        if isinstance(f, torch.Tensor) and owner.setdefault(id(f), a) is not a:
+            with detect_fake_mode([f]):
+                f = torch.empty_strided(f.shape, f.stride(), dtype=f.dtype, device=f.device)
+        fakes.append(f)
+    return fakes
+
+
+class _Input:
+    """Where a traced replacement takes a graph value, in its key (unlike a literal ``None``)."""
+
+    def __repr__(self) -> str:
+        return "<input>"
+
+
+_INPUT = _Input()
+
+
+def _trace_key(fn: Callable, args: list[Any], inputs: list[fx.Node], fakes: list[Any]) -> tuple | None:
     """What a traced replacement depends on; ``None`` when something in it has no stable value."""
     if isinstance(fn, functools.partial):
         fn_key = (fn.func, fn.args, tuple(sorted(fn.keywords.items())))
@@ -103,12 +129,12 @@ def _trace_key(fn: Callable, args: list[Any], fakes: list[Any]) -> tuple | None:
         if not isinstance(f, torch.Tensor):
             return None
         metas.append((f.dtype, f.device, tuple(map(str, f.shape)), tuple(map(str, f.stride()))))
-    consts = tuple(None if isinstance(a, fx.Node) else a for a in args)
+    consts = tuple(_INPUT if isinstance(a, fx.Node) else a for a in args)
     if any(isinstance(a, torch.Tensor) for a in consts):
         return None  # compared by identity, not value
-    # Which inputs are one tensor: traced with the same value twice (``h + fc(h)``: x and the
+    # Which inputs are one node: traced with the same value twice (``h + fc(h)``: x and the
     # residual), the trace reads its last placeholder for both, so it cannot stand for two tensors.
-    aliases = tuple(next(j for j, g in enumerate(fakes) if g is f) for f in fakes)
+    aliases = tuple(inputs.index(a) for a in inputs)
     key = (fn_key, consts, tuple(metas), aliases)
     try:
         hash(key)

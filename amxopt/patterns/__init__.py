@@ -145,6 +145,12 @@ def upcast_of(xf: Any, x: Any) -> bool:
     return True
 
 
+def rms_eps(eps: float | None) -> float:
+    """An rms_norm's epsilon; ``None`` is aten's default, the epsilon of its accumulation type (fp32
+    for bf16 input too: bf16's own epsilon, 0.0078, would be a different norm)."""
+    return float(torch.finfo(torch.float32).eps if eps is None else eps)
+
+
 def _schedule(amx_schedule: str) -> dict:
     """linear's amx_schedule where autotune chose one (a graph without a choice reads as before)."""
     return {} if amx_schedule == "default" else {"amx_schedule": amx_schedule}

@@ -37,6 +37,7 @@ from amxopt.patterns import (
     Rule,
     gated_residual_replacement,
     layer_norm_modulate_replacement,
+    rms_eps,
     rms_norm_modulate_replacement,
     rotary_replacement,
     rotate_half_replacement,
@@ -239,10 +240,7 @@ _INPUTS = {
 
 
 def _modulate_options(match: Match, config) -> dict:
-    eps = match["eps"]
-    if eps is None:  # aten.rms_norm's default: the epsilon of its (fp32, upcast) input
-        eps = torch.finfo(torch.float32).eps
-    return {"eps": float(eps), "provider": config.provider}
+    return {"eps": rms_eps(match["eps"]), "provider": config.provider}
 
 
 def _rule(name, kind, inputs_key, pattern, replacement, guard, root, options=None, applies=None) -> Rule:

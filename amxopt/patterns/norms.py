@@ -16,7 +16,7 @@ import torch
 
 from amxopt.passes import _autotune
 from amxopt.passes._graph import dtype_of, val
-from amxopt.patterns import CASTS, DTYPES, Match, Rule, layer_norm_replacement, rms_norm_replacement, upcast_of
+from amxopt.patterns import CASTS, DTYPES, Match, Rule, layer_norm_replacement, rms_eps, rms_norm_replacement, upcast_of
 
 aten = torch.ops.aten
 
@@ -80,10 +80,8 @@ def _same_dtype_window(match: Match, config) -> bool:
 
 
 def _options(kind: str, match: Match, config) -> dict:
-    eps = match["eps"]
-    if kind == "rms_norm" and eps is None:
-        eps = torch.finfo(dtype_of(match.root.args[0])).eps
-    return {"eps": float(eps), "provider": config.provider}
+    eps = rms_eps(match["eps"]) if kind == "rms_norm" else float(match["eps"])
+    return {"eps": eps, "provider": config.provider}
 
 
 def _real(a):

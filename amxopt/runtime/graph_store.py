@@ -25,11 +25,14 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import inspect
 import json
 import logging
+import marshal
 import math
 import operator
 import pathlib
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +42,7 @@ from torch import fx, nn
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from amxopt.capture import Captured
+from amxopt.capture.repeated import hooked
 from amxopt.config import AmxConfig
 from amxopt.files import replacing
 from amxopt.ops import native, packed
@@ -452,10 +456,18 @@ class GuardCheck:
 # --------------------------------------------------------------------------------------------------
 
 
-def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: AmxConfig) -> str:
+def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: AmxConfig) -> str | None:
     """What a cached graph depends on: amxopt's own code, the library versions, the CPU and tier,
-    the exported module's structure and tensor shapes, the call's structure, and the options.
-    Weight values are not in it: a cached graph reads the weights it is restored on."""
+    the exported module's structure, code, settings and tensor shapes, the call's structure, and
+    the options. Weight values are not in it: a cached graph reads the weights it is restored on.
+
+    ``None`` (do not cache) for a module with forward hooks: what a hook computes cannot be told
+    from its name.
+    """
+    hooks = hooked(module)
+    if hooks:
+        logger.info("amxopt: graph cache not used: forward hooks on %s", ", ".join(p or "the model" for p in hooks))
+        return None
     leaves, spec = pytree.tree_flatten(graph_inputs)
     parts = {
         "format": FORMAT,
@@ -471,6 +483,10 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         "adapter": adapter_name,
         "structure": repr(module),
         "config": _model_config(module),
+        # what repr and the config do not show: a constant in a forward, an attention processor,
+        # which submodules are in training mode; and the code of classes outside the libraries
+        "settings": _settings(module),
+        "model_code": _model_code(module),
         "tensors": [(n, list(t.shape), str(t.dtype)) for n, t in module.state_dict(keep_vars=True).items()],
         "inputs": [
             str(spec),
@@ -481,9 +497,96 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-# Where a config came from, not what the model computes: a model loaded from a directory restores
-# the graph of the same model built in code.
-_CONFIG_PROVENANCE = ("_name_or_path", "_commit_hash", "_diffusers_version", "transformers_version")
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+# Where a model or config came from, or what it has logged, not what it computes: a model loaded
+# from a directory restores the graph of the same model built in code.
+_PROVENANCE = frozenset(
+    ("_name_or_path", "_commit_hash", "_diffusers_version", "transformers_version", "name_or_path", "warnings_issued")
+)
+
+
+def _settings(module: nn.Module) -> dict:
+    """Each submodule's Python attributes and training flag, described alike in every process."""
+    seen: dict[int, str] = {}
+    return {
+        path: [
+            sub.training,
+            {k: _described(v, f"{path}.{k}", seen) for k, v in sorted(vars(sub).items()) if _setting(k)},
+        ]
+        for path, sub in module.named_modules()
+    }
+
+
+def _setting(name: str) -> bool:
+    return name not in _MODULE_INTERNALS and name not in _PROVENANCE and not name.startswith("_amxopt")
+
+
+def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
+    """``v`` as JSON-able data that is equal across processes when ``v`` computes the same."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (torch.dtype, torch.device, bytes)):
+        return repr(v)
+    if isinstance(v, torch.Tensor):  # a small one is a setting; a large one comes from the config
+        return [
+            "tensor",
+            list(v.shape),
+            str(v.dtype),
+            v.tolist() if v.numel() <= 64 and v.device.type != "meta" else None,
+        ]
+    if isinstance(v, (tuple, list, set, frozenset)):
+        items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
+        return [type(v).__name__, [_described(x, f"{where}[{i}]", seen, depth + 1) for i, x in enumerate(items)]]
+    if isinstance(v, dict):
+        items = [(k, x) for k, x in v.items() if k not in _PROVENANCE]
+        return ["dict", [[repr(k), _described(x, f"{where}[{k!r}]", seen, depth + 1)] for k, x in items]]
+    if isinstance(v, functools.partial):
+        return ["partial", _described((v.func, v.args, v.keywords), where, seen, depth + 1)]
+    if isinstance(v, (types.FunctionType, types.MethodType)):
+        fn = getattr(v, "__func__", v)
+        cells = [c.cell_contents for c in fn.__closure__ or () if c.cell_contents is not fn]
+        return ["function", _qualified(fn), _described(cells, where, seen, depth + 1)]
+    if isinstance(v, (type, types.BuiltinFunctionType, types.ModuleType)):
+        return _qualified(v)
+    if isinstance(v, nn.Module):
+        return ["module", _qualified(type(v))]  # described under its own path
+    if id(v) in seen:
+        return ["same as", seen[id(v)]]
+    seen[id(v)] = where
+    if hasattr(v, "to_dict") and hasattr(v, "_attn_implementation"):  # a transformers config
+        values = _described(v.to_dict(), where, seen, depth + 1)
+        return [_qualified(type(v)), values, v._attn_implementation]
+    if depth < 3 and hasattr(v, "__dict__"):  # an attention processor, a config
+        return [_qualified(type(v)), _described(vars(v), where, seen, depth + 1)]
+    return _qualified(type(v))
+
+
+def _qualified(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
+
+
+# Code covered by the library versions in the key (amxopt's own: by code_hash).
+_LIBRARIES = ("torch", "transformers", "diffusers", "amxopt")
+
+
+def _model_code(module: nn.Module) -> dict[str, str]:
+    """A digest of the source of each class in ``module`` that is not a library's (a user's model
+    edited between runs): its whole file, or its compiled methods where there is no file."""
+    digests = {}
+    for cls in sorted({type(m) for m in module.modules()}, key=_qualified):
+        if cls.__module__.split(".")[0] in _LIBRARIES:
+            continue
+        digest = hashlib.sha256()
+        try:
+            digest.update(pathlib.Path(inspect.getsourcefile(cls)).read_bytes())
+        except (TypeError, OSError):  # defined in a notebook or by exec
+            for name, f in sorted(vars(cls).items()):
+                if isinstance(f, types.FunctionType):
+                    digest.update(name.encode() + marshal.dumps(f.__code__))
+        closures = [v for _, v in sorted(vars(cls).items()) if isinstance(v, types.FunctionType) and v.__closure__]
+        digest.update(json.dumps(_described(closures, "closures", {}), default=str).encode())
+        digests[_qualified(cls)] = digest.hexdigest()
+    return digests
 
 
 def _model_config(module: nn.Module) -> Any:
@@ -492,7 +595,7 @@ def _model_config(module: nn.Module) -> Any:
         config = getattr(m, "config", None)
         if config is not None:
             values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-            configs[name] = {k: v for k, v in values.items() if k not in _CONFIG_PROVENANCE}
+            configs[name] = {k: v for k, v in values.items() if k not in _PROVENANCE}
     return configs
 
 

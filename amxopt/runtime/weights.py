@@ -139,6 +139,9 @@ def _refuse_eager_call(model: nn.Module, args) -> None:
         )
 
 
+_refuse_eager_call.amxopt_own = True  # not a user's hook (amxopt/capture/repeated.py: hooked)
+
+
 @contextlib.contextmanager
 def exportable(model: nn.Module):
     """While tracing ``model``, released placeholders become CPU stand-ins carrying the same tags."""

@@ -154,3 +154,54 @@ def test_blocks_of_other_shapes_or_settings_or_one_block_twice_are_no_stack():
     shared = _Block()
     model.blocks = nn.ModuleList([shared, shared, _Block()])
     assert find_stacks(model) == []
+
+
+class _Skips(nn.Module):
+    """Outputs of two blocks of one stack meet in one fused op: ``head(h2) + h1``."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        outs = []
+        for block in self.blocks:
+            x = block(x)
+            outs.append(x)
+        return self.head(outs[2]) + outs[1]
+
+
+def test_stamped_copies_are_distinct_tensors_to_a_fused_replacement():
+    # Each copy carries its template's fake value: a replacement traced on two of them must still
+    # read two tensors (it read block 2's output for both, and block 1 was dropped).
+    import amxopt
+    from tests.helpers import CONFIG
+
+    model, x = _Skips().eval(), torch.randn(6, 8)
+    opt = amxopt.optimize(model, (x,), CONFIG)
+    assert "blocks traced one by one" not in " ".join(opt.report.notes)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_blocks_with_hooks_or_another_training_mode_are_no_stack():
+    model = _Stack().eval()
+    handle = model.blocks[1].fc.register_forward_hook(lambda m, i, o: o * 3)
+    assert find_stacks(model) == []  # a copy of block 0 would drop block 1's hook
+    handle.remove()
+    everywhere = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        assert find_stacks(model) == []
+    finally:
+        everywhere.remove()
+    model.blocks[2].fc.train()
+    assert find_stacks(model) == []
+    model.blocks[2].fc.eval()
+    assert [s.path for s in find_stacks(model)] == ["blocks"]
+    with torch.no_grad():
+        hooked = _Stack().eval()
+        hooked.blocks[1].fc.register_forward_hook(lambda m, i, o: o * 3)
+        x = torch.randn(6, 8)
+        captured, graph_inputs = _capture(hooked, {"x": x.clone()}, stamp=True)
+        torch.testing.assert_close(captured.gm(**graph_inputs), hooked(x.clone()))

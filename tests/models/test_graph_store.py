@@ -164,6 +164,56 @@ def test_cache_key_follows_structure_and_options_not_weights():
         torch.set_num_threads(threads)
 
 
+class _Scaled(torch.nn.Module):
+    """A constant the forward reads from a Python attribute: not in repr, config or state_dict."""
+
+    def __init__(self, k: float):
+        super().__init__()
+        self.fc, self.k = torch.nn.Linear(8, 8), k
+
+    def forward(self, x):
+        return self.fc(x) * self.k
+
+
+def _defined(body: str):
+    """A model class defined without a source file (a notebook cell), forward ``body``."""
+    scope = {"torch": torch}
+    exec(
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.fc = torch.nn.Linear(8, 8)\n"
+        f"    def forward(self, x):\n        return {body}\n",
+        scope,
+    )
+    return scope["Net"]()
+
+
+def test_cache_key_follows_settings_code_and_training_and_hooks_turn_it_off():
+    graph_inputs = {"x": torch.randn(2, 8)}
+
+    def key(model):
+        return graph_store.cache_key(model, "plain", graph_inputs, CONFIG)
+
+    assert key(_Scaled(2.0)) == key(_Scaled(2.0)) and key(_Scaled(2.0)) != key(_Scaled(3.0))
+    assert key(_defined("torch.relu(self.fc(x))")) != key(_defined("torch.sigmoid(self.fc(x))"))
+    model = _Scaled(2.0)
+    model.fc.train(False)
+    assert key(model) != key(_Scaled(2.0))
+    handle = model.fc.register_forward_hook(lambda m, i, o: o * 3)
+    assert key(model) is None  # what a hook computes cannot be told from its name
+    handle.remove()
+    assert key(model) is not None
+
+
+def test_a_model_with_another_setting_is_not_served_the_first_ones_graph(tmp_path):
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path))
+    x = torch.randn(2, 8)
+    for k in (2.0, 3.0):
+        model = _Scaled(k).eval()
+        opt = amxopt.optimize(model, (x,), config)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+
+
 def test_load_restores_the_saved_graph_without_capturing(tmp_path, monkeypatch):
     name = "tiny-wan"
     config = dataclasses.replace(CONFIG, keep_source=False, graph_cache=False)

@@ -180,6 +180,37 @@ def test_a_residual_that_is_the_linear_input_does_not_leak_into_other_matches():
     assert_same(gm, gi, model)
 
 
+class WeightOnlyThenBiasOnlyNorm(nn.Module):
+    """Two LayerNorms of the same shapes, one with only a weight, one with only a bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(16)), nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return F.layer_norm(x, (16,), self.w, None, 1e-5), F.layer_norm(x, (16,), None, self.b, 1e-5)
+
+
+def test_a_weight_only_norm_and_a_bias_only_norm_keep_their_own_parameters():
+    # A traced replacement is reused only where the same arguments are graph values (not None).
+    model = WeightOnlyThenBiasOnlyNorm().eval()
+    gm, gi = captured(model, {"x": torch.randn(2, 5, 16)})
+    assert run(replace_norms, gm)
+    assert count(gm, amx.layer_norm.default) == 2
+    assert_same(gm, gi, model)
+
+
+def test_rms_norm_default_eps_is_the_fp32_one_in_a_bf16_model():
+    # aten.rms_norm with eps=None uses its accumulation type's epsilon: fp32's, not bf16's 0.0078.
+    model = nn.RMSNorm(16).eval().to(torch.bfloat16)
+    x = (torch.randn(2, 5, 16) * 1e-3).bfloat16()
+    gm, gi = captured(model, {"x": x})
+    assert run(replace_norms, gm)
+    [norm] = [n for n in gm.graph.nodes if n.target == amx.rms_norm.default]
+    assert norm.args[2] == torch.finfo(torch.float32).eps
+    assert_same(gm, gi, model, {"x": x})
+
+
 def test_replace_linear_without_fuse_residual_keeps_the_adds():
     model = ResidualBlock().eval()
     gm, gi = captured(model, {"x": torch.randn(3, 5, 16)})
