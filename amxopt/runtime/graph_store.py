@@ -501,7 +501,15 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 # Where a model or config came from, or what it has logged, not what it computes: a model loaded
 # from a directory restores the graph of the same model built in code.
 _PROVENANCE = frozenset(
-    ("_name_or_path", "_commit_hash", "_diffusers_version", "transformers_version", "name_or_path", "warnings_issued")
+    (
+        "_name_or_path",
+        "_commit_hash",
+        "_diffusers_version",
+        "transformers_version",
+        "name_or_path",
+        "warnings_issued",
+        "_use_default_values",
+    )
 )
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -162,6 +165,34 @@ def test_cache_key_follows_structure_and_options_not_weights():
         assert key(a, tuned) != at_two and key(a) == untuned
     finally:
         torch.set_num_threads(threads)
+
+
+_KEY_OF_TINY_MODELS = """
+import torch
+from amxopt import models
+from amxopt.capture import prepare
+from amxopt.runtime import graph_store
+from tests.helpers import CONFIG
+for name in ("tiny-wan", "tiny-qwen3-vl-vision"):
+    model = models.build_model(name, torch.bfloat16)
+    adapter, graph_inputs = prepare(model, models.example_inputs(name, torch.bfloat16))
+    print(graph_store.cache_key(adapter.export_module(model), adapter.name, graph_inputs, CONFIG))
+"""
+
+
+def test_cache_key_is_the_same_in_another_process():
+    # A process's string hashes order its sets (diffusers keeps one in the config it stores).
+    keys = [
+        subprocess.run(
+            [sys.executable, "-c", _KEY_OF_TINY_MODELS],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        for seed in ("1", "2")
+    ]
+    assert keys[0] == keys[1] and len(keys[0]) == 2
 
 
 class _Scaled(torch.nn.Module):
