@@ -143,6 +143,23 @@ def _trace_key(fn: Callable, args: list[Any], inputs: list[fx.Node], fakes: list
     return key
 
 
+def written_inside(nodes: list[fx.Node], last: fx.Node) -> fx.Node | None:
+    """An op outside ``nodes`` writing a tensor in place between the first of them and ``last``.
+
+    Export keeps in-place ops (``mul_``, ``copy_``); a replacement computed at ``last`` would read
+    the inputs after the write, where the matched ops read them before it. (A match's own writes,
+    such as diffusers' rotary filling ``empty_like`` by slices, are what it replaces.)
+    """
+    todo, n = set(nodes) - {last}, last.prev
+    while todo and n.op != "root":
+        if n in todo:
+            todo.discard(n)
+        elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            return n
+        n = n.prev
+    return None
+
+
 def replace_node(old: fx.Node, new: fx.Node, *extra_dead: fx.Node) -> None:
     """Point every user of ``old`` at ``new`` and erase ``old`` (then ``extra_dead``, if unused)."""
     old.replace_all_uses_with(new)

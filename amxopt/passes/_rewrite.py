@@ -10,7 +10,9 @@ same, but importing it costs ~115 MB of RSS and seconds at load time, against no
 Rules apply in list order, so a longer pattern (Linear + gelu) listed first wins over a shorter
 one (Linear) on the same nodes. For each match the rule ``applies`` to: the guard's refusal is
 noted on the root node (the report lists it), autotune may keep ATen (noted likewise), else the
-replacement is traced in place of the match's output and the matched nodes are erased. A root that
+replacement is traced in place of the match's output and the matched nodes are erased. A match
+with an in-place write between its first node and its output is skipped (the replacement would read
+the written tensor), so a shorter rule may still take its root. A root that
 was refused or kept is settled: no later rule of the list rewrites it (a Linear + silu kept as
 ATen for speed is not then rewritten without its silu).
 """
@@ -24,7 +26,7 @@ from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
 from amxopt.config import AmxConfig
 from amxopt.passes import _autotune
-from amxopt.passes._graph import insert_traced, kept_for_speed, leave, replace_node
+from amxopt.passes._graph import insert_traced, kept_for_speed, leave, replace_node, written_inside
 from amxopt.patterns import AMX_KINDS, KIND_TARGETS, Match, Rule
 
 
@@ -56,6 +58,10 @@ def apply_rules(gm: fx.GraphModule, rules: list[Rule], config: AmxConfig) -> int
             values = [_current(v, renamed) for v in found.placeholder_nodes]
             match = Match(dict(zip(names, values)), root, out)
             if not rule.applies(match, config):
+                continue
+            written = written_inside(inner, out)
+            if written is not None:  # a shorter rule may still fit (a Linear before the write)
+                leave(root, f"{written.name} writes a tensor in place inside its {rule.name} match")
                 continue
             reason = rule.guard(match)
             if reason:

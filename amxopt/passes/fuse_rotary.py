@@ -32,7 +32,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
-from amxopt.passes._graph import REPLACED, TIMED, arg, cleanup, insert_traced, leave, replace_node, val
+from amxopt.passes._graph import REPLACED, TIMED, arg, cleanup, insert_traced, leave, replace_node, val, written_inside
 
 aten = torch.ops.aten
 amx = torch.ops.amxopt
@@ -150,6 +150,9 @@ def _why_not(attn: fx.Node, rq: fx.Node, rk: fx.Node) -> str | None:
         # The attention reads the rotary's (contiguous) output in its own order: as one reshape of it.
         if not (_known(seen.storage_offset() == 0) and _contiguous(seen)):
             return f"the attention reads {name} in another order than the rotary wrote it"
+    written = written_inside([rq, rk], attn)
+    if written is not None:
+        return f"{written.name} writes a tensor in place between them"
     xq, xk = val(rq.args[0]), val(rk.args[0])
     if xq.dim() != xk.dim() or not all(_known(a == b) for a, b in zip(xq.shape[:-2], xk.shape[:-2])):
         return f"q {tuple(xq.shape)} and k {tuple(xk.shape)} are not the same tokens (not a self-attention)"

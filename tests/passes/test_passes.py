@@ -211,6 +211,29 @@ def test_rms_norm_default_eps_is_the_fp32_one_in_a_bf16_model():
     assert_same(gm, gi, model, {"x": x})
 
 
+class WrittenInBetween(nn.Module):
+    """``y = fc(h)``, then ``h`` written in place, then y's gelu and a residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, r):
+        h = x * 1.0
+        y = self.fc(h)
+        h.mul_(2.0)
+        return r + F.gelu(y) + h
+
+
+def test_a_write_in_place_inside_a_match_keeps_the_later_ops_out_of_it():
+    model = WrittenInBetween().eval()
+    gm, gi = captured(model, {"x": torch.randn(2, 5, 16), "r": torch.randn(2, 5, 16)})
+    assert run(replace_linear, gm)
+    [linear] = [n for n in gm.graph.nodes if n.target == amx.linear.default]
+    assert linear.args[3] == "none" and "residual" not in linear.kwargs  # the Linear alone, before the write
+    assert_same(gm, gi, model)
+
+
 def test_replace_linear_without_fuse_residual_keeps_the_adds():
     model = ResidualBlock().eval()
     gm, gi = captured(model, {"x": torch.randn(3, 5, 16)})
