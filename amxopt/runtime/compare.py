@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -14,7 +16,11 @@ def max_abs_error(actual, expected) -> float:
         expected: an output of the same structure.
 
     Returns:
-        The largest ``|actual - expected|`` over all tensor leaves.
+        The largest ``|actual - expected|`` over all tensor leaves; NaN when any leaf has a NaN
+        difference (a NaN in either output, or infinities that differ).
+
+    Raises:
+        ValueError: the structures, or the shapes of two leaves, differ.
 
     Example::
 
@@ -27,4 +33,10 @@ def max_abs_error(actual, expected) -> float:
     pairs = [(a, e) for a, e in zip(a_leaves, e_leaves) if isinstance(a, torch.Tensor)]
     if not pairs:
         raise ValueError("amxopt: no tensor outputs to compare")
-    return max(float((a.float() - e.float()).abs().max()) for a, e in pairs)
+    errors = []
+    for i, (a, e) in enumerate(pairs):
+        if a.shape != e.shape:
+            raise ValueError(f"amxopt: output {i} has shape {tuple(a.shape)}, expected {tuple(e.shape)}")
+        if a.numel():
+            errors.append(float((a.float() - e.float()).abs().max()))  # NaN when any difference is
+    return math.nan if any(math.isnan(x) for x in errors) else max(errors, default=0.0)

@@ -1,0 +1,23 @@
+"""max_abs_error: the error the CLI, the tools and the tests report."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from amxopt.runtime import max_abs_error
+
+
+def test_a_nan_in_any_output_is_an_error_of_nan():
+    a = (torch.zeros(3), torch.tensor([1.0, float("nan")]))
+    e = (torch.zeros(3), torch.tensor([1.0, 2.0]))
+    assert math.isnan(max_abs_error(a, e)) and math.isnan(max_abs_error(e, a))
+    assert max_abs_error((torch.zeros(3), torch.tensor([1.0, 2.5])), e) == 0.5
+
+
+def test_outputs_of_other_shapes_are_refused_not_broadcast():
+    with pytest.raises(ValueError, match=r"output 0 has shape \(3, 4\), expected \(1, 4\)"):
+        max_abs_error(torch.zeros(3, 4), torch.zeros(1, 4))
+    assert max_abs_error(torch.zeros(0, 4), torch.zeros(0, 4)) == 0.0
