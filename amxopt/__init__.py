@@ -62,6 +62,11 @@ def optimize(model: Any, example_inputs: Any = None, config: AmxConfig | None = 
         print(model.amxopt_report)
     """
     config = config or AmxConfig()
+    if isinstance(model, (OptimizedModule, tp.TPModule)):
+        raise ValueError(
+            f"amxopt: optimize() was given an {type(model).__name__}, a model amxopt already optimized; "
+            "pass the original model"
+        )
     if getattr(model, "training", False):
         raise ValueError(
             f"amxopt: {type(model).__name__} is in training mode; amxopt optimizes inference, call .eval()"

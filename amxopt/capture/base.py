@@ -126,6 +126,13 @@ def export(
     (amxopt/capture/repeated.py); a stack that cannot be is traced block by block, with a note.
     """
     module = adapter.export_module(model)
+    inference = next((n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_inference()), None)
+    if inference is not None:
+        raise CaptureError(
+            f"amxopt: {adapter.model_name}'s {inference} was created under torch.inference_mode, and torch.export "
+            "cannot trace inference tensors: build or load the model outside inference_mode (calling it inside "
+            "is fine)"
+        )
     attempts = [True, False] if dynamic else [False]
     errors = []
     for dyn in attempts:

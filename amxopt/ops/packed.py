@@ -21,7 +21,8 @@ def _stamp(tensor: torch.Tensor) -> tuple:
     it stale. (An in-place update through ``param.data``, which has a version counter of its own, is
     not seen: optimize again from a fresh model after one.)"""
     data = 0 if tensor.device.type == "meta" else tensor.data_ptr()
-    return (tensor._version, tensor.dtype, tuple(tensor.shape), tensor.device.type, data)
+    version = 0 if tensor.is_inference() else tensor._version  # an inference tensor counts no versions
+    return (version, tensor.dtype, tuple(tensor.shape), tensor.device.type, data)
 
 
 def packed_for(tensor: torch.Tensor, provider: str) -> torch.Tensor | None:

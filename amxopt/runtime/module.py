@@ -9,9 +9,11 @@ the graphs themselves hold only packed weights.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -97,8 +99,9 @@ def _check_no_released_reads(gm: fx.GraphModule, model_name: str) -> None:
 
 
 def _signature(graph_inputs: dict) -> tuple:
+    # A tensor by its rank: export's guards check sizes, not how many (a Wan timestep [B] or [B, T]).
     leaves, spec = pytree.tree_flatten(graph_inputs)
-    return spec, tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+    return spec, tuple({"tensor_dims": x.dim()} if isinstance(x, torch.Tensor) else x for x in leaves)
 
 
 class OptimizedModule(nn.Module):
@@ -129,8 +132,94 @@ class OptimizedModule(nn.Module):
         # Kept for re-capture of calls no graph accepts; a plain ref, so that nn.Module does not
         # register the source model's weights as part of this module's state.
         self.__dict__["_source"] = model
+        self.train(model.training)
+        self._watch_loads(model)
         if first is not None:
             self._add(first)
+
+    def _watch_loads(self, model: nn.Module) -> None:
+        """A ``load_state_dict`` into the source (whole or a submodule) after optimize: refused where
+        it would write a released weight (a no-op on its meta placeholder: the graphs would mix old
+        packed weights with new norms and biases); else the graphs are dropped, and the next call
+        captures again from the new values (packing what changed)."""
+        me = weakref.ref(self)
+
+        def before_load(module, state_dict, prefix, *_) -> None:
+            # The outermost module loaded checks its whole subtree, before anything is written.
+            if not any(k.startswith(prefix) for k in state_dict):
+                return
+            for name, p in module.named_parameters(remove_duplicate=False):
+                if prefix + name in state_dict and packed.is_released(p):
+                    raise RuntimeError(
+                        f"amxopt: cannot load {prefix + name} into {type(model).__name__}: amxopt.optimize packed "
+                        "that weight and released its source (one copy in memory). Load the new weights into a "
+                        "fresh model and optimize it, or optimize with AmxConfig(keep_source=True)"
+                    )
+            opt = me()
+            if opt is not None:
+                opt._drop_graphs()
+
+        for module in model.modules():
+            if module._parameters or module._buffers:
+                module.register_load_state_dict_pre_hook(before_load)
+
+    def train(self, mode: bool = True) -> OptimizedModule:
+        # Only the flag, as the source's: the graphs compute inference whatever it says (a graph
+        # from export refuses train()).
+        self.training = mode
+        return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The source model's state dict, under its own names (a whole model saved after optimize
+        saves its towers as they were); refused when optimize released packed source weights."""
+        source = self.__dict__["_source"]
+        if any(packed.is_released(p) for p in source.parameters()):
+            raise RuntimeError(
+                f"amxopt: {self.adapter.model_name}'s packed weights were released by amxopt.optimize, so it has no "
+                "state dict to save: save the model before optimizing it, save the optimized model with "
+                "opt.save(directory), or optimize with AmxConfig(keep_source=True)"
+            )
+        return source.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load into the source model; the graphs are captured again at the next call."""
+        return self.__dict__["_source"].load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> OptimizedModule:
+        # .to / .float / .half / .cpu / .cuda: the packed weights cannot follow; a move or cast that
+        # changes nothing (a pipeline's .to("cpu") or .to(its own dtype)) is fine.
+        dtype = self._dtype()
+        moved = fn(torch.empty(0, dtype=dtype))
+        if moved.dtype != dtype or moved.device.type != "cpu":
+            raise RuntimeError(
+                f"amxopt: {self.adapter.model_name} runs its weights packed for {dtype} on the CPU and cannot be "
+                f"moved or cast to {moved.dtype} on {moved.device}: cast the model before amxopt.optimize"
+            )
+        return self
+
+    def _dtype(self) -> torch.dtype:
+        source = self.__dict__["_source"]
+        dtype = getattr(source, "dtype", None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        return next((p.dtype for p in source.parameters() if p.is_floating_point()), torch.float32)
+
+    def __reduce_ex__(self, protocol: int):
+        raise TypeError(
+            f"amxopt: an optimized {self.adapter.model_name} cannot be pickled (its graphs would lose their output "
+            "types): save it with opt.save(directory) and read it with amxopt.load"
+        )
+
+    def __deepcopy__(self, memo: dict) -> OptimizedModule:
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def _drop_graphs(self) -> None:
+        if self._entries or self._pending:
+            logger.info("amxopt: %s's weights were loaded again: its graphs are captured anew", self.adapter.model_name)
+        self._entries, self._pending = [], []
 
     @property
     def _graphs(self) -> list[GraphEntry]:
@@ -220,6 +309,13 @@ class OptimizedModule(nn.Module):
         options = self.adapter.output_options(call)
         graph_inputs = self.adapter.graph_inputs(call)
         self._check_dtypes(graph_inputs)
+        if torch.is_grad_enabled():
+            wants_grad = [k for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+            if wants_grad:
+                raise RuntimeError(
+                    f"amxopt: {self.adapter.model_name} runs inference only, and {wants_grad[0]} requires grad: call "
+                    "it under torch.no_grad() or with a detached input"
+                )
         with torch.no_grad():
             graph = next((g for g in self._graphs if _accepts(g, graph_inputs)), None)
             if graph is None:

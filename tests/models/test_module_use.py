@@ -1,0 +1,93 @@
+"""The optimized module used as a model is used: new weights, state dicts, copies, casts, grads."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+
+import pytest
+import torch
+
+import amxopt
+from amxopt import models
+from amxopt.runtime import max_abs_error
+from tests.helpers import CONFIG
+
+WAN = "tiny-wan"
+
+
+def _wan(seed: int = 0):
+    return models.build_model(WAN, torch.float32, seed=seed), models.example_inputs(WAN, torch.float32)
+
+
+def _run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs)
+
+
+def test_weights_loaded_into_a_kept_source_are_the_ones_the_next_call_uses(tmp_path):
+    (model, inputs), (other, _) = _wan(0), _wan(1)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
+    model.load_state_dict(other.state_dict())
+    assert max_abs_error(_run(opt, inputs), _run(other, inputs)) == 0.0  # the old packed weights: 0.8 off
+    opt.load_state_dict(_wan(2)[0].state_dict())  # into the source, under its own names
+    assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
+    assert opt.state_dict().keys() == model.state_dict().keys()
+
+
+def test_weights_loaded_into_a_released_source_are_refused_before_any_is_written(tmp_path):
+    (model, inputs), (other, _) = _wan(0), _wan(1)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, keep_source=False, autotune_cache=str(tmp_path)))
+    before = _run(opt, inputs)
+    bias = model.patch_embedding.bias.clone()
+    with pytest.raises(RuntimeError, match=r"cannot load patch_embedding.weight into WanTransformer3DModel.*released"):
+        model.load_state_dict(other.state_dict())
+    with pytest.raises(RuntimeError, match=r"cannot load .*weight into WanTransformer3DModel.*released"):
+        model.blocks[0].load_state_dict(other.blocks[0].state_dict())
+    assert torch.equal(model.patch_embedding.bias, bias)
+    assert torch.equal(_run(opt, inputs).sample, before.sample)
+    with pytest.raises(RuntimeError, match=r"released by amxopt.optimize, so it has no state dict.*opt.save"):
+        opt.state_dict()
+
+
+def test_copies_casts_moves_and_grads(tmp_path):
+    model, inputs = _wan()
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    assert not opt.training
+    assert max_abs_error(_run(copy.deepcopy(opt), inputs), _run(model, inputs)) == 0.0
+    with pytest.raises(TypeError, match=r"WanTransformer3DModel cannot be pickled.*opt.save"):
+        torch.save(opt, io.BytesIO())
+    assert opt.to("cpu") is opt and opt.to(torch.float32) is opt  # nothing changes
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("meta")):
+        with pytest.raises(RuntimeError, match=r"packed for torch.float32 on the CPU and cannot be moved or cast"):
+            cast(opt)
+    wants_grad = {**inputs, "hidden_states": inputs["hidden_states"].clone().requires_grad_()}
+    with pytest.raises(RuntimeError, match=r"runs inference only, and hidden_states requires grad"):
+        opt(**wants_grad)
+    with pytest.raises(ValueError, match=r"given an OptimizedModule, a model amxopt already optimized"):
+        amxopt.optimize(opt, inputs, CONFIG)
+
+
+def test_a_timestep_of_another_rank_is_captured_again(tmp_path):
+    # Wan takes a timestep per sample [B] or per token [B, T]: export's guards check sizes, not ranks.
+    model, inputs = _wan()
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    per_token = {**inputs, "timestep": inputs["timestep"][:, None]}
+    assert max_abs_error(_run(opt, per_token), _run(model, per_token)) == 0.0
+    assert len(opt.graphs) == 2
+
+
+def test_a_first_call_under_inference_mode_captures(tmp_path):
+    model, inputs = _wan()
+    config = dataclasses.replace(CONFIG, keep_source=False, isolate_capture=False, autotune_cache=str(tmp_path))
+    opt = amxopt.optimize(model, None, config)
+    with torch.inference_mode():
+        got = opt(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+    assert max_abs_error(got, _run(_wan()[0], inputs)) == 0.0
+    assert opt.eval() is opt and opt.train() is opt  # a graph from export refuses train()
+    with torch.inference_mode():
+        built_inside = _wan()[0]
+    with pytest.raises(amxopt.CaptureError, match=r"created under torch.inference_mode.*outside inference_mode"):
+        amxopt.optimize(built_inside, inputs, dataclasses.replace(config, graph_cache=False))
