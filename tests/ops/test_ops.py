@@ -1057,3 +1057,39 @@ def test_work_items_on_two_threads_are_the_tuned_ones(provider):
     # ... except where those leave a thread idle: Omni's 5 column groups of 256 on the fp32 engine
     if native.active_tier() == "fp32":
         assert native.linear_work_split(390, 1280, 1280, 2) == (390, 128, 10)
+
+
+# --- values at the edges: NaN, infinities, huge negatives, zero widths ---------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_propagates_nan_and_inf_scores_as_aten_does(provider, dtype):
+    # A NaN key makes every row NaN, a NaN query its own row, a +inf score the rows it reaches:
+    # never a key treated as masked or a row of zeros (the fp32 softmax did both). (ATen's own bf16
+    # flash kernel, the reference in bf16, zeroes those rows: not what the math says.)
+    if provider == "reference" and dtype == torch.bfloat16:
+        pytest.skip("ATen's bf16 flash attention on the CPU writes zeros for NaN scores")
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    q, k, v = (torch.randn(40, 1, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    nan_key, nan_query, inf_key = k.clone(), q.clone(), k.clone()
+    nan_key[3, 0, 5], nan_query[0, 0], inf_key[3, 0, 5] = math.nan, math.nan, math.inf
+    for qq, kk in ((q, nan_key), (nan_query, k), (q, inf_key)):
+        want = ops.varlen_attention(qq, kk, v, cu, cu, 0, 0, 0.125, False, "reference").isnan()
+        got = ops.varlen_attention(qq.to(dtype), kk.to(dtype), v.to(dtype), cu, cu, 0, 0, 0.125, False, provider)
+        assert torch.equal(got.isnan(), want) and want.any()
+
+
+def test_gelu_of_huge_negative_values_is_zero(provider):
+    # gelu(v) -> -0 as v -> -inf; v times the capped erf tail grew with |v| (-1.3 at -1e36).
+    x = torch.tensor([[-13.0, -1e10, -1e30, -1e36, -3e38] + [-20.0] * 11])
+    got = ops.linear(x, ops.pack_linear_weight(torch.eye(16), provider), None, "gelu", 16, provider)
+    assert torch.equal(got, torch.zeros_like(got))
+
+
+def test_zero_width_rows_normalize_and_zero_in_features_is_refused(provider):
+    x = torch.randn(4, 0)
+    assert ops.layer_norm(x, None, None, 1e-5, provider).shape == (4, 0)
+    assert ops.rms_norm(x, None, 1e-5, provider).shape == (4, 0)
+    if provider == "native":
+        with pytest.raises(ValueError, match=r"amxopt.linear: x has shape \(4, 0\).*in_features > 0"):
+            ops.linear(x, ops.pack_linear_weight(torch.randn(8, 1), provider), torch.randn(8), "none", 8, provider)

@@ -364,7 +364,8 @@ at::Tensor attention_brgemm(const at::Tensor& q, const at::Tensor& k, const at::
       }
       for (int64_t i = 0; i < rows; ++i) {
         S* orow = O + (sg.q0 + r0 + i) * H * D + h * D;
-        const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
+        // A row that saw no key is 0; a NaN score (or +inf) made its sum NaN, and the row NaN, as in ATen.
+        const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : row_sum[i] == 0.f ? 0.f : row_sum[i];
         if constexpr (std::is_same_v<S, bf16>)
           vk.scaled_bf16(acc + i * D, D, inv, orow);
         else

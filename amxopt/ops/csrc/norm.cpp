@@ -11,7 +11,7 @@ at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& wei
                        const std::optional<at::Tensor>& bias, double eps, bool rms,
                        const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& shift) {
   const int64_t D = x.size(-1);
-  auto x2 = x.reshape({-1, D});
+  auto x2 = x.reshape({c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1), D});  // D may be 0
   if (D > 0 && x2.stride(1) != 1) x2 = x2.contiguous();
   auto y = new_output(x.sizes(), x.options());
   if (x2.numel() == 0) return y;

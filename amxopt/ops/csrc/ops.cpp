@@ -158,7 +158,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
         .call(x, packed, bias, activation, out_features, residual);
   const Act act = parse_act(activation, op);
   check_float(op, "x", x);
-  AMX_CHECK(x.dim() >= 1, op, "x has shape ", shape(x.sizes()), "; it needs at least one dim");
+  AMX_CHECK(x.dim() >= 1 && x.size(-1) > 0, op, "x has shape ", shape(x.sizes()),
+            "; it needs at least one dim, and in_features > 0");
   std::ostringstream desc;
   desc << "x " << shape(x.sizes());
   auto bias32 = check_gemm(op, desc.str(), x.size(-1), x.scalar_type(), packed, bias, out_features);
