@@ -41,11 +41,26 @@ def _sdpa_refusal(match: Match) -> str | None:
         return "q/k/v are not [B, H, S, D]"
     if dtype_of(match["q"]) not in DTYPES:
         return f"dtype {dtype_of(match['q'])} has no kernel"
+    # Sizes equal in the example: separate dynamic inputs get separate symbols, and a later call
+    # where they differ is refused by the op's own checks (k/v alike, bounds in range), never wrong.
+    def same(a, b) -> bool:
+        return statically_known_true(a == b) or (_example(a) is not None and _example(a) == _example(b))
+
+    if not (same(q.shape[0], k.shape[0]) and same(k.shape[0], v.shape[0])):
+        return f"q/k/v batches {q.shape[0]}/{k.shape[0]}/{v.shape[0]} may differ (SDPA broadcasts them)"
+    if not (same(q.shape[3], k.shape[3]) and same(k.shape[3], v.shape[3]) and same(k.shape[2], v.shape[2])):
+        return f"k {tuple(k.shape)} and v {tuple(v.shape)} are not alike (amxopt.varlen_attention needs one head dim)"
     if q.shape[1] != k.shape[1] and not match["enable_gqa"]:
         return "query and key head counts differ without enable_gqa"
+    if not (same(k.shape[1], v.shape[1]) and same(q.shape[1] % k.shape[1], 0)):
+        return f"head counts q {q.shape[1]}, k {k.shape[1]}, v {v.shape[1]} are not a grouping"
     if match["is_causal"] and not statically_known_true(q.shape[2] == k.shape[2]):
         return "causal with query/key lengths that may differ (SDPA aligns the mask top-left)"
     return None
+
+
+def _example(size):
+    return size.node.hint if isinstance(size, torch.SymInt) else size
 
 
 def _sdpa_timing(match: Match, fn, config) -> _autotune.Timing | None:

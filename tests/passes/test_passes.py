@@ -4,6 +4,7 @@ idempotence (a second run changes nothing), numeric (rewritten graph == original
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -309,6 +310,21 @@ def test_replace_attention_leaves_causal_cross_attention():
     gm, _ = captured(SDPA(causal=True), inputs)
     assert not run(replace_attention, gm)
     assert "causal" in left_reasons(gm, aten.scaled_dot_product_attention.default)[0]
+
+
+@pytest.mark.parametrize(
+    "shapes, reason",
+    [
+        (((2, 4, 10, 16), (2, 4, 10, 16), (2, 4, 10, 32)), "are not alike"),  # v's head dim is its own
+        (((2, 4, 10, 16), (1, 4, 10, 16), (1, 4, 10, 16)), "batches .* may differ"),  # k/v broadcast over q
+    ],
+)
+def test_replace_attention_leaves_sdpa_shapes_the_op_does_not_take(shapes, reason):
+    inputs = {name: torch.randn(*shape) for name, shape in zip("qkv", shapes)}
+    gm, gi = captured(SDPA(), inputs)
+    assert not run(replace_attention, gm)
+    assert re.search(reason, left_reasons(gm, aten.scaled_dot_product_attention.default)[0])
+    assert_same(gm, gi, SDPA())
 
 
 # --- replace_patch_embed -----------------------------------------------------------------------
