@@ -73,8 +73,6 @@ def optimize(model: Any, example_inputs: Any = None, config: AmxConfig | None = 
         )
     config = dataclasses.replace(config, provider=resolve(config.provider))
     if config.tp != 1 and config.tp_group is None:
-        if config.tp != "env" and (not isinstance(config.tp, int) or isinstance(config.tp, bool) or config.tp < 1):
-            raise ValueError(f"amxopt: AmxConfig.tp must be a positive int or 'env', got {config.tp!r}")
         if is_pipeline(model) or has_towers(model):
             raise ValueError(
                 f"amxopt: tensor parallelism applies to a model captured whole (an encoder or transformer), "

@@ -79,6 +79,29 @@ class AmxConfig:
     tp_rank: int = 0
     tp_group: str | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse values of the wrong kind here, by field, not deep inside a capture."""
+
+        def bad(name: str, wants: str) -> ValueError:
+            return ValueError(f"amxopt: AmxConfig.{name} must be {wants}, got {getattr(self, name)!r}")
+
+        for f in dataclasses.fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise bad(f.name, "True or False")
+        if not isinstance(self.provider, str):
+            raise bad("provider", "a provider name")
+        if self.passes is not None:
+            if isinstance(self.passes, str) or not all(isinstance(p, str) for p in self.passes):
+                raise bad("passes", "a sequence of pass names, such as ('replace_linear',)")
+            object.__setattr__(self, "passes", tuple(self.passes))
+        if not isinstance(self.max_recaptures, int) or isinstance(self.max_recaptures, bool) or self.max_recaptures < 1:
+            raise bad("max_recaptures", "an int >= 1")
+        tp_ok = self.tp == "env" if isinstance(self.tp, str) else isinstance(self.tp, int) and self.tp >= 1
+        if not tp_ok or isinstance(self.tp, bool):
+            raise bad("tp", "a positive int or 'env'")
+        if not isinstance(self.tp_timeout_s, (int, float)) or not self.tp_timeout_s > 0:
+            raise bad("tp_timeout_s", "a number of seconds > 0")
+
     def cache_dir(self) -> pathlib.Path:
         """Root of the on-disk caches (``autotune_cache``, else the XDG cache directory)."""
         root = self.autotune_cache or os.path.join(

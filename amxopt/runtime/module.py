@@ -351,9 +351,10 @@ class OptimizedModule(nn.Module):
         for name, dtype in expected.items():
             got = graph_inputs.get(name)
             if isinstance(got, torch.Tensor) and got.dtype != dtype:
+                other_model = f", or optimize a {got.dtype} model" if got.is_floating_point() else ""
                 raise TypeError(
                     f"amxopt: {self.adapter.model_name} was optimized for {name} in {dtype}, got {got.dtype}; "
-                    f"cast the input or optimize a {got.dtype} model"
+                    f"cast {name} to {dtype}{other_model}"
                 )
 
     def _recapture(self, graph_inputs: dict) -> GraphEntry:

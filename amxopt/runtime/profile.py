@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 
 from amxopt.passes._graph import op_name
@@ -201,20 +202,19 @@ def profile_graph(
     if repeats < 1:
         raise ValueError(f"amxopt profile: repeats must be >= 1, got {repeats}")
     placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    missing = [p for p in placeholders if p not in graph_inputs]
-    if missing:
-        raise ValueError(f"amxopt profile: no input for the graph's placeholders {missing}")
-    inputs = [graph_inputs[p] for p in placeholders]
+    inputs = pytree.tree_leaves(graph_inputs)  # a list or dict argument: one placeholder per leaf
+    if len(inputs) != len(placeholders):
+        raise ValueError(f"amxopt profile: {len(inputs)} inputs for the graph's placeholders {placeholders}")
     graph_times, timed_times, runs = [], [], []
     with torch.no_grad():
-        gm(*inputs)  # warm-up: first-call allocations, thread pools
+        gm(**graph_inputs)  # warm-up: first-call allocations, thread pools
         for _ in range(repeats):
             start = time.perf_counter()
-            gm(*inputs)
+            gm(**graph_inputs)
             graph_times.append(time.perf_counter() - start)
             timer = _NodeTimer(gm, by_shape)
             start = time.perf_counter()
-            timer.run(*inputs)
+            timer.run(*inputs, enable_io_processing=False)
             timed_times.append(time.perf_counter() - start)
             runs.append(timer)
     last = runs[-1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -94,6 +96,29 @@ def test_unknown_provider_and_pass():
         amxopt.optimize(model, (torch.randn(2, 4),), amxopt.AmxConfig(provider="amx9000"))
     with pytest.raises(ValueError, match="unknown passes"):
         amxopt.optimize(model, (torch.randn(2, 4),), amxopt.AmxConfig(passes=("fold_everything",)))
+
+
+@pytest.mark.parametrize(
+    "field, value, wants",
+    [
+        (
+            "passes",
+            "replace_linear",
+            "a sequence of pass names, such as ('replace_linear',)",
+        ),  # a string is not a list of passes
+        ("max_recaptures", 0, "an int >= 1"),
+        ("tp", 0, "a positive int or 'env'"),
+        ("tp", True, "a positive int or 'env'"),
+        ("tp_timeout_s", -5, "a number of seconds > 0"),
+        ("dynamic", "no", "True or False"),
+    ],
+)
+def test_config_values_of_the_wrong_kind_are_refused_by_field(field, value, wants):
+    with pytest.raises(
+        ValueError, match=rf"AmxConfig\.{field} must be {re.escape(wants)}, got {re.escape(repr(value))}"
+    ):
+        amxopt.AmxConfig(**{field: value})
+    assert amxopt.AmxConfig(passes=["replace_linear"]).passes == ("replace_linear",)
 
 
 def test_vision_tower_without_adapter_says_why_it_cannot_be_captured():

@@ -63,6 +63,8 @@ def test_copies_casts_moves_and_grads(tmp_path):
     for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("meta")):
         with pytest.raises(RuntimeError, match=r"packed for torch.float32 on the CPU and cannot be moved or cast"):
             cast(opt)
+    with pytest.raises(TypeError, match=r"timestep in torch.float32, got torch.int64; cast timestep to torch.float32$"):
+        opt(**{**inputs, "timestep": inputs["timestep"].long()})
     wants_grad = {**inputs, "hidden_states": inputs["hidden_states"].clone().requires_grad_()}
     with pytest.raises(RuntimeError, match=r"runs inference only, and hidden_states requires grad"):
         opt(**wants_grad)

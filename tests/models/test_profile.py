@@ -91,8 +91,26 @@ def test_profile_refuses_what_it_cannot_time():
     gm = opt.graphs[0]
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         profile_graph(gm, {}, repeats=0)
-    with pytest.raises(ValueError, match="no input for the graph's placeholders"):
+    with pytest.raises(ValueError, match=r"0 inputs for the graph's placeholders \['x'\]"):
         profile_graph(gm, {})
+
+
+class Pair(nn.Module):
+    """A list argument: the graph has one placeholder per element."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, xs, scale=1.0):
+        return self.a(xs[0]) + self.b(xs[1]) * scale
+
+
+def test_profile_of_a_model_taking_a_list():
+    xs = [torch.randn(4, 16), torch.randn(4, 16)]
+    opt = amxopt.optimize(Pair().eval(), (xs,), CONFIG)
+    rows = {r.op: r.calls for r in opt.profile((xs, 0.5)).rows}
+    assert rows["amxopt.linear.default"] == 2
 
 
 def test_cli_profile_prints_and_writes_the_table(tmp_path, capsys):
