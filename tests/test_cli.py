@@ -102,9 +102,44 @@ def test_dump_of_any_model_from_a_factory(tmp_path, capsys):
 @pytest.mark.parametrize(
     "spec, error", [("tests.test_cli:nothing", "cannot load"), ("tests.test_cli:build_nothing", "must return")]
 )
-def test_dump_of_a_bad_factory_says_what_is_wrong(spec, error):
-    with pytest.raises(ValueError, match=error):
-        cli.main(["dump", spec, "--dtype", "fp32"])
+def test_dump_of_a_bad_factory_says_what_is_wrong(spec, error, capsys):
+    assert cli.main(["dump", spec, "--dtype", "fp32"]) == 2
+    assert error in capsys.readouterr().err
+    with pytest.raises(ValueError, match=error):  # -v: the traceback
+        cli.main(["-v", "dump", spec, "--dtype", "fp32"])
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--size", "abc"], "sizes are positive numbers"),
+        (["--size", "-64"], "sizes must be positive"),
+        (["--tp", "2", "--rank", "5"], "--rank 5 is not a rank of --tp 2"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_built(args, error, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["dump", "tiny-qwen3-vl-vision", *args])
+    assert exit_.value.code == 2 and error in capsys.readouterr().err
+
+
+def build_wrong():
+    """A factory whose model's optimized form differs from it: check must fail."""
+    return _Wrong().eval(), (torch.randn(3, 8),)
+
+
+class _Wrong(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * 1e4 if torch.compiler.is_compiling() else self.fc(x)
+
+
+def test_check_fails_when_the_optimized_model_differs(capsys):
+    assert cli.main(["check", "tests.test_cli:build_wrong", "--provider", "reference"]) == 1
+    assert "FAILS" in capsys.readouterr().out
 
 
 def test_dump_of_a_tp_shard_shows_the_collectives(tmp_path, capsys):

@@ -43,10 +43,10 @@ def load_target(spec: str, dtype: torch.dtype, size: Any = None) -> tuple[nn.Mod
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"amxopt dump: cannot load {spec!r} ({type(e).__name__}: {e})") from None
+        raise ValueError(f"amxopt: cannot load {spec!r} ({type(e).__name__}: {e})") from None
     result = factory()
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
-        raise ValueError(f"amxopt dump: {spec}() must return (model, inputs), got {type(result).__name__}")
+        raise ValueError(f"amxopt: {spec}() must return (model, inputs), got {type(result).__name__}")
     return result
 
 
