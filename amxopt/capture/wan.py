@@ -48,6 +48,11 @@ class WanAdapter(Adapter):
                 f"{who}: encoder_hidden_states must be [B, L, {self.text_dim}], "
                 f"got {getattr(text, 'shape', type(text).__name__)}"
             )
+        if text.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"{who}: encoder_hidden_states {tuple(text.shape)} is for a batch of {text.shape[0]}, hidden_states "
+                f"{tuple(x.shape)} for {x.shape[0]}: give each latent its own text embeddings"
+            )
         if call.get("attention_kwargs"):
             raise ValueError(f"{who}: attention_kwargs are not supported, got {call['attention_kwargs']}")
         return call

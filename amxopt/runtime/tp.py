@@ -336,9 +336,17 @@ class TPModule(nn.Module):
         try:
             if self._store.check([_ERROR.format(rank)]):
                 return ":\n" + self._store.get(_ERROR.format(rank)).decode()
+            if self._store.check([_READY.format(rank)]):
+                return ""  # killed, or died in a collective
         except Exception:  # noqa: BLE001 - the store may be gone with the failure being reported
-            pass
-        return ""
+            return ""
+        # Not ready: it died starting up. A spawned worker first imports the script that
+        # started it: one calling optimize() outside its main guard fails there, as Python's
+        # multiprocessing says on stderr.
+        return (
+            " before reaching amxopt's code (its traceback is on stderr); a script that optimizes with tp must "
+            'do so under `if __name__ == "__main__":`'
+        )
 
     @property
     def report(self):

@@ -65,6 +65,15 @@ def test_wan_latent_shape_checked():
     bad = dict(inputs, hidden_states=inputs["hidden_states"][..., :7])
     with pytest.raises(ValueError, match=r"WanTransformer3DModel: latent .* not divisible by the patch size"):
         opt(**bad)
+    two = dict(inputs, hidden_states=torch.cat([inputs["hidden_states"]] * 2))
+    with pytest.raises(ValueError, match=r"encoder_hidden_states .* for a batch of 1, hidden_states .* for 2"):
+        opt(**two)
+
+
+def test_a_qwen_tower_in_float16_is_refused_with_the_cast_to_make():
+    model = models.build_model("tiny-qwen3-vl-vision", torch.float16)
+    with pytest.raises(ValueError, match=r"Qwen3VLVisionModel is in torch.float16.*model.to\(torch.bfloat16\)"):
+        amxopt.optimize(model, models.example_inputs("tiny-qwen3-vl-vision", torch.float16), CONFIG)
 
 
 class DataDependent(nn.Module):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -173,6 +174,26 @@ def test_a_dead_rank_fails_the_call_with_its_exit_code():
     with pytest.raises(RuntimeError, match="closed"):
         sharded(**inputs)
     assert not worker.is_alive()
+
+
+_UNGUARDED = """
+import sys
+sys.path.insert(0, {root!r})
+import torch, amxopt
+from amxopt import models
+name = "tiny-qwen3-omni-vision"
+amxopt.optimize(models.build_model(name), models.example_inputs(name), amxopt.AmxConfig(tp=2, tp_timeout_s=60))
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    # A spawned worker imports the script first: without the guard it tries to start workers itself.
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED.format(root=os.getcwd()))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "rank 1 exited with code 1 before reaching amxopt's code" in run.stderr
+    assert 'under `if __name__ == "__main__":`' in run.stderr
 
 
 def test_a_hung_rank_fails_the_call_within_the_timeout():
