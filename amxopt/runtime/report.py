@@ -98,8 +98,10 @@ class Report:
                 left.append(Entry(_TARGET_KIND[node.target], node.name, op_name(node.target), reason))
             elif node.target in _OTHER_COMPUTE:
                 other[op_name(node.target)] += 1
+        # one all-reduce per unit, and one per norm across the heads a unit shards (Wan's q/k norm)
+        reduces = sum(1 for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default)
         notes += [
-            f"tensor parallel ({shard}): {n} attention/MLP units sharded, each + 1 all-reduce"
+            f"tensor parallel ({shard}): {n} attention/MLP units sharded, {reduces} all-reduces"
             for shard, n in sharded.items()
         ]
         return cls(

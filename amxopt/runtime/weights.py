@@ -93,10 +93,11 @@ def release(model: nn.Module, keep: set[int]) -> int:
     if freed:
         # Checkpoint loaders (transformers, diffusers) hand out views of one memory-mapped file per
         # shard: while any view lives, every page packing read stays resident. Give the tensors that
-        # remain (norms, biases, embeddings) storage of their own, in place so graphs sharing them follow.
+        # remain (norms, biases, embeddings) storage of their own, in place so graphs sharing them
+        # follow; one that has it already (a later release) is left as it is.
         with torch.no_grad():
             for t in (*model.parameters(), *model.buffers()):
-                if t.device.type != "meta":
+                if t.device.type != "meta" and t.untyped_storage().nbytes() > t.numel() * t.element_size():
                     fresh = packings(t)  # a kept weight's packings stay fresh: the values are the same
                     t.data = t.data.clone()
                     for provider, done_packing in fresh.items():

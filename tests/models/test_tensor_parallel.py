@@ -321,6 +321,18 @@ def test_an_attention_the_pass_cannot_follow_is_replicated_and_reported():
     assert any("replicated across tp ranks" in n and "flip" in n for n in report.notes), report.notes
 
 
+def test_the_report_counts_the_all_reduces_a_shard_runs():
+    # Wan's q/k RMSNorm spans all heads: each sharded attention adds an all-reduce per norm.
+    model = _model("wan-5-heads", torch.float32)
+    adapter, graph_inputs = prepare(model, models.example_inputs("tiny-wan", torch.float32))
+    config = dataclasses.replace(CONFIG, tp=2, tp_rank=0, tp_group="unused")
+    graph = build_graph(model, adapter, graph_inputs, config)
+    reduces = sum(1 for n in graph.captured.gm.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default)
+    units = 3 * _blocks(model)
+    assert reduces > units
+    assert any(f"{units} attention/MLP units sharded, {reduces} all-reduces" in n for n in graph.report.notes)
+
+
 class _MQABlock(torch.nn.Module):
     """8 q heads, one kv head: ``view(b, s, 1, d)`` also fits the last dim of the heads' layout."""
 

@@ -37,6 +37,23 @@ def test_optimize_releases_the_packed_source_weights():
     assert opt.device == torch.device("cpu") and opt.dtype == torch.float32
 
 
+def test_release_gives_views_of_a_larger_storage_their_own_and_leaves_the_rest():
+    # A checkpoint loader's tensors are views of one mapped file: each kept one gets its own copy,
+    # so the file's pages can go; a tensor that owns its storage is not copied again.
+    model = models.build_model(_NAME)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    offset = 0
+    for p in model.parameters():  # every parameter a view into one buffer, as when loaded
+        p.data = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    norm, own = model.blocks[0].norm1.weight, model.blocks[0].norm2.bias
+    own.data = own.data.clone()
+    kept = own.data_ptr()
+    amxopt.optimize(model, models.example_inputs(_NAME, size=64), RELEASE)
+    assert norm.untyped_storage().nbytes() == norm.numel() * norm.element_size()
+    assert own.data_ptr() == kept
+
+
 def test_a_recapture_reuses_the_packed_weights():
     model = models.build_model(_NAME)
     opt = amxopt.optimize(model, models.example_inputs(_NAME, size=64), dataclasses.replace(RELEASE, dynamic=False))
