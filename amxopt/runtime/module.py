@@ -104,6 +104,41 @@ def _signature(graph_inputs: dict) -> tuple:
     return spec, tuple({"tensor_dims": x.dim()} if isinstance(x, torch.Tensor) else x for x in leaves)
 
 
+class _LoadWatch:
+    """A ``load_state_dict`` into the source (whole or a submodule) after optimize: refused where it
+    would write a released weight (a no-op on its meta placeholder: the graphs would mix old packed
+    weights with new norms and biases); else the optimized modules watching drop their graphs, and
+    their next call captures again from the new values (packing what changed).
+
+    A pre-hook of each module of the source: the outermost module loaded checks its whole subtree,
+    before anything is written. Pickled or copied with the model, it keeps the refusal and watches
+    nothing (an optimized module is not pickled; a copied one watches its own copy of the source).
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.watchers: weakref.WeakSet = weakref.WeakSet()
+
+    def __call__(self, module: nn.Module, state_dict: Mapping, prefix: str, *_) -> None:
+        if not any(k.startswith(prefix) for k in state_dict):
+            return
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if prefix + name in state_dict and packed.is_released(p):
+                raise RuntimeError(
+                    f"amxopt: cannot load {prefix + name} into {self.model_name}: amxopt.optimize packed that "
+                    "weight and released its source (one copy in memory). Load the new weights into a fresh "
+                    "model and optimize it, or optimize with AmxConfig(keep_source=True)"
+                )
+        for opt in list(self.watchers):
+            opt._drop_graphs()
+
+    def __getstate__(self) -> dict:
+        return {"model_name": self.model_name}
+
+    def __setstate__(self, state: dict) -> None:
+        self.model_name, self.watchers = state["model_name"], weakref.WeakSet()
+
+
 class OptimizedModule(nn.Module):
     """An amxopt-optimized model: same call signature and output type as the original.
 
@@ -138,30 +173,15 @@ class OptimizedModule(nn.Module):
             self._add(first)
 
     def _watch_loads(self, model: nn.Module) -> None:
-        """A ``load_state_dict`` into the source (whole or a submodule) after optimize: refused where
-        it would write a released weight (a no-op on its meta placeholder: the graphs would mix old
-        packed weights with new norms and biases); else the graphs are dropped, and the next call
-        captures again from the new values (packing what changed)."""
-        me = weakref.ref(self)
-
-        def before_load(module, state_dict, prefix, *_) -> None:
-            # The outermost module loaded checks its whole subtree, before anything is written.
-            if not any(k.startswith(prefix) for k in state_dict):
-                return
-            for name, p in module.named_parameters(remove_duplicate=False):
-                if prefix + name in state_dict and packed.is_released(p):
-                    raise RuntimeError(
-                        f"amxopt: cannot load {prefix + name} into {type(model).__name__}: amxopt.optimize packed "
-                        "that weight and released its source (one copy in memory). Load the new weights into a "
-                        "fresh model and optimize it, or optimize with AmxConfig(keep_source=True)"
-                    )
-            opt = me()
-            if opt is not None:
-                opt._drop_graphs()
-
+        """See :class:`_LoadWatch`: one per module of the source, shared by its optimized modules."""
         for module in model.modules():
             if module._parameters or module._buffers:
-                module.register_load_state_dict_pre_hook(before_load)
+                hooks = module._load_state_dict_pre_hooks.values()
+                watch = next((h.hook for h in hooks if isinstance(getattr(h, "hook", None), _LoadWatch)), None)
+                if watch is None:
+                    watch = _LoadWatch(type(model).__name__)
+                    module.register_load_state_dict_pre_hook(watch)
+                watch.watchers.add(self)
 
     def train(self, mode: bool = True) -> OptimizedModule:
         # Only the flag, as the source's: the graphs compute inference whatever it says (a graph
@@ -214,6 +234,7 @@ class OptimizedModule(nn.Module):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        new._watch_loads(new.__dict__["_source"])
         return new
 
     def _drop_graphs(self) -> None:

@@ -37,6 +37,19 @@ def test_weights_loaded_into_a_kept_source_are_the_ones_the_next_call_uses(tmp_p
     assert opt.state_dict().keys() == model.state_dict().keys()
 
 
+def test_a_copy_watches_its_own_source_and_the_source_still_pickles(tmp_path):
+    (model, inputs), (other, _) = _wan(0), _wan(1)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    copied = copy.deepcopy(opt)
+    copied.__dict__["_source"].load_state_dict(other.state_dict())
+    assert max_abs_error(_run(copied, inputs), _run(other, inputs)) == 0.0
+    assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # the load watch pickles with it (tp workers receive models so)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=False).load_state_dict(other.state_dict())
+
+
 def test_weights_loaded_into_a_released_source_are_refused_before_any_is_written(tmp_path):
     (model, inputs), (other, _) = _wan(0), _wan(1)
     opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, keep_source=False, autotune_cache=str(tmp_path)))
