@@ -28,7 +28,6 @@ import importlib.metadata
 import inspect
 import json
 import logging
-import marshal
 import math
 import operator
 import pathlib
@@ -468,6 +467,11 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
     if hooks:
         logger.info("amxopt: graph cache not used: forward hooks on %s", ", ".join(p or "the model" for p in hooks))
         return None
+    try:
+        described, code = _settings(module), _model_code(module)
+    except Exception as e:  # noqa: BLE001 - an attribute that cannot be read: no key, no cache
+        logger.info("amxopt: graph cache not used: %s's settings cannot be described (%s)", type(module).__name__, e)
+        return None
     leaves, spec = pytree.tree_flatten(graph_inputs)
     parts = {
         "format": FORMAT,
@@ -485,8 +489,8 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         "config": _model_config(module),
         # what repr and the config do not show: a constant in a forward, an attention processor,
         # which submodules are in training mode; and the code of classes outside the libraries
-        "settings": _settings(module),
-        "model_code": _model_code(module),
+        "settings": described,
+        "model_code": code,
         "tensors": [(n, list(t.shape), str(t.dtype)) for n, t in module.state_dict(keep_vars=True).items()],
         "inputs": [
             str(spec),
@@ -509,6 +513,12 @@ _PROVENANCE = frozenset(
         "name_or_path",
         "warnings_issued",
         "_use_default_values",
+        "_class_name",
+        # set by transformers' loader on every module, absent on a model built in code
+        "_is_hf_initialized",
+        "_use_kernels",
+        "_weight_conversions",
+        "zoo_name",  # amxopt.models' label of a model it built
     )
 )
 
@@ -542,9 +552,9 @@ def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
             str(v.dtype),
             v.tolist() if v.numel() <= 64 and v.device.type != "meta" else None,
         ]
-    if isinstance(v, (tuple, list, set, frozenset)):
+    if isinstance(v, (tuple, list, set, frozenset)):  # a tuple read back from JSON is a list
         items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
-        return [type(v).__name__, [_described(x, f"{where}[{i}]", seen, depth + 1) for i, x in enumerate(items)]]
+        return ["sequence", [_described(x, f"{where}[{i}]", seen, depth + 1) for i, x in enumerate(items)]]
     if isinstance(v, dict):
         items = [(k, x) for k, x in v.items() if k not in _PROVENANCE]
         return ["dict", [[repr(k), _described(x, f"{where}[{k!r}]", seen, depth + 1)] for k, x in items]]
@@ -589,8 +599,9 @@ def _model_code(module: nn.Module) -> dict[str, str]:
             digest.update(pathlib.Path(inspect.getsourcefile(cls)).read_bytes())
         except (TypeError, OSError):  # defined in a notebook or by exec
             for name, f in sorted(vars(cls).items()):
-                if isinstance(f, types.FunctionType):
-                    digest.update(name.encode() + marshal.dumps(f.__code__))
+                if isinstance(f, types.FunctionType):  # not co_filename: a notebook's names its process
+                    code = f.__code__
+                    digest.update(name.encode() + code.co_code + repr((code.co_consts, code.co_names)).encode())
         closures = [v for _, v in sorted(vars(cls).items()) if isinstance(v, types.FunctionType) and v.__closure__]
         digest.update(json.dumps(_described(closures, "closures", {}), default=str).encode())
         digests[_qualified(cls)] = digest.hexdigest()

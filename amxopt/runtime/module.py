@@ -169,6 +169,7 @@ class OptimizedModule(nn.Module):
         self.__dict__["_source"] = model
         self.train(model.training)
         self._watch_loads(model)
+        self.register_load_state_dict_post_hook(OptimizedModule._skip_graph_keys)
         if first is not None:
             self._add(first)
 
@@ -205,6 +206,25 @@ class OptimizedModule(nn.Module):
         """Load into the source model; the graphs are captured again at the next call."""
         return self.__dict__["_source"].load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        # A whole model loading its state: this part's keys (the source's names, as state_dict
+        # gives them) go to the source; the graphs' own tensors are not state (_skip_graph_keys).
+        inner = prefix + "graph_module."
+        mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix) and not k.startswith(inner)}
+        assign = local_metadata.get("assign_to_params_buffers", False)
+        result = self.__dict__["_source"].load_state_dict(mine, strict=False, assign=assign)
+        missing_keys += [prefix + k for k in result.missing_keys]
+        unexpected_keys += [prefix + k for k in result.unexpected_keys]
+        self.__dict__["_graph_keys"] = inner
+
+    @staticmethod
+    def _skip_graph_keys(module: OptimizedModule, incompatible) -> None:
+        inner = module.__dict__.pop("_graph_keys", None)
+        if inner is not None:
+            incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(inner)]
+
     def _apply(self, fn: Callable, recurse: bool = True) -> OptimizedModule:
         # .to / .float / .half / .cpu / .cuda: the packed weights cannot follow; a move or cast that
         # changes nothing (a pipeline's .to("cpu") or .to(its own dtype)) is fine.
@@ -233,6 +253,9 @@ class OptimizedModule(nn.Module):
     def __deepcopy__(self, memo: dict) -> OptimizedModule:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
+        for p in self.__dict__["_source"].parameters():
+            if packed.is_released(p):  # meta, shared: a copy would lose its packings and tag
+                memo[id(p)] = p
         new.__setstate__(copy.deepcopy(self.__dict__, memo))
         new._watch_loads(new.__dict__["_source"])
         return new

@@ -202,9 +202,12 @@ def profile_graph(
     if repeats < 1:
         raise ValueError(f"amxopt profile: repeats must be >= 1, got {repeats}")
     placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = pytree.tree_leaves(graph_inputs)  # a list or dict argument: one placeholder per leaf
-    if len(inputs) != len(placeholders):
-        raise ValueError(f"amxopt profile: {len(inputs)} inputs for the graph's placeholders {placeholders}")
+    if all(p in graph_inputs for p in placeholders):
+        inputs = [graph_inputs[p] for p in placeholders]
+    else:  # a list or dict argument: one placeholder per leaf, in the order the graph flattens them
+        inputs = pytree.tree_leaves(graph_inputs)
+        if len(inputs) != len(placeholders):
+            raise ValueError(f"amxopt profile: {len(inputs)} inputs for the graph's placeholders {placeholders}")
     graph_times, timed_times, runs = [], [], []
     with torch.no_grad():
         gm(**graph_inputs)  # warm-up: first-call allocations, thread pools

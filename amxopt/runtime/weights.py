@@ -31,6 +31,8 @@ from amxopt.ops.packed import (
     transfer,
 )
 
+_OWN_STORAGE = "amxopt_own_storage"  # on a kept tensor: the data release gave a storage of its own
+
 
 def packable(module: nn.Module, attr: str) -> bool:
     """A weight amxopt's passes turn into a packed GEMM operand: a Linear's, or a patch embedding's."""
@@ -91,15 +93,16 @@ def release(model: nn.Module, keep: set[int]) -> int:
                 freed += p.numel() * p.element_size()
             module._parameters[name] = done[id(p)]
     if freed:
-        # Checkpoint loaders (transformers, diffusers) hand out views of one memory-mapped file per
-        # shard: while any view lives, every page packing read stays resident. Give the tensors that
-        # remain (norms, biases, embeddings) storage of their own, in place so graphs sharing them
-        # follow; one that has it already (a later release) is left as it is.
+        # Checkpoint loaders (transformers, diffusers) hand out tensors whose storage lies in one
+        # memory-mapped file per shard: while any lives, every page packing read stays resident.
+        # Give the tensors that remain (norms, biases, embeddings) storage of their own, in place so
+        # graphs sharing them follow; one this did already (a later release) is left as it is.
         with torch.no_grad():
             for t in (*model.parameters(), *model.buffers()):
-                if t.device.type != "meta" and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                if t.device.type != "meta" and getattr(t, _OWN_STORAGE, None) != t.data_ptr():
                     fresh = packings(t)  # a kept weight's packings stay fresh: the values are the same
                     t.data = t.data.clone()
+                    setattr(t, _OWN_STORAGE, t.data_ptr())
                     for provider, done_packing in fresh.items():
                         remember(t, provider, done_packing)
         _return_freed_heap()

@@ -50,6 +50,18 @@ def test_a_copy_watches_its_own_source_and_the_source_still_pickles(tmp_path):
     torch.load(buffer, weights_only=False).load_state_dict(other.state_dict())
 
 
+def test_a_copy_of_a_model_whose_weights_were_released_captures_again(tmp_path):
+    model, inputs = _wan(0)
+    two = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}  # static batch
+    expected = _run(_wan(0)[0], two)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, keep_source=False, autotune_cache=str(tmp_path)))
+    copied = copy.deepcopy(opt)
+    assert max_abs_error(_run(copied, two), expected) < 1e-5  # copies of the meta weights had lost their packings
+    assert len(copied.graphs) == 2
+    with pytest.raises(RuntimeError, match="released"):
+        copied.load_state_dict(_wan(1)[0].state_dict())
+
+
 def test_weights_loaded_into_a_released_source_are_refused_before_any_is_written(tmp_path):
     (model, inputs), (other, _) = _wan(0), _wan(1)
     opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, keep_source=False, autotune_cache=str(tmp_path)))

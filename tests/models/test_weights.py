@@ -6,10 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 
 import amxopt
 from amxopt import models
 from amxopt.ops import packed
+from amxopt.runtime import weights
 from tests.helpers import CONFIG
 
 RELEASE = dataclasses.replace(CONFIG, keep_source=False)
@@ -37,21 +39,32 @@ def test_optimize_releases_the_packed_source_weights():
     assert opt.device == torch.device("cpu") and opt.dtype == torch.float32
 
 
-def test_release_gives_views_of_a_larger_storage_their_own_and_leaves_the_rest():
-    # A checkpoint loader's tensors are views of one mapped file: each kept one gets its own copy,
-    # so the file's pages can go; a tensor that owns its storage is not copied again.
-    model = models.build_model(_NAME)
+def test_release_gives_kept_tensors_their_own_storage_once():
+    # A checkpoint loader's tensors live in one mapped file (views, or exact-size storages inside
+    # it): each kept one gets a copy, so the file's pages can go; a later release copies it no more.
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8))
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     offset = 0
     for p in model.parameters():  # every parameter a view into one buffer, as when loaded
         p.data = flat[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
-    norm, own = model.blocks[0].norm1.weight, model.blocks[0].norm2.bias
-    own.data = own.data.clone()
-    kept = own.data_ptr()
+    for linear in (model[0], model[2]):
+        packed.remember(linear.weight, "reference", weights.pack(linear.weight, "reference"))
+    norm = model[1].weight
+    weights.release(model, keep={id(model[2].weight)})
+    assert norm.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+    copied = norm.data_ptr()
+    weights.release(model, keep=set())  # frees model[2].weight now
+    assert packed.is_released(model[2].weight) and norm.data_ptr() == copied
+
+
+def test_release_copies_what_a_checkpoint_loader_left_in_its_file(tmp_path):
+    # transformers gives each tensor an exact-size storage inside the mapped file: copied all the same.
+    models.build_model(_NAME).save_pretrained(tmp_path)
+    model = type(models.build_model(_NAME)).from_pretrained(tmp_path).eval()
+    in_file = model.blocks[0].norm1.weight.data_ptr()
     amxopt.optimize(model, models.example_inputs(_NAME, size=64), RELEASE)
-    assert norm.untyped_storage().nbytes() == norm.numel() * norm.element_size()
-    assert own.data_ptr() == kept
+    assert model.blocks[0].norm1.weight.data_ptr() != in_file
 
 
 def test_a_recapture_reuses_the_packed_weights():

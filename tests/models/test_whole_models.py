@@ -64,6 +64,21 @@ def test_qwen3_vl_generate_same_tokens_fp32(prompt, provider):
     assert again is model and again.amxopt_report.optimized["model.visual"] is report.optimized["model.visual"]
 
 
+def test_a_whole_models_state_dict_round_trips_through_its_optimized_tower():
+    # save_pretrained / load_state_dict of the whole model see the tower under its own names.
+    eager, model = (pipelines.build_qwen3_vl("tiny", torch.float32) for _ in range(2))
+    opt = amxopt.optimize(model, config=CONFIG)
+    inputs = pipelines.qwen3_vl_prompt(model, **VL_PROMPTS["two images"])
+    _logits(opt, inputs)  # captured
+    assert opt.state_dict().keys() == eager.state_dict().keys()
+    state = {k: v * 1.5 if ".visual." in k and v.is_floating_point() else v for k, v in eager.state_dict().items()}
+    assert not opt.load_state_dict(state).missing_keys
+    eager.load_state_dict(state)
+    assert max_abs_error(_logits(opt, inputs), _logits(eager, inputs)) < 1e-4
+    unexpected = opt.load_state_dict({"model.visual.nothing": torch.zeros(1)}, strict=False).unexpected_keys
+    assert unexpected == ["model.visual.nothing"]
+
+
 def test_qwen3_vl_bf16_logits_within_eager_error(qwen3_vl, provider):
     inputs32 = pipelines.qwen3_vl_prompt(qwen3_vl, **VL_PROMPTS["two images"])
     bf16 = pipelines.build_qwen3_vl("tiny", torch.bfloat16)
