@@ -601,7 +601,8 @@ def _model_code(module: nn.Module) -> dict[str, str]:
             for name, f in sorted(vars(cls).items()):
                 if isinstance(f, types.FunctionType):  # not co_filename: a notebook's names its process
                     code = f.__code__
-                    digest.update(name.encode() + code.co_code + repr((code.co_consts, code.co_names)).encode())
+                    consts = [c.co_code if isinstance(c, types.CodeType) else c for c in code.co_consts]
+                    digest.update(name.encode() + code.co_code + repr((consts, code.co_names)).encode())
         closures = [v for _, v in sorted(vars(cls).items()) if isinstance(v, types.FunctionType) and v.__closure__]
         digest.update(json.dumps(_described(closures, "closures", {}), default=str).encode())
         digests[_qualified(cls)] = digest.hexdigest()
