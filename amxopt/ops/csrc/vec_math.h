@@ -82,9 +82,8 @@ inline at::vec::Vectorized<float> exp2_for_bf16(at::vec::Vectorized<float> t) {
 // ATen's 1 + erf gives 0 from v = -5.7 on). z is capped at 8.9, where q t e^(-z^2) is 1e-37 and
 // still normal; below v = -12.59 (the cap) the result is -0, what ATen gives there (v times the
 // capped tail would grow with |v|: -1.3 at v = -1e36). NaN stays NaN (the cap makes z finite; v
-// multiplies last). 25-33 cycles per vector
-// on one core of an AMX Xeon, against 32-44 for ATen's erf (which calls Sleef's exp) and 100-260 once
-// its e^(-z^2) goes subnormal.
+// multiplies last). 25-33 cycles per vector on one core of an AMX Xeon, against 32-44 for ATen's
+// erf (which calls Sleef's exp) and 100-260 once its e^(-z^2) goes subnormal.
 inline __m512 gelu_erf(__m512 v) {
   const __m512 z_uncapped = _mm512_mul_ps(_mm512_abs_ps(v), _mm512_set1_ps(float(M_SQRT1_2)));
   const __m512 z = _mm512_min_ps(z_uncapped, _mm512_set1_ps(8.9f));
