@@ -31,6 +31,7 @@ import logging
 import math
 import operator
 import pathlib
+import sys
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -589,7 +590,8 @@ _LIBRARIES = ("torch", "transformers", "diffusers", "amxopt")
 
 def _model_code(module: nn.Module) -> dict[str, str]:
     """A digest of the source of each class in ``module`` that is not a library's (a user's model
-    edited between runs): its whole file, or its compiled methods where there is no file."""
+    edited between runs): its file and every loaded file of its package (a helper its forward
+    calls), or its compiled methods where there is no file."""
     digests = {}
     for cls in sorted({type(m) for m in module.modules()}, key=_qualified):
         if cls.__module__.split(".")[0] in _LIBRARIES:
@@ -597,6 +599,8 @@ def _model_code(module: nn.Module) -> dict[str, str]:
         digest = hashlib.sha256()
         try:
             digest.update(pathlib.Path(inspect.getsourcefile(cls)).read_bytes())
+            for path in _package_files(cls.__module__):
+                digest.update(path.encode() + pathlib.Path(path).read_bytes())
         except (TypeError, OSError):  # defined in a notebook or by exec
             for name, f in sorted(vars(cls).items()):
                 if isinstance(f, types.FunctionType):  # not co_filename: a notebook's names its process
@@ -607,6 +611,15 @@ def _model_code(module: nn.Module) -> dict[str, str]:
         digest.update(json.dumps(_described(closures, "closures", {}), default=str).encode())
         digests[_qualified(cls)] = digest.hexdigest()
     return digests
+
+
+def _package_files(module_name: str) -> list[str]:
+    """The source files of the loaded modules of ``module_name``'s top-level package."""
+    top = module_name.split(".")[0]
+    if top == "__main__":
+        return []  # a script: its own file is the class's
+    loaded = [m for name, m in list(sys.modules.items()) if name == top or name.startswith(top + ".")]
+    return sorted({f for m in loaded if (f := getattr(m, "__file__", None)) and f.endswith(".py")})
 
 
 def _model_config(module: nn.Module) -> Any:

@@ -250,6 +250,28 @@ def test_cache_key_follows_settings_code_and_training_and_hooks_turn_it_off():
     assert key(model) is not None
 
 
+def test_cache_key_follows_a_helper_file_of_the_models_package(tmp_path, monkeypatch):
+    package = tmp_path / "userpkg_for_key"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text("import torch\ndef act(h):\n    return torch.relu(h)\n")
+    (package / "model.py").write_text(
+        "import torch\nfrom userpkg_for_key.helpers import act\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.fc = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n        return act(self.fc(x))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from userpkg_for_key.model import Net
+
+    def key():
+        return graph_store.cache_key(Net(), "plain", {"x": torch.randn(2, 8)}, CONFIG)
+
+    before = key()
+    (package / "helpers.py").write_text("import torch\ndef act(h):\n    return torch.sigmoid(h)\n")
+    assert key() != before
+
+
 def test_a_model_with_another_setting_is_not_served_the_first_ones_graph(tmp_path):
     config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path))
     x = torch.randn(2, 8)
