@@ -133,7 +133,7 @@ def _layout(block: nn.Module) -> tuple:
     return tuple((name, tuple(t.shape), t.dtype) for name, t in state)
 
 
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+MODULE_INTERNALS = frozenset(vars(nn.Module()))  # what every module has (training among them)
 
 
 def hooked(module: nn.Module) -> list[str]:
@@ -155,8 +155,8 @@ def _settings(block: nn.Module) -> tuple:
     return tuple(
         (path, name, _value(v, 0))
         for path, sub in block.named_modules()
-        for name, v in sorted([*vars(sub).items(), ("training", sub.training)])
-        if name == "training" or name not in _MODULE_INTERNALS
+        for name, v in sorted(vars(sub).items())
+        if name == "training" or name not in MODULE_INTERNALS
     )
 
 

@@ -42,7 +42,7 @@ from torch import fx, nn
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from amxopt.capture import Captured
-from amxopt.capture.repeated import hooked
+from amxopt.capture.repeated import MODULE_INTERNALS, hooked
 from amxopt.config import AmxConfig
 from amxopt.files import replacing
 from amxopt.ops import native, packed
@@ -502,7 +502,6 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
 # Where a model or config came from, or what it has logged, not what it computes: a model loaded
 # from a directory restores the graph of the same model built in code.
 _PROVENANCE = frozenset(
@@ -537,7 +536,7 @@ def _settings(module: nn.Module) -> dict:
 
 
 def _setting(name: str) -> bool:
-    return name not in _MODULE_INTERNALS and name not in _PROVENANCE and not name.startswith("_amxopt")
+    return name not in MODULE_INTERNALS and name not in _PROVENANCE and not name.startswith("_amxopt")
 
 
 def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
