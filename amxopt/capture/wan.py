@@ -54,7 +54,10 @@ class WanAdapter(Adapter):
                 f"{tuple(x.shape)} for {x.shape[0]}: give each latent its own text embeddings"
             )
         if call.get("attention_kwargs"):
-            raise ValueError(f"{who}: attention_kwargs are not supported, got {call['attention_kwargs']}")
+            raise ValueError(
+                f"{who}: attention_kwargs are not supported, got {call['attention_kwargs']} (for a LoRA scale, "
+                "set it with set_adapters(names, weights) on the model or pipeline: the next call captures it)"
+            )
         return call
 
     def dynamic_shapes(self, graph_inputs: dict[str, Any]) -> dict[str, Any]:

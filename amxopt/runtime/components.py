@@ -10,6 +10,8 @@ caller's own code (``generate``, ``pipe(...)``) runs unchanged and reaches the r
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from typing import Any
 
 from torch import nn
@@ -122,4 +124,35 @@ def _optimize_pipeline(pipe: Any, config: AmxConfig) -> ComponentsReport:
             report.optimized[name] = opt
         else:
             report.left[name] = _left_reason(name, component)
+    _route_lora_calls(pipe, report.optimized)
     return report
+
+
+def _route_lora_calls(pipe: Any, parts: dict[str, OptimizedModule]) -> None:
+    """Point diffusers' LoRA methods of ``pipe`` (``load_lora_weights``, ``set_adapters``,
+    ``fuse_lora``, ``disable_lora``, ...) at the source models of its optimized parts.
+
+    They find the parts they act on by class (``ModelMixin``), which an :class:`OptimizedModule` is
+    not: a part would be skipped, or its adapters not found. During such a call each optimized part
+    is its source model again; the optimized module sees what the call changed at its next call
+    (new adapter layers, another scale, a merge: ``OptimizedModule._check_adapters``).
+    """
+    mixins = [c for c in type(pipe).__mro__ if c.__module__.startswith("diffusers.loaders") and "Lora" in c.__name__]
+    names = {n for c in mixins for n, f in vars(c).items() if inspect.isfunction(f) and not n.startswith("_")}
+    for name in names:
+        pipe.__dict__[name] = _with_sources(pipe, getattr(pipe, name), parts)
+
+
+def _with_sources(pipe: Any, method: Any, parts: dict[str, OptimizedModule]) -> Any:
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        swapped = [name for name, opt in parts.items() if pipe.__dict__.get(name) is opt]
+        for name in swapped:
+            pipe.__dict__[name] = parts[name].__dict__["_source"]
+        try:
+            return method(*args, **kwargs)
+        finally:
+            for name in swapped:
+                pipe.__dict__[name] = parts[name]
+
+    return call

@@ -105,14 +105,17 @@ def _signature(graph_inputs: dict) -> tuple:
 
 
 class _LoadWatch:
-    """A ``load_state_dict`` into the source (whole or a submodule) after optimize: refused where it
-    would write a released weight (a no-op on its meta placeholder: the graphs would mix old packed
-    weights with new norms and biases); else the optimized modules watching drop their graphs, and
-    their next call captures again from the new values (packing what changed).
+    """What changes the source model after optimize: a ``load_state_dict`` into it (whole or a
+    submodule), or a submodule, parameter or buffer assigned in it (a LoRA adapter injected by peft,
+    a weight replaced). Either makes the optimized modules watching drop their graphs, and their next
+    call captures again from the new model (packing what changed). A load into a released weight is
+    refused before anything is written (a no-op on its meta placeholder: the graphs would mix old
+    packed weights with new norms and biases).
 
-    A pre-hook of each module of the source: the outermost module loaded checks its whole subtree,
-    before anything is written. Pickled or copied with the model, it keeps the refusal and watches
-    nothing (an optimized module is not pickled; a copied one watches its own copy of the source).
+    A load pre-hook of each module of the source holding tensors, and an entry of ``_WATCHED`` for
+    each module (read by global registration hooks). The outermost module loaded checks its whole
+    subtree. Pickled or copied with the model, it keeps the refusal and watches nothing (an
+    optimized module is not pickled; a copied one watches its own copy of the source).
     """
 
     def __init__(self, model_name: str) -> None:
@@ -129,6 +132,14 @@ class _LoadWatch:
                     "weight and released its source (one copy in memory). Load the new weights into a fresh "
                     "model and optimize it, or optimize with AmxConfig(keep_source=True)"
                 )
+        self.changed()
+
+    def assigned(self, module: nn.Module, name: str, value: Any) -> None:
+        """``module.name = value`` (a submodule, parameter or buffer) in the watched source."""
+        if value is not module._modules.get(name, module._parameters.get(name, module._buffers.get(name))):
+            self.changed()
+
+    def changed(self) -> None:
         for opt in list(self.watchers):
             opt._drop_graphs()
 
@@ -137,6 +148,52 @@ class _LoadWatch:
 
     def __setstate__(self, state: dict) -> None:
         self.model_name, self.watchers = state["model_name"], weakref.WeakSet()
+
+
+# Every module of a watched source -> its _LoadWatch; read by the global registration hooks below.
+_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _on_assign(module: nn.Module, name: str, value: Any) -> None:
+    watch = _WATCHED.get(module)
+    if watch is not None:
+        watch.assigned(module, name, value)
+
+
+_HOOKS = (
+    torch.nn.modules.module.register_module_module_registration_hook(_on_assign),
+    torch.nn.modules.module.register_module_parameter_registration_hook(_on_assign),
+    torch.nn.modules.module.register_module_buffer_registration_hook(_on_assign),
+)
+
+
+def _adapter_layers(model: nn.Module) -> list[nn.Module]:
+    """peft's adapter layers (LoRA and its kin) in ``model``; found by class, so peft need not be installed."""
+    return [
+        m
+        for m in model.modules()
+        if any(c.__name__ == "BaseTunerLayer" and c.__module__.startswith("peft.") for c in type(m).__mro__)
+    ]
+
+
+_LOST_MERGE_ADVICE = "fuse adapters before amxopt.optimize, or optimize with AmxConfig(keep_source=True)"
+
+
+def _released(module: nn.Module) -> bool:
+    return any(packed.is_released(p) for p in module.parameters())
+
+
+def _adapter_state(layers: list[nn.Module]) -> list[tuple]:
+    # What peft's set_adapters / set_scale / disable / merge change: Python values a graph holds as constants.
+    return [
+        (
+            tuple(m.active_adapters),
+            bool(m.disable_adapters),
+            tuple(m.merged_adapters),
+            tuple(sorted(getattr(m, "scaling", {}).items())),
+        )
+        for m in layers
+    ]
 
 
 class OptimizedModule(nn.Module):
@@ -167,6 +224,9 @@ class OptimizedModule(nn.Module):
         # Kept for re-capture of calls no graph accepts; a plain ref, so that nn.Module does not
         # register the source model's weights as part of this module's state.
         self.__dict__["_source"] = model
+        # peft adapter layers of the source and their state when the graphs were captured (a change
+        # makes the next call capture again); None until a graph is added.
+        self._adapters: tuple[list[nn.Module], list[tuple]] | None = None
         self.train(model.training)
         self._watch_loads(model)
         self.register_load_state_dict_post_hook(OptimizedModule._skip_graph_keys)
@@ -174,15 +234,17 @@ class OptimizedModule(nn.Module):
             self._add(first)
 
     def _watch_loads(self, model: nn.Module) -> None:
-        """See :class:`_LoadWatch`: one per module of the source, shared by its optimized modules."""
+        """See :class:`_LoadWatch`: one per source, shared by its optimized modules."""
+        watch = next((_WATCHED[m] for m in model.modules() if m in _WATCHED), None)
+        if watch is None:  # a copied source carries its copy of the watch, watching nothing
+            hooks = (h.hook for m in model.modules() for h in m._load_state_dict_pre_hooks.values())
+            watch = next((h for h in hooks if isinstance(h, _LoadWatch)), None) or _LoadWatch(type(model).__name__)
+        watch.watchers.add(self)
         for module in model.modules():
-            if module._parameters or module._buffers:
-                hooks = module._load_state_dict_pre_hooks.values()
-                watch = next((h.hook for h in hooks if isinstance(getattr(h, "hook", None), _LoadWatch)), None)
-                if watch is None:
-                    watch = _LoadWatch(type(model).__name__)
-                    module.register_load_state_dict_pre_hook(watch)
-                watch.watchers.add(self)
+            _WATCHED[module] = watch
+            hooks = module._load_state_dict_pre_hooks.values()
+            if (module._parameters or module._buffers) and not any(getattr(h, "hook", None) is watch for h in hooks):
+                module.register_load_state_dict_pre_hook(watch)
 
     def train(self, mode: bool = True) -> OptimizedModule:
         # Only the flag, as the source's: the graphs compute inference whatever it says (a graph
@@ -261,9 +323,45 @@ class OptimizedModule(nn.Module):
         return new
 
     def _drop_graphs(self) -> None:
+        if self.amx_config.tp != 1 and (self._entries or self._pending):
+            raise RuntimeError(
+                f"amxopt: {self.adapter.model_name} runs tensor-parallel (tp={self.amx_config.tp}): every rank holds "
+                "its own shards, packed when it was optimized, and would not follow a change to the model's weights, "
+                "modules or adapters. Change the model before amxopt.optimize, then optimize it"
+            )
         if self._entries or self._pending:
-            logger.info("amxopt: %s's weights were loaded again: its graphs are captured anew", self.adapter.model_name)
-        self._entries, self._pending = [], []
+            logger.info("amxopt: %s changed after optimize: its graphs are captured anew", self.adapter.model_name)
+        merged = self._merged_since_capture()
+        if any(_released(layer) for layer in merged):
+            self.__dict__["_lost_merge"] = (
+                f"amxopt: {self.adapter.model_name}: a LoRA adapter was merged into weights amxopt.optimize packed "
+                f"and released, which changed nothing, and the model changed since: {_LOST_MERGE_ADVICE}"
+            )
+        for layer in merged:  # written in place through .data, which the packings' stamps cannot see
+            for p in layer.parameters():
+                p.__dict__.pop(packed.PACKED_ATTR, None)
+        self._entries, self._pending, self._adapters = [], [], None
+
+    def _merged_since_capture(self) -> list[nn.Module]:
+        if not self._adapters:
+            return []
+        layers, state = self._adapters
+        return [m for m, before, now in zip(layers, state, _adapter_state(layers), strict=True) if before[2] != now[2]]
+
+    def _check_adapters(self) -> None:
+        """Capture again when a peft adapter's state changed since the graphs were captured (they hold
+        its scale, active adapters and merges as constants). A merge (``fuse_lora``) wrote the base
+        weights in place, so those are packed again; a merge into released weights changed nothing
+        and is refused until it is undone."""
+        if _adapter_state(self._adapters[0]) == self._adapters[1]:
+            return
+        if any(_released(layer) for layer in self._merged_since_capture()):
+            raise RuntimeError(
+                f"amxopt: {self.adapter.model_name}: a LoRA adapter was merged into (or unmerged from) weights "
+                f"amxopt.optimize packed and released, which changed nothing: undo it (unfuse_lora / fuse_lora). "
+                f"{_LOST_MERGE_ADVICE}"
+            )
+        self._drop_graphs()
 
     @property
     def _graphs(self) -> list[GraphEntry]:
@@ -278,6 +376,11 @@ class OptimizedModule(nn.Module):
     def _add(self, graph: GraphEntry) -> None:
         if not self._entries:
             self.add_module("graph_module", graph.captured.gm)
+        if self._adapters is None:
+            source = self.__dict__["_source"]
+            self._watch_loads(source)  # modules added since (a LoRA adapter's layers)
+            layers = _adapter_layers(source)
+            self._adapters = (layers, _adapter_state(layers))
         self._entries.append(graph)
         if not self.amx_config.keep_source:
             # Weights some graph still reads unpacked (a node autotune kept on ATen) stay.
@@ -349,6 +452,10 @@ class OptimizedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.eager_reason is not None:
             return self.__dict__["_source"](*args, **kwargs)
+        if "_lost_merge" in self.__dict__:
+            raise RuntimeError(self.__dict__["_lost_merge"])
+        if self._adapters is not None and self._adapters[0]:
+            self._check_adapters()
         call = self.adapter.bind(args, kwargs)
         options = self.adapter.output_options(call)
         graph_inputs = self.adapter.graph_inputs(call)
@@ -408,6 +515,15 @@ class OptimizedModule(nn.Module):
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}: {len(self._graphs)} graphs cached (max_recaptures) and "
                 f"none accepts inputs {shapes}"
+            )
+        on_meta = next(
+            (n for n, p in model.named_parameters() if p.device.type == "meta" and not packed.is_released(p)), None
+        )
+        if on_meta is not None:
+            raise RuntimeError(
+                f"amxopt: {self.adapter.model_name}: {on_meta} is on the meta device, with no values to capture: "
+                "built beside weights amxopt.optimize packed and released (a LoRA adapter loaded after optimize?). "
+                "Load adapters before amxopt.optimize, or optimize with AmxConfig(keep_source=True)"
             )
         logger.info("amxopt: re-capturing %s for inputs %s", self.adapter.model_name, shapes)
         # The first capture is dynamic when the config says so; later ones cover what it could not.

@@ -118,3 +118,14 @@ def test_a_first_call_under_inference_mode_captures(tmp_path):
         built_inside = _wan()[0]
     with pytest.raises(amxopt.CaptureError, match=r"created under torch.inference_mode.*outside inference_mode"):
         amxopt.optimize(built_inside, inputs, dataclasses.replace(config, graph_cache=False))
+
+
+def test_a_module_or_weight_assigned_in_the_source_is_used_by_the_next_call(tmp_path):
+    model, inputs = _wan(0)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    _run(opt, inputs)
+    old = model.blocks[0].ffn.net[2]
+    model.blocks[0].ffn.net[2] = torch.nn.Linear(old.in_features, old.out_features)  # a submodule replaced
+    assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
+    model.proj_out.bias = torch.nn.Parameter(torch.randn_like(model.proj_out.bias))  # a parameter replaced
+    assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0

@@ -1,0 +1,112 @@
+"""LoRA adapters (peft, through diffusers' API) with an optimized Wan transformer and pipeline:
+loaded before or after optimize, rescaled, disabled, fused, unloaded; each call equal to eager."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import amxopt
+from amxopt import models, pipelines
+from amxopt.runtime import max_abs_error
+from tests.helpers import CONFIG
+
+peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+
+WAN = "tiny-wan"
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.2"]
+
+
+def _with_adapter(seed: int = 0) -> torch.nn.Module:
+    model = models.build_model(WAN, torch.float32)
+    torch.manual_seed(seed)  # random B as well as A: the adapter changes the output from the start
+    lora = peft.LoraConfig(r=4, lora_alpha=32, target_modules=TARGETS, init_lora_weights=False)
+    model.add_adapter(lora, adapter_name="style")
+    return model.eval()
+
+
+def _run(model, inputs):
+    with torch.no_grad():
+        return model(**inputs)
+
+
+def _config(keep_source: bool, tmp_path) -> amxopt.AmxConfig:
+    return dataclasses.replace(CONFIG, keep_source=keep_source, autotune_cache=str(tmp_path))
+
+
+@pytest.mark.parametrize("keep_source", [True, False], ids=["kept", "released"])
+def test_adapter_scale_and_switches_after_optimize_are_used(keep_source, tmp_path):
+    model, inputs = _with_adapter(), models.example_inputs(WAN, torch.float32)
+    eager = copy.deepcopy(model)
+    opt = amxopt.optimize(model, inputs, _config(keep_source, tmp_path))
+    assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) < 1e-5
+    for change in (
+        lambda m: m.set_adapters(["style"], weights=[0.3]),  # through the optimized module, as a user calls it
+        lambda m: m.disable_adapters(),
+        lambda m: m.enable_adapters(),
+    ):
+        before = _run(eager, inputs)
+        change(opt), change(eager)
+        assert max_abs_error(_run(eager, inputs), before) > 1e-3  # the change matters
+        assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) < 1e-5  # was the graph's constant
+
+
+def test_a_fuse_after_optimize_packs_the_fused_weights_or_is_refused_where_they_were_released(tmp_path):
+    inputs = models.example_inputs(WAN, torch.float32)
+    kept, eager = _with_adapter(), _with_adapter()
+    opt = amxopt.optimize(kept, inputs, _config(True, tmp_path))
+    _run(opt, inputs)
+    opt.fuse_lora(), eager.fuse_lora()  # base.weight.data += delta: no version bump to see
+    opt.unload_lora(), eager.unload_lora()
+    assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) < 1e-5  # stale packings: the adapter lost
+
+    released = amxopt.optimize(_with_adapter(), inputs, _config(False, tmp_path))
+    expected = _run(released, inputs)
+    released.fuse_lora()
+    with pytest.raises(RuntimeError, match="merged into .*released, which changed nothing: undo it"):
+        _run(released, inputs)
+    released.unfuse_lora()
+    assert max_abs_error(_run(released, inputs), expected) == 0.0
+    released.fuse_lora()
+    released.unload_lora()  # no call between: the merge is lost for good
+    with pytest.raises(RuntimeError, match="merged into weights .* and the model changed since"):
+        _run(released, inputs)
+
+
+@pytest.mark.parametrize("keep_source", [True, False], ids=["kept", "released"])
+def test_pipeline_lora_calls_reach_the_optimized_transformer(keep_source, tmp_path):
+    call = dict(pipelines.wan_call(max_sequence_length=16, output_type="latent"))
+    donor = _with_adapter(seed=1)
+    lora = peft.utils.get_peft_model_state_dict(donor, adapter_name="style")
+    lora = {f"transformer.{k}": v for k, v in lora.items()}
+
+    def latents(pipe):
+        return pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+
+    eager, pipe = pipelines.build_wan_pipeline(WAN), pipelines.build_wan_pipeline(WAN)
+    if not keep_source:
+        pipe.load_lora_weights(dict(lora), adapter_name="style")  # adapters come before optimize here
+    amxopt.optimize(pipe, config=_config(keep_source, tmp_path))
+    latents(pipe)
+    steps = [lambda p: p.set_adapters(["style"], [0.4]), lambda p: p.disable_lora(), lambda p: p.enable_lora()]
+    if keep_source:
+        steps = [lambda p: p.load_lora_weights(dict(lora), adapter_name="style"), *steps]
+        steps += [lambda p: p.fuse_lora(), lambda p: p.unload_lora_weights()]
+    else:
+        eager.load_lora_weights(dict(lora), adapter_name="style")
+    for step in steps:
+        step(pipe), step(eager)
+        assert max_abs_error(latents(pipe), latents(eager)) < 1e-5
+
+
+def test_an_adapter_loaded_after_weights_were_released_is_a_clear_error(tmp_path):
+    model, inputs = models.build_model(WAN, torch.float32), models.example_inputs(WAN, torch.float32)
+    opt = amxopt.optimize(model, inputs, _config(False, tmp_path))
+    model.add_adapter(peft.LoraConfig(r=4, target_modules=TARGETS), adapter_name="style")  # built on meta weights
+    with pytest.raises(RuntimeError, match=r"lora_A\.style\.weight is on the meta device.*before amxopt\.optimize"):
+        _run(opt, inputs)
+    model.delete_adapters("style")
+    _run(opt, inputs)
