@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from amxopt import ops  # noqa: F401 - registers torch.ops.amxopt
 from amxopt.capture import CaptureError, capture, find_adapter, prepare
 from amxopt.config import AmxConfig
-from amxopt.ops import AmxOpError
+from amxopt.ops import AmxOpError, packed
 from amxopt.ops.providers import resolve
 from amxopt.runtime import OptimizedModule, Report, build_graph, tp
 from amxopt.runtime.components import ComponentsReport, has_towers, is_pipeline, optimize_components
@@ -72,6 +74,11 @@ def optimize(model: Any, example_inputs: Any = None, config: AmxConfig | None = 
             f"amxopt: {type(model).__name__} is in training mode; amxopt optimizes inference, call .eval()"
         )
     config = dataclasses.replace(config, provider=resolve(config.provider))
+    if config.tp != 1 and isinstance(model, torch.nn.Module) and any(map(packed.is_released, model.parameters())):
+        raise ValueError(
+            f"amxopt: {type(model).__name__}'s weights were released by an earlier amxopt.optimize (or loaded packed "
+            "by amxopt.from_pretrained): tensor parallelism slices the source weights; optimize a fresh model with tp"
+        )
     if config.tp != 1 and config.tp_group is None:
         if is_pipeline(model) or has_towers(model):
             raise ValueError(

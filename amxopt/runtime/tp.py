@@ -352,6 +352,18 @@ class TPModule(nn.Module):
     def report(self):
         return self.module.report
 
+    def profile(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "amxopt: profile runs one process's graph, and a tensor-parallel call needs every rank in step: "
+            "profile the model optimized at tp=1"
+        )
+
+    def save(self, directory: str) -> Any:
+        raise RuntimeError(
+            f"amxopt: a tensor-parallel module holds one shard of the weights per rank (tp={self.tp}), and saving "
+            "rank 0's would lose the others: save the model optimized at tp=1"
+        )
+
     def __getattr__(self, name: str) -> Any:
         # Drop-in, as OptimizedModule: what callers read from the model (dtype, config, ...).
         try:

@@ -160,6 +160,10 @@ def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="one entry of cores per rank"):
         tp.cpu_plan(2, [[0]])
     assert len(tp.cpu_plan(5)) == 5  # more ranks than cores: allowed, with a warning
+    model, inputs = models.build_model("tiny-wan"), models.example_inputs("tiny-wan")
+    amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, keep_source=False))
+    with pytest.raises(ValueError, match="released by an earlier amxopt.optimize"):  # a worker got meta weights
+        amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp=2))
 
 
 def test_a_dead_rank_fails_the_call_with_its_exit_code():
@@ -466,7 +470,7 @@ def test_rank_0_decides_for_every_rank(tmp_path):
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["decided on rank 0"] * 2
 
 
-def test_an_idle_module_and_a_failed_call_leave_it_usable():
+def test_an_idle_module_and_a_failed_call_leave_it_usable(tmp_path):
     model = _model("qwen3-omni-vision", torch.float32)
     inputs = models.example_inputs("tiny-qwen3-omni-vision", torch.float32)
     sharded = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp=2, tp_timeout_s=5))
@@ -475,6 +479,15 @@ def test_an_idle_module_and_a_failed_call_leave_it_usable():
         expected = pytree.tree_leaves(model(**inputs))
         for a, b in zip(pytree.tree_leaves(sharded(**inputs)), expected):
             torch.testing.assert_close(a, b)
+        # What rank 0 alone would do wrong (the workers keep their own shards, or wait in collectives):
+        with pytest.raises(RuntimeError, match="runs tensor-parallel"):
+            model.load_state_dict(model.state_dict())
+        with pytest.raises(RuntimeError, match="runs tensor-parallel"):
+            model.blocks[0].mlp.linear_fc2 = torch.nn.Linear(1, 1)
+        with pytest.raises(RuntimeError, match="needs every rank in step"):
+            sharded.profile(inputs)
+        with pytest.raises(RuntimeError, match="one shard of the weights per rank"):
+            sharded.save(str(tmp_path))
         bad = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
         with pytest.raises(TypeError, match="was optimized for"):  # refused before any rank runs it
             sharded(**bad)
