@@ -85,6 +85,18 @@ def test_omni_audio_fuses_every_gelu():
     assert fused == ["gelu"] * 3
 
 
+@pytest.mark.parametrize("lens", [[5], [3, 7]], ids=["one-clip", "two-clips"])
+def test_omni_audio_clips_of_at_most_8_frames(lens):
+    """Time width 1 after the convs: export leaves out the no-op ``.contiguous()`` before a view,
+    which must still apply to the channels-last output of the native conv (it crashed)."""
+    name = "tiny-qwen3-omni-audio"
+    model = models.build_model(name)
+    inputs = {"input_features": torch.randn(128, sum(lens)), "feature_lens": torch.tensor(lens)}
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, provider="native"))
+    with torch.no_grad():
+        _outputs_close(opt(**inputs), model(**inputs))
+
+
 def test_positional_and_keyword_calls_agree():
     name = "tiny-qwen3-vl-vision"
     model = models.build_model(name)
