@@ -25,11 +25,13 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import logging
 import math
 import operator
+import os
 import pathlib
 import sys
 import types
@@ -563,7 +565,7 @@ def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
     if isinstance(v, (types.FunctionType, types.MethodType)):
         fn = getattr(v, "__func__", v)
         cells = [c.cell_contents for c in fn.__closure__ or () if c.cell_contents is not fn]
-        return ["function", _qualified(fn), _described(cells, where, seen, depth + 1)]
+        return ["function", _function_identity(fn), _described(cells, where, seen, depth + 1)]
     if isinstance(v, (type, types.BuiltinFunctionType, types.ModuleType)):
         return _qualified(v)
     if isinstance(v, nn.Module):
@@ -591,9 +593,13 @@ def _model_code(module: nn.Module) -> dict[str, str]:
     """A digest of the source of each class in ``module`` that is not a library's (a user's model
     edited between runs): its file and every loaded file of its package (a helper its forward
     calls), or its compiled methods where there is no file."""
-    digests = {}
+    digests: dict[str, Any] = {}
+    memo: dict[type, list] = {}
     for cls in sorted({type(m) for m in module.modules()}, key=_qualified):
         if cls.__module__.split(".")[0] in _LIBRARIES:
+            patched = _patches(cls, memo)
+            if patched:
+                digests[_qualified(cls)] = patched
             continue
         digest = hashlib.sha256()
         try:
@@ -603,13 +609,65 @@ def _model_code(module: nn.Module) -> dict[str, str]:
         except (TypeError, OSError):  # defined in a notebook or by exec
             for name, f in sorted(vars(cls).items()):
                 if isinstance(f, types.FunctionType):  # not co_filename: a notebook's names its process
-                    code = f.__code__
-                    consts = [c.co_code if isinstance(c, types.CodeType) else c for c in code.co_consts]
-                    digest.update(name.encode() + code.co_code + repr((consts, code.co_names)).encode())
+                    digest.update(name.encode() + json.dumps(_code_data(f.__code__)).encode())
         closures = [v for _, v in sorted(vars(cls).items()) if isinstance(v, types.FunctionType) and v.__closure__]
         digest.update(json.dumps(_described(closures, "closures", {}), default=str).encode())
         digests[_qualified(cls)] = digest.hexdigest()
     return digests
+
+
+def _patches(cls: type, memo: dict[type, list]) -> list:
+    """What replaced a library class's code in this process: each method of it (or of its library
+    bases) whose code is not the library's, and each global a method reads that is now a function
+    from outside the libraries (``transformers...modeling_x.apply_rotary_pos_emb = mine``)."""
+    found = []
+    for base in cls.__mro__[:-1]:  # not object
+        if base not in memo:
+            memo[base] = []
+            for name, f in sorted(vars(base).items()):
+                if not isinstance(f, types.FunctionType):
+                    continue
+                if not _library_code(f):
+                    memo[base].append([name, _function_identity(f)])
+                for g_name in f.__code__.co_names:
+                    g = f.__globals__.get(g_name)
+                    if isinstance(g, types.FunctionType) and not _library_code(g):
+                        memo[base].append([f"{name}: {g_name}", _function_identity(g)])
+        found += memo[base]
+    return found
+
+
+def _library_code(fn: types.FunctionType) -> bool:
+    return any(fn.__code__.co_filename.startswith(root) for root in _library_roots())
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    roots = []
+    for name in _LIBRARIES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            roots.append(str(pathlib.Path(spec.origin).parent) + os.sep)
+    return tuple(roots)
+
+
+def _function_identity(fn: types.FunctionType) -> Any:
+    """A library function by name (its version is in the key); any other also by its compiled code
+    (edited between runs), not its file name (a notebook's names its process)."""
+    if _library_code(fn):
+        return _qualified(fn)
+    return [_qualified(fn), hashlib.sha256(json.dumps(_code_data(fn.__code__)).encode()).hexdigest()[:16]]
+
+
+def _code_data(code: types.CodeType) -> list:
+    def const(c: Any) -> Any:
+        if isinstance(c, types.CodeType):
+            return _code_data(c)
+        if isinstance(c, frozenset):  # `x in {"a", "b"}`: in hash order, which varies with PYTHONHASHSEED
+            return sorted(map(repr, c))
+        return repr(c)
+
+    return [code.co_code.hex(), [const(c) for c in code.co_consts], list(code.co_names)]
 
 
 def _package_files(module_name: str) -> list[str]:

@@ -272,6 +272,37 @@ def test_cache_key_follows_a_helper_file_of_the_models_package(tmp_path, monkeyp
     assert key() != before
 
 
+def test_cache_key_follows_library_code_patched_in_this_process(monkeypatch):
+    # Attention or kernel swaps patch a library's class or module function; the versions in the key
+    # cannot tell. A patched instance forward is a setting, with its code.
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
+
+    name = "tiny-qwen3-vl-vision"
+    inputs = models.example_inputs(name, torch.float32)
+
+    def key(model=None):
+        model = model or models.build_model(name, torch.float32)
+        adapter, graph_inputs = prepare(model, inputs)
+        return graph_store.cache_key(adapter.export_module(model), adapter.name, graph_inputs, CONFIG)
+
+    plain = key()
+    mlp = qwen.Qwen3VLVisionMLP.forward
+    monkeypatch.setattr(qwen.Qwen3VLVisionMLP, "forward", lambda self, x: mlp(self, x) * 0.5)
+    halved = key()
+    assert halved != plain
+    monkeypatch.setattr(qwen.Qwen3VLVisionMLP, "forward", lambda self, x: mlp(self, x) * 0.25)
+    assert key() not in (plain, halved)  # the same name, other code
+    monkeypatch.undo()
+    assert key() == plain
+    rotary = qwen.apply_rotary_pos_emb_vision
+    monkeypatch.setattr(qwen, "apply_rotary_pos_emb_vision", lambda q, k, cos, sin: rotary(q, k, cos, sin))
+    assert key() != plain
+    monkeypatch.undo()
+    model = models.build_model(name, torch.float32)
+    model.blocks[0].mlp.forward = lambda x: x
+    assert key(model) != plain
+
+
 def test_a_model_with_another_setting_is_not_served_the_first_ones_graph(tmp_path):
     config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path))
     x = torch.randn(2, 8)
