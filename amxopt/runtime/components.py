@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import weakref
 from typing import Any
 
 from torch import nn
@@ -140,19 +141,25 @@ def _route_lora_calls(pipe: Any, parts: dict[str, OptimizedModule]) -> None:
     mixins = [c for c in type(pipe).__mro__ if c.__module__.startswith("diffusers.loaders") and "Lora" in c.__name__]
     names = {n for c in mixins for n, f in vars(c).items() if inspect.isfunction(f) and not n.startswith("_")}
     for name in names:
-        pipe.__dict__[name] = _with_sources(pipe, getattr(pipe, name), parts)
+        pipe.__dict__[name] = _with_sources(pipe, name, parts)
 
 
-def _with_sources(pipe: Any, method: Any, parts: dict[str, OptimizedModule]) -> Any:
-    @functools.wraps(method)
+def _with_sources(pipe: Any, name: str, parts: dict[str, OptimizedModule]) -> Any:
+    function, ref = getattr(type(pipe), name), weakref.ref(pipe)  # no cycle through the pipeline's own dict
+
+    @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
-        swapped = [name for name, opt in parts.items() if pipe.__dict__.get(name) is opt]
-        for name in swapped:
-            pipe.__dict__[name] = parts[name].__dict__["_source"]
+        pipe = ref()
+        swapped = {n: opt for n, opt in parts.items() if pipe.__dict__.get(n) is opt}
+        for n, opt in swapped.items():
+            pipe.__dict__[n] = opt.__dict__["_source"]
+        run = functools.partial(function, pipe)
+        for opt in swapped.values():  # load_lora_weights(..., hotswap=True): see hotswap_watched
+            run = functools.partial(opt.hotswap_watched, run)
         try:
-            return method(*args, **kwargs)
+            return run(*args, **kwargs)
         finally:
-            for name in swapped:
-                pipe.__dict__[name] = parts[name]
+            for n, opt in swapped.items():
+                pipe.__dict__[n] = opt
 
     return call

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Mapping
@@ -176,6 +177,8 @@ def _adapter_layers(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+# Loaders of the source whose ``hotswap=True`` rewrites adapter weights in place (diffusers, transformers).
+HOTSWAP_LOADERS = ("load_lora_adapter", "load_adapter")
 _LOST_MERGE_ADVICE = "fuse adapters before amxopt.optimize, or optimize with AmxConfig(keep_source=True)"
 
 
@@ -227,6 +230,9 @@ class OptimizedModule(nn.Module):
         # peft adapter layers of the source and their state when the graphs were captured (a change
         # makes the next call capture again); None until a graph is added.
         self._adapters: tuple[list[nn.Module], list[tuple]] | None = None
+        # Kept source weights the graphs read packed, with their version and data pointer at packing:
+        # an in-place write (``w.mul_(2)``, ``copy_``) makes the next call capture and pack again.
+        self._packed_versions: list[tuple[torch.Tensor, int, int]] = []
         self.train(model.training)
         self._watch_loads(model)
         self.register_load_state_dict_post_hook(OptimizedModule._skip_graph_keys)
@@ -340,13 +346,23 @@ class OptimizedModule(nn.Module):
         for layer in merged:  # written in place through .data, which the packings' stamps cannot see
             for p in layer.parameters():
                 p.__dict__.pop(packed.PACKED_ATTR, None)
-        self._entries, self._pending, self._adapters = [], [], None
+        self._entries, self._pending, self._adapters, self._packed_versions = [], [], None, []
 
     def _merged_since_capture(self) -> list[nn.Module]:
         if not self._adapters:
             return []
         layers, state = self._adapters
         return [m for m, before, now in zip(layers, state, _adapter_state(layers), strict=True) if before[2] != now[2]]
+
+    def _check_source(self) -> None:
+        """What changed in the source since the graphs were captured and no hook saw: an adapter's
+        state, a weight written in place; the graphs are dropped (or the change refused)."""
+        if "_lost_merge" in self.__dict__:
+            raise RuntimeError(self.__dict__["_lost_merge"])
+        if self._adapters is not None and self._adapters[0]:
+            self._check_adapters()
+        if any(p._version != v or p.data_ptr() != d for p, v, d in self._packed_versions):
+            self._drop_graphs()
 
     def _check_adapters(self) -> None:
         """Capture again when a peft adapter's state changed since the graphs were captured (they hold
@@ -381,6 +397,12 @@ class OptimizedModule(nn.Module):
             self._watch_loads(source)  # modules added since (a LoRA adapter's layers)
             layers = _adapter_layers(source)
             self._adapters = (layers, _adapter_state(layers))
+        if self.amx_config.keep_source:
+            self._packed_versions = [
+                (p, p._version, p.data_ptr())
+                for p in self.__dict__["_source"].parameters()
+                if not p.is_inference() and not packed.is_released(p) and packed.packings(p)
+            ]
         self._entries.append(graph)
         if not self.amx_config.keep_source:
             # Weights some graph still reads unpacked (a node autotune kept on ATen) stay.
@@ -393,6 +415,13 @@ class OptimizedModule(nn.Module):
         """Write the packed weights and a manifest to ``directory``; :func:`amxopt.load` reads them back."""
         from amxopt.runtime.loading import save
 
+        captured = bool(self._entries or self._pending)
+        self._check_source()
+        if captured and not (self._entries or self._pending):
+            raise RuntimeError(
+                f"amxopt: {self.adapter.model_name} changed since its graphs were captured (a weight written in "
+                "place, an adapter, a module): call it once, which captures and packs it again, then save"
+            )
         return save(self, directory)
 
     def profile(self, example_inputs: Any, repeats: int = 3, by_shape: bool = False) -> Profile:
@@ -434,7 +463,29 @@ class OptimizedModule(nn.Module):
             source = self.__dict__.get("_source")
             if source is None:
                 raise
-            return getattr(source, name)
+            value = getattr(source, name)
+            if name in HOTSWAP_LOADERS and callable(value):
+                return functools.partial(self.hotswap_watched, value)
+            return value
+
+    def hotswap_watched(self, load: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``load(*args, **kwargs)``, an adapter loader of the source; with ``hotswap=True`` peft writes
+        the loaded adapter's weights in place through ``.data``, which no version counter or hook
+        sees: the adapter layers are packed and captured again (refused where they were released)."""
+        if not kwargs.get("hotswap"):
+            return load(*args, **kwargs)
+        layers = _adapter_layers(self.__dict__["_source"])
+        if any(_released(layer) for layer in layers):
+            raise RuntimeError(
+                f"amxopt: {self.adapter.model_name}: a hotswap writes the adapter's weights in place, and "
+                f"amxopt.optimize packed and released them: {_LOST_MERGE_ADVICE}"
+            )
+        try:
+            return load(*args, **kwargs)
+        finally:
+            for p in (p for layer in layers for p in layer.parameters()):
+                p.__dict__.pop(packed.PACKED_ATTR, None)
+            self._drop_graphs()
 
     @property
     def report(self) -> Report:
@@ -452,21 +503,11 @@ class OptimizedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.eager_reason is not None:
             return self.__dict__["_source"](*args, **kwargs)
-        if "_lost_merge" in self.__dict__:
-            raise RuntimeError(self.__dict__["_lost_merge"])
-        if self._adapters is not None and self._adapters[0]:
-            self._check_adapters()
+        self._check_source()
         call = self.adapter.bind(args, kwargs)
         options = self.adapter.output_options(call)
         graph_inputs = self.adapter.graph_inputs(call)
-        self._check_dtypes(graph_inputs)
-        if torch.is_grad_enabled():
-            wants_grad = [k for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-            if wants_grad:
-                raise RuntimeError(
-                    f"amxopt: {self.adapter.model_name} runs inference only, and {wants_grad[0]} requires grad: call "
-                    "it under torch.no_grad() or with a detached input"
-                )
+        self._check_call(graph_inputs)
         with torch.no_grad():
             graph = next((g for g in self._graphs if _accepts(g, graph_inputs)), None)
             if graph is None:
@@ -491,9 +532,21 @@ class OptimizedModule(nn.Module):
 
     def check_inputs(self, *args: Any, **kwargs: Any) -> None:
         """Raise what a call with these arguments would raise before running anything: arguments
-        the model does not take, an input in another dtype than the model was optimized for."""
+        the model does not take, an input in another dtype than the model was optimized for or that
+        requires grad, a change to the source a graph cannot follow."""
         if self.eager_reason is None:
-            self._check_dtypes(self.adapter.graph_inputs(self.adapter.bind(args, kwargs)))
+            self._check_source()  # a tensor-parallel module refuses a change here, before any rank runs
+            self._check_call(self.adapter.graph_inputs(self.adapter.bind(args, kwargs)))
+
+    def _check_call(self, graph_inputs: dict) -> None:
+        self._check_dtypes(graph_inputs)
+        if torch.is_grad_enabled():
+            wants_grad = [k for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+            if wants_grad:
+                raise RuntimeError(
+                    f"amxopt: {self.adapter.model_name} runs inference only, and {wants_grad[0]} requires grad: call "
+                    "it under torch.no_grad() or with a detached input"
+                )
 
     def _check_dtypes(self, graph_inputs: dict) -> None:
         if not self._graphs:

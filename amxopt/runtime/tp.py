@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import pathlib
+import signal
 import socket
 import time
 import traceback
@@ -192,6 +193,9 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, cores, model, example_inputs, config: AmxConfig) -> None:
+    # Rank 0 starts and stops the workers: a terminal's Ctrl-C, which reaches the whole process
+    # group, would kill an idle worker and break the module's next call.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     timeout = datetime.timedelta(seconds=config.tp_timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
     try:
@@ -351,6 +355,13 @@ class TPModule(nn.Module):
     @property
     def report(self):
         return self.module.report
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Rank 0's source model's, under its own names (as an OptimizedModule's)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)  # refused: see module.py
 
     def profile(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(

@@ -110,3 +110,28 @@ def test_an_adapter_loaded_after_weights_were_released_is_a_clear_error(tmp_path
         _run(opt, inputs)
     model.delete_adapters("style")
     _run(opt, inputs)
+
+
+def _adapter_weights(seed: int) -> dict:
+    return peft.utils.get_peft_model_state_dict(_with_adapter(seed), adapter_name="style")
+
+
+@pytest.mark.parametrize("keep_source", [True, False], ids=["kept", "released"])
+def test_a_hotswap_through_the_optimized_module_is_used_or_refused(keep_source, tmp_path):
+    # peft's hotswap copies the new adapter into the old one's tensors through .data: nothing sees it.
+    inputs = models.example_inputs(WAN, torch.float32)
+    model, eager = models.build_model(WAN, torch.float32), models.build_model(WAN, torch.float32)
+    for m in (model, eager):
+        m.enable_lora_hotswap(target_rank=4)
+        m.load_lora_adapter(_adapter_weights(1), adapter_name="style", prefix=None)
+    opt = amxopt.optimize(model, inputs, _config(keep_source, tmp_path))
+    assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) < 1e-5
+    if not keep_source:
+        with pytest.raises(RuntimeError, match="a hotswap writes the adapter's weights in place"):
+            opt.load_lora_adapter(_adapter_weights(2), adapter_name="style", prefix=None, hotswap=True)
+        return
+    before = _run(eager, inputs)
+    for m in (opt, eager):
+        m.load_lora_adapter(_adapter_weights(2), adapter_name="style", prefix=None, hotswap=True)
+    assert max_abs_error(_run(eager, inputs), before) > 1e-3
+    assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) < 1e-5

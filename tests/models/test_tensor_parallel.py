@@ -475,6 +475,7 @@ def test_an_idle_module_and_a_failed_call_leave_it_usable(tmp_path):
     inputs = models.example_inputs("tiny-qwen3-omni-vision", torch.float32)
     sharded = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp=2, tp_timeout_s=5))
     try:
+        os.kill(sharded._workers[0].pid, signal.SIGINT)  # a terminal's Ctrl-C reaches every process
         time.sleep(7)  # idle past tp_timeout_s: the workers' wait for a call has no timeout
         expected = pytree.tree_leaves(model(**inputs))
         for a, b in zip(pytree.tree_leaves(sharded(**inputs)), expected):
@@ -484,6 +485,11 @@ def test_an_idle_module_and_a_failed_call_leave_it_usable(tmp_path):
             model.load_state_dict(model.state_dict())
         with pytest.raises(RuntimeError, match="runs tensor-parallel"):
             model.blocks[0].mlp.linear_fc2 = torch.nn.Linear(1, 1)
+        wants_grad = {k: v.requires_grad_() if k == "hidden_states" else v for k, v in inputs.items()}
+        with pytest.raises(RuntimeError, match="hidden_states requires grad"):
+            sharded(**wants_grad)
+        inputs["hidden_states"] = inputs["hidden_states"].detach()
+        assert sharded.state_dict().keys() == model.state_dict().keys()
         with pytest.raises(RuntimeError, match="needs every rank in step"):
             sharded.profile(inputs)
         with pytest.raises(RuntimeError, match="one shard of the weights per rank"):
