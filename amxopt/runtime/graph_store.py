@@ -516,6 +516,7 @@ _PROVENANCE = frozenset(
         "warnings_issued",
         "_use_default_values",
         "_class_name",
+        "architectures",  # filled in by save_pretrained (on the saved model's own config too)
         # set by transformers' loader on every module, absent on a model built in code
         "_is_hf_initialized",
         "_use_kernels",

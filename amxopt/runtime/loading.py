@@ -120,8 +120,10 @@ def mmap_safetensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
 def _checkpoint(path: pathlib.Path, stem: str) -> dict[str, MappedFile]:
     """Tensor name -> the mapped file holding it, for a ``save_pretrained`` directory (one file, or
     shards with an index)."""
-    index = path / f"{stem}.safetensors.index.json"
-    if index.exists():
+    index, single = path / f"{stem}.safetensors.index.json", path / f"{stem}.safetensors"
+    # The single file first, as transformers reads them: a sharded save overwritten by a single-file
+    # one leaves the old index behind.
+    if index.exists() and not single.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
         files: dict[str, MappedFile] = {}
         for shard in sorted(set(weight_map.values())):
@@ -133,7 +135,6 @@ def _checkpoint(path: pathlib.Path, stem: str) -> dict[str, MappedFile]:
             mapped = MappedFile(path / shard)
             files.update(dict.fromkeys(mapped.tensors, mapped))
         return files
-    single = path / f"{stem}.safetensors"
     if not single.exists():
         raise CheckpointError(f"amxopt: {path} has neither {single.name} nor {index.name}")
     mapped = MappedFile(single)
@@ -201,7 +202,13 @@ def _config_of(cls: type, path: pathlib.Path) -> Any:
 
 
 def _config_dict(model: nn.Module) -> dict:
-    config = model.config
+    config = getattr(model, "config", None)
+    if config is None:
+        raise RuntimeError(
+            f"amxopt: save covers transformers and diffusers models, which load rebuilds from their config; "
+            f"{type(model).__name__} has none: save its state_dict before optimizing it (or optimize with "
+            "AmxConfig(keep_source=True) and save opt.state_dict())"
+        )
     return config.to_dict() if hasattr(config, "to_dict") and _is_transformers(type(model)) else dict(config)
 
 
@@ -237,7 +244,7 @@ def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.state_dict(keep_vars=True))
 
 
-def _check_keys(expected: dict, found, where: str) -> dict[str, str]:
+def _check_keys(expected: dict, found, where: str, hint: str = "") -> dict[str, str]:
     """For each expected name, the stored name to read it from (a tied group needs only one stored name)."""
     by_tensor: dict[int, list[str]] = {}
     for name, t in expected.items():
@@ -252,9 +259,29 @@ def _check_keys(expected: dict, found, where: str) -> dict[str, str]:
     if missing or unexpected:
         raise CheckpointError(
             f"amxopt: {where} does not match the model: missing {len(missing)} tensor(s) {sorted(missing)[:5]}, "
-            f"unexpected {len(unexpected)} {unexpected[:5]}"
+            f"unexpected {len(unexpected)} {unexpected[:5]}{hint}"
         )
     return source
+
+
+def _conversion_hint(model: nn.Module) -> str:
+    """transformers 5 renames or merges some models' tensors as it loads them (and writes them back
+    in the original layout): a checkpoint of such a model does not match its module names."""
+    if not _is_transformers(type(model)):
+        return ""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        conversions = get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001 - only a hint
+        return ""
+    if not conversions:
+        return ""
+    return (
+        f"; transformers converts {type(model).__name__}'s checkpoint names as it loads them ({len(conversions)} "
+        "weight conversions), which amxopt.from_pretrained does not apply: load the model with its own "
+        "from_pretrained and pass it to amxopt.optimize"
+    )
 
 
 def _convert(name: str, tensor: torch.Tensor, like: torch.Tensor, where: str) -> torch.Tensor:
@@ -303,10 +330,41 @@ def from_pretrained(
 
     path = pathlib.Path(path)
     config = config or AmxConfig()
+    if config.keep_source:
+        raise ValueError(
+            "amxopt.from_pretrained packs the weights as it reads them and keeps no unpacked copy, so "
+            "AmxConfig(keep_source=True) cannot hold: load the model with its own from_pretrained and pass it to "
+            "amxopt.optimize with that config"
+        )
+    _check_directory(cls, path)
     config = dataclasses.replace(config, provider=resolve(config.provider))
     if (path / "model_index.json").exists():
         return amxopt.optimize(_load_pipeline(cls, path, torch_dtype, config.provider), config=config)
     return amxopt.optimize(_load_model(cls, path, torch_dtype, config.provider), config=config)
+
+
+def _check_directory(cls: type, path: pathlib.Path) -> None:
+    """Before anything is read: a directory of the kind ``cls`` loads (a pipeline's or a model's, of
+    this model type), so that a wrong one fails at once, by name, not after packing gigabytes."""
+    if not path.is_dir():
+        raise CheckpointError(f"amxopt: {path} is not a directory (from_pretrained reads local save_pretrained output)")
+    pipeline = (path / "model_index.json").exists()
+    if pipeline != (not issubclass(cls, nn.Module)):
+        kind = "a pipeline directory (model_index.json)" if pipeline else "a model directory"
+        wanted = "a pipeline class" if pipeline else "a model class"
+        raise CheckpointError(f"amxopt: {path} is {kind}, and {cls.__name__} is not {wanted}")
+    if pipeline:
+        return
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"amxopt: {path} has no config.json")
+    stored = json.loads((path / "config.json").read_text())
+    found = stored.get("_class_name") or stored.get("model_type")  # diffusers' / transformers' label
+    if _is_transformers(cls):
+        expected = {getattr(cls.config_class, "model_type", None)} - {None, ""}
+    else:
+        expected = {c.__name__ for c in cls.__mro__}
+    if found and expected and found not in expected:
+        raise CheckpointError(f"amxopt: {path} holds a {found} model, not one {cls.__name__} reads")
 
 
 def _load_pipeline(cls: type, path: pathlib.Path, dtype: torch.dtype, provider: str) -> Any:
@@ -338,7 +396,7 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
     model = _build_empty(cls, _config_of(cls, path), torch_dtype)
     files = _checkpoint(path, "model" if _is_transformers(cls) else "diffusion_pytorch_model")
     expected = _expected(model)
-    stored = _check_keys(expected, files, str(path))
+    stored = _check_keys(expected, files, str(path), _conversion_hint(model))
     parts = _packed_parts(model)
     done: dict[int, torch.Tensor] = {}  # tied names share one tensor: loaded (and packed) once
     for name in tqdm(sorted(expected), desc=f"amxopt: loading {cls.__name__}", unit="tensor", leave=False):

@@ -379,3 +379,61 @@ def test_graphs_saved_by_other_code_or_options_are_captured_again(checkpoint, tm
     assert not any("restored from the artifact" in n for n in loaded.report.notes), loaded.report.notes
     for a, b in zip(_leaves(got), _leaves(expected)):
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+
+
+def test_a_sharded_save_overwritten_by_a_single_file_loads_the_single_file(tmp_path):
+    # transformers deletes the old shards and leaves their index; it reads the single file first.
+    models.build_model("tiny-qwen3-vl-vision", seed=1).save_pretrained(tmp_path, max_shard_size="60KB")
+    model = models.build_model("tiny-qwen3-vl-vision")
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    inputs = models.example_inputs("tiny-qwen3-vl-vision")
+    opt = amxopt.from_pretrained(Qwen3VLVisionModel, tmp_path, torch.float32, RELEASE)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(**inputs).pooler_output, model(**inputs).pooler_output)
+
+
+def test_from_pretrained_refuses_a_wrong_directory_or_option_before_reading(checkpoint, tmp_path):
+    with pytest.raises(amxopt.CheckpointError, match="is not a directory"):
+        amxopt.from_pretrained(Qwen3VLVisionModel, tmp_path / "nothing-here", torch.float32, RELEASE)
+    with pytest.raises(amxopt.CheckpointError, match="holds a qwen3_vl.* model, not one WanTransformer3DModel reads"):
+        amxopt.from_pretrained(WanTransformer3DModel, checkpoint, torch.float32, RELEASE)
+    (tmp_path / "model_index.json").write_text("{}")
+    with pytest.raises(amxopt.CheckpointError, match="is a pipeline directory .* not a pipeline class"):
+        amxopt.from_pretrained(WanTransformer3DModel, tmp_path, torch.float32, RELEASE)
+    with pytest.raises(ValueError, match="keeps no unpacked copy"):
+        amxopt.from_pretrained(Qwen3VLVisionModel, checkpoint, torch.float32, CONFIG)
+
+
+def test_save_of_a_model_without_a_config_says_what_to_do(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    opt = amxopt.optimize(model, (torch.randn(2, 8),), RELEASE)
+    with pytest.raises(RuntimeError, match="Sequential has none: save its state_dict before optimizing"):
+        opt.save(tmp_path / "x")
+    assert not (tmp_path / "x" / "amxopt.json").exists()
+
+
+def test_a_weight_written_in_place_is_packed_again_and_never_saved_stale(tmp_path):
+    model = models.build_model("tiny-qwen3-vl-vision")
+    inputs = models.example_inputs("tiny-qwen3-vl-vision")
+    opt = amxopt.optimize(model, inputs, CONFIG)  # keep_source: the weights stay writable
+    with torch.no_grad():
+        model.blocks[0].mlp.linear_fc1.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="call it once, which captures and packs it again, then save"):
+        opt.save(tmp_path / "stale")
+    with torch.no_grad():
+        expected = model(**inputs).pooler_output
+        torch.testing.assert_close(opt(**inputs).pooler_output, expected)  # the old packing: 0.1 off
+    opt.save(tmp_path / "fresh")
+    with torch.no_grad():
+        torch.testing.assert_close(amxopt.load(tmp_path / "fresh", CONFIG)(**inputs).pooler_output, expected)
+
+
+def test_a_checkpoint_transformers_converts_on_load_is_refused_with_the_way_to_load_it(tmp_path):
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from amxopt import pipelines
+
+    pipelines.build_qwen3_omni_thinker().save_pretrained(tmp_path)  # experts written one by one
+    with pytest.raises(amxopt.CheckpointError, match="weight conversions.*load the model with its own from_pretrained"):
+        amxopt.from_pretrained(Qwen3OmniMoeThinkerForConditionalGeneration, tmp_path, torch.float32, RELEASE)
