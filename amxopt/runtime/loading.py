@@ -121,9 +121,9 @@ def _checkpoint(path: pathlib.Path, stem: str) -> dict[str, MappedFile]:
     """Tensor name -> the mapped file holding it, for a ``save_pretrained`` directory (one file, or
     shards with an index)."""
     index, single = path / f"{stem}.safetensors.index.json", path / f"{stem}.safetensors"
-    # The single file first, as transformers reads them: a sharded save overwritten by a single-file
-    # one leaves the old index behind.
-    if index.exists() and not single.exists():
+    # The order each library reads them in: transformers the single file first (a sharded save
+    # overwritten by a single-file one leaves the old index behind), diffusers the index first.
+    if index.exists() and not (single.exists() and stem == "model"):
         weight_map = json.loads(index.read_text())["weight_map"]
         files: dict[str, MappedFile] = {}
         for shard in sorted(set(weight_map.values())):
