@@ -43,6 +43,11 @@ def forget(tensor: torch.Tensor, provider: str) -> None:
     getattr(tensor, PACKED_ATTR, {}).pop(provider, None)
 
 
+def forget_all(tensor: torch.Tensor) -> None:
+    """Drop every packing of ``tensor`` (its values were written where no stamp sees it: ``.data``)."""
+    tensor.__dict__.pop(PACKED_ATTR, None)
+
+
 def packings(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """Every fresh packing of ``tensor``, by provider."""
     stamp = _stamp(tensor)

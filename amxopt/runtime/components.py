@@ -141,25 +141,35 @@ def _route_lora_calls(pipe: Any, parts: dict[str, OptimizedModule]) -> None:
     mixins = [c for c in type(pipe).__mro__ if c.__module__.startswith("diffusers.loaders") and "Lora" in c.__name__]
     names = {n for c in mixins for n, f in vars(c).items() if inspect.isfunction(f) and not n.startswith("_")}
     for name in names:
-        pipe.__dict__[name] = _with_sources(pipe, name, parts)
+        pipe.__dict__[name] = _WithSources(pipe, name)
 
 
-def _with_sources(pipe: Any, name: str, parts: dict[str, OptimizedModule]) -> Any:
-    function, ref = getattr(type(pipe), name), weakref.ref(pipe)  # no cycle through the pipeline's own dict
+class _WithSources:
+    """``pipe.name`` (a diffusers LoRA method) run with each optimized part swapped to its source.
 
-    @functools.wraps(function)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        pipe = ref()
-        swapped = {n: opt for n, opt in parts.items() if pipe.__dict__.get(n) is opt}
+    Holds the pipeline weakly (no cycle through its own dict); a deep copy of the pipeline gets one
+    for the copy (deepcopy puts the copy in ``memo`` before copying its dict).
+    """
+
+    def __init__(self, pipe: Any, name: str) -> None:
+        self.function, self.ref = getattr(type(pipe), name), weakref.ref(pipe)
+        functools.update_wrapper(self, self.function)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        pipe = self.ref()
+        if pipe is None:
+            raise RuntimeError(f"amxopt: {self.function.__qualname__} called after its pipeline was deleted")
+        swapped = {n: v for n, v in pipe.__dict__.items() if isinstance(v, OptimizedModule)}
         for n, opt in swapped.items():
             pipe.__dict__[n] = opt.__dict__["_source"]
-        run = functools.partial(function, pipe)
+        run = functools.partial(self.function, pipe)
         for opt in swapped.values():  # load_lora_weights(..., hotswap=True): see hotswap_watched
             run = functools.partial(opt.hotswap_watched, run)
         try:
             return run(*args, **kwargs)
         finally:
-            for n, opt in swapped.items():
-                pipe.__dict__[n] = opt
+            pipe.__dict__.update(swapped)
 
-    return call
+    def __deepcopy__(self, memo: dict) -> _WithSources:
+        pipe = self.ref()
+        return _WithSources(memo.get(id(pipe), pipe), self.function.__name__)

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -168,11 +168,11 @@ _HOOKS = (
 )
 
 
-def _adapter_layers(model: nn.Module) -> list[nn.Module]:
-    """peft's adapter layers (LoRA and its kin) in ``model``; found by class, so peft need not be installed."""
+def _adapter_layers(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """peft's adapter layers (LoRA and its kin) among ``modules``; found by class, so peft need not be installed."""
     return [
         m
-        for m in model.modules()
+        for m in modules
         if any(c.__name__ == "BaseTunerLayer" and c.__module__.startswith("peft.") for c in type(m).__mro__)
     ]
 
@@ -184,6 +184,11 @@ _LOST_MERGE_ADVICE = "fuse adapters before amxopt.optimize, or optimize with Amx
 
 def _released(module: nn.Module) -> bool:
     return any(packed.is_released(p) for p in module.parameters())
+
+
+def _forget_packings(modules: list[nn.Module]) -> None:
+    for p in (p for m in modules for p in m.parameters()):
+        packed.forget_all(p)
 
 
 def _adapter_state(layers: list[nn.Module]) -> list[tuple]:
@@ -239,18 +244,21 @@ class OptimizedModule(nn.Module):
         if first is not None:
             self._add(first)
 
-    def _watch_loads(self, model: nn.Module) -> None:
-        """See :class:`_LoadWatch`: one per source, shared by its optimized modules."""
-        watch = next((_WATCHED[m] for m in model.modules() if m in _WATCHED), None)
+    def _watch_loads(self, model: nn.Module) -> list[nn.Module]:
+        """See :class:`_LoadWatch`: one per source, shared by its optimized modules. Returns the
+        source's modules."""
+        modules = list(model.modules())
+        watch = next((_WATCHED[m] for m in modules if m in _WATCHED), None)
         if watch is None:  # a copied source carries its copy of the watch, watching nothing
-            hooks = (h.hook for m in model.modules() for h in m._load_state_dict_pre_hooks.values())
+            hooks = (h.hook for m in modules for h in m._load_state_dict_pre_hooks.values())
             watch = next((h for h in hooks if isinstance(h, _LoadWatch)), None) or _LoadWatch(type(model).__name__)
         watch.watchers.add(self)
-        for module in model.modules():
+        for module in modules:
             _WATCHED[module] = watch
             hooks = module._load_state_dict_pre_hooks.values()
             if (module._parameters or module._buffers) and not any(getattr(h, "hook", None) is watch for h in hooks):
                 module.register_load_state_dict_pre_hook(watch)
+        return modules
 
     def train(self, mode: bool = True) -> OptimizedModule:
         # Only the flag, as the source's: the graphs compute inference whatever it says (a graph
@@ -262,7 +270,7 @@ class OptimizedModule(nn.Module):
         """The source model's state dict, under its own names (a whole model saved after optimize
         saves its towers as they were); refused when optimize released packed source weights."""
         source = self.__dict__["_source"]
-        if any(packed.is_released(p) for p in source.parameters()):
+        if _released(source):
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}'s packed weights were released by amxopt.optimize, so it has no "
                 "state dict to save: save the model before optimizing it, save the optimized model with "
@@ -343,9 +351,7 @@ class OptimizedModule(nn.Module):
                 f"amxopt: {self.adapter.model_name}: a LoRA adapter was merged into weights amxopt.optimize packed "
                 f"and released, which changed nothing, and the model changed since: {_LOST_MERGE_ADVICE}"
             )
-        for layer in merged:  # written in place through .data, which the packings' stamps cannot see
-            for p in layer.parameters():
-                p.__dict__.pop(packed.PACKED_ATTR, None)
+        _forget_packings(merged)  # written in place through .data, which the packings' stamps cannot see
         self._entries, self._pending, self._adapters, self._packed_versions = [], [], None, []
 
     def _merged_since_capture(self) -> list[nn.Module]:
@@ -393,9 +399,8 @@ class OptimizedModule(nn.Module):
         if not self._entries:
             self.add_module("graph_module", graph.captured.gm)
         if self._adapters is None:
-            source = self.__dict__["_source"]
-            self._watch_loads(source)  # modules added since (a LoRA adapter's layers)
-            layers = _adapter_layers(source)
+            modules = self._watch_loads(self.__dict__["_source"])  # and modules added since (LoRA layers)
+            layers = _adapter_layers(modules)
             self._adapters = (layers, _adapter_state(layers))
         if self.amx_config.keep_source:
             self._packed_versions = [
@@ -474,7 +479,7 @@ class OptimizedModule(nn.Module):
         sees: the adapter layers are packed and captured again (refused where they were released)."""
         if not kwargs.get("hotswap"):
             return load(*args, **kwargs)
-        layers = _adapter_layers(self.__dict__["_source"])
+        layers = _adapter_layers(self.__dict__["_source"].modules())
         if any(_released(layer) for layer in layers):
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}: a hotswap writes the adapter's weights in place, and "
@@ -483,8 +488,7 @@ class OptimizedModule(nn.Module):
         try:
             return load(*args, **kwargs)
         finally:
-            for p in (p for layer in layers for p in layer.parameters()):
-                p.__dict__.pop(packed.PACKED_ATTR, None)
+            _forget_packings(layers)
             self._drop_graphs()
 
     @property
@@ -517,7 +521,7 @@ class OptimizedModule(nn.Module):
                     if not self.eager_fallback or self._graphs:
                         raise
                     source = self.__dict__["_source"]
-                    if any(packed.is_released(p) for p in source.parameters()):
+                    if _released(source):
                         # from_pretrained / load packed its weights as they were read: no eager copy
                         raise CaptureError(
                             f"{e}; it cannot run as eager PyTorch either: its weights were packed as they were "

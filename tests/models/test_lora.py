@@ -135,3 +135,19 @@ def test_a_hotswap_through_the_optimized_module_is_used_or_refused(keep_source, 
         m.load_lora_adapter(_adapter_weights(2), adapter_name="style", prefix=None, hotswap=True)
     assert max_abs_error(_run(eager, inputs), before) > 1e-3
     assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) < 1e-5
+
+
+def test_a_copied_pipeline_routes_its_lora_calls_to_its_own_parts(tmp_path):
+    # The LoRA methods amxopt puts on a pipeline must act on the pipeline they are read from.
+    call = dict(pipelines.wan_call(max_sequence_length=16, output_type="latent"))
+    lora = {f"transformer.{k}": v for k, v in _adapter_weights(1).items()}
+    pipe = pipelines.build_wan_pipeline(WAN)
+    amxopt.optimize(pipe, config=_config(True, tmp_path))
+    twin = copy.deepcopy(pipe)
+    del pipe
+    twin.load_lora_weights(dict(lora), adapter_name="style")
+    assert twin.transformer.__dict__["_source"].peft_config.keys() == {"style"}
+    eager = pipelines.build_wan_pipeline(WAN)
+    eager.load_lora_weights(dict(lora), adapter_name="style")
+    runs = [p(**call, generator=torch.Generator().manual_seed(0)).frames for p in (twin, eager)]
+    assert max_abs_error(*runs) < 1e-5
