@@ -34,6 +34,7 @@ import operator
 import os
 import pathlib
 import sys
+import sysconfig
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -620,44 +621,95 @@ def _model_code(module: nn.Module) -> dict[str, str]:
 def _patches(cls: type, memo: dict[type, list]) -> list:
     """What replaced a library class's code in this process: each method of it (or of its library
     bases) whose code is not the library's, and each global a method reads that is now a function
-    from outside the libraries (``transformers...modeling_x.apply_rotary_pos_emb = mine``)."""
+    from outside the libraries (``transformers...modeling_x.apply_rotary_pos_emb = mine``). A
+    decorated function counts by every function it wraps (``torch.no_grad()(mine)`` is not torch's)."""
     found = []
     for base in cls.__mro__[:-1]:  # not object
         if base not in memo:
             memo[base] = []
             for name, f in sorted(vars(base).items()):
-                if not isinstance(f, types.FunctionType):
-                    continue
-                if not _library_code(f):
+                layers = _code_layers(f)
+                if layers and not _library_code(f):
                     memo[base].append([name, _function_identity(f)])
-                for g_name in f.__code__.co_names:
-                    g = f.__globals__.get(g_name)
-                    if isinstance(g, types.FunctionType) and not _library_code(g):
+                for layer, g_name in ((layer, g_name) for layer in layers for g_name in layer.__code__.co_names):
+                    g = layer.__globals__.get(g_name)
+                    if _code_layers(g) and not _library_code(g):
                         memo[base].append([f"{name}: {g_name}", _function_identity(g)])
         found += memo[base]
     return found
 
 
-def _library_code(fn: types.FunctionType) -> bool:
-    return any(fn.__code__.co_filename.startswith(root) for root in _library_roots())
+def _code_layers(fn: Any) -> list[types.FunctionType]:
+    """The Python functions a callable runs: itself and what it wraps, by ``__wrapped__``
+    (``functools.wraps``, ``lru_cache``) or in its closure (a decorator's inner function)."""
+    layers: list[types.FunctionType] = []
+    todo = [fn]
+    while todo and len(layers) < 16:
+        f = todo.pop()
+        f = getattr(f, "__func__", f)  # a bound method
+        if any(f is seen for seen in layers):
+            continue
+        if isinstance(f, types.FunctionType):
+            layers.append(f)
+            todo += [cell.cell_contents for cell in reversed(f.__closure__ or ()) if _full(cell)]
+        wrapped = getattr(f, "__wrapped__", None) if callable(f) else None
+        if wrapped is not None:
+            todo.append(wrapped)
+    return layers
+
+
+def _library_code(fn: Any) -> bool:
+    """Whether every function ``fn`` runs (see ``_code_layers``) is a library's or the stdlib's."""
+    return all(_library_file(layer) is not None for layer in _code_layers(fn))
+
+
+def _library_file(fn: types.FunctionType) -> str | None:
+    """``fn``'s file relative to the library (or stdlib) holding it; None outside them."""
+    filename = fn.__code__.co_filename
+    for root in _library_roots():
+        where = os.path.relpath(filename, os.path.dirname(root.rstrip(os.sep)))
+        if filename.startswith(root) and not {"site-packages", "dist-packages"} & set(pathlib.Path(where).parts):
+            return where  # (a library's own files, or the stdlib's without its installed packages)
+    return None
 
 
 @functools.cache
 def _library_roots() -> tuple[str, ...]:
+    """amxopt, torch, transformers and diffusers (their versions are in the key) and the stdlib
+    (Python's version is)."""
     roots = []
     for name in _LIBRARIES:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.origin:
             roots.append(str(pathlib.Path(spec.origin).parent) + os.sep)
-    return tuple(roots)
+    return (*roots, sysconfig.get_paths()["stdlib"] + os.sep)
 
 
-def _function_identity(fn: types.FunctionType) -> Any:
-    """A library function by name (its version is in the key); any other also by its compiled code
-    (edited between runs), not its file name (a notebook's names its process)."""
-    if _library_code(fn):
-        return _qualified(fn)
-    return [_qualified(fn), hashlib.sha256(json.dumps(_code_data(fn.__code__)).encode()).hexdigest()[:16]]
+def _function_identity(fn: Any) -> Any:
+    """Each function ``fn`` runs (see ``_code_layers``): a library function by its file and name
+    (the library's version is in the key), any other by its name and compiled code (edited between
+    runs), not its file name (a notebook's names its process). Names come from the code, not from
+    ``functools.wraps`` (which gives a wrapper the name of what it wraps)."""
+    identity = []
+    for layer in _code_layers(fn):
+        name, where = layer.__code__.co_qualname, _library_file(layer)
+        if where is not None:
+            identity.append(f"{where}:{name}")
+        else:  # its code, and the values it reads besides its arguments: defaults, closure
+            cells = [c.cell_contents for c in layer.__closure__ or () if _full(c)]
+            values = [layer.__defaults__, layer.__kwdefaults__, [c for c in cells if not _code_layers(c)]]
+            data = [_code_data(layer.__code__), _described(values, name, {})]
+            digest = hashlib.sha256(json.dumps(data, default=str).encode()).hexdigest()[:16]
+            identity.append([f"{layer.__module__}.{name}", digest])
+    return identity
+
+
+def _full(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure variable not yet assigned
+        return False
+    return True
 
 
 def _code_data(code: types.CodeType) -> list:
@@ -704,7 +756,7 @@ def code_hash() -> str:
 
 @functools.cache
 def _versions() -> dict[str, str]:
-    versions = {"torch": torch.__version__}
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__}
     for dist in ("transformers", "diffusers"):
         try:
             versions[dist] = importlib.metadata.version(dist)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -301,6 +302,47 @@ def test_cache_key_follows_library_code_patched_in_this_process(monkeypatch):
     model = models.build_model(name, torch.float32)
     model.blocks[0].mlp.forward = lambda x: x
     assert key(model) != plain
+
+
+def test_cache_key_follows_a_decorated_patch_by_the_code_it_wraps(monkeypatch):
+    # A decorator's wrapper is torch's or the stdlib's code, and functools.wraps gives it the name of
+    # what it wraps: the key must see the wrapped function's code, as with any patch.
+    import contextlib
+
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
+
+    name = "tiny-qwen3-vl-vision"
+    inputs = models.example_inputs(name, torch.float32)
+
+    def key():
+        model = models.build_model(name, torch.float32)
+        adapter, graph_inputs = prepare(model, inputs)
+        return graph_store.cache_key(adapter.export_module(model), adapter.name, graph_inputs, CONFIG)
+
+    def traced(f):  # a decorator without functools.wraps: the function is only in its closure
+        return lambda *a: f(*a)
+
+    plain, mlp, rotary = key(), qwen.Qwen3VLVisionMLP.forward, qwen.apply_rotary_pos_emb_vision
+    keys = {plain}
+    for scale in (0.5, 0.25):
+
+        def forward(self, x, scale=scale):
+            return mlp(self, x) * scale
+
+        for decorate in (torch.no_grad(), functools.lru_cache(maxsize=None), traced):
+            monkeypatch.setattr(qwen.Qwen3VLVisionMLP, "forward", decorate(forward))
+            keys.add(key())
+        monkeypatch.undo()
+
+        @contextlib.contextmanager
+        def ignored(scale=scale):
+            yield scale
+
+        monkeypatch.setattr(qwen, "apply_rotary_pos_emb_vision", functools.wraps(rotary)(ignored))
+        keys.add(key())
+        monkeypatch.undo()
+    assert len(keys) == 9  # every patch its own key
+    assert key() == plain
 
 
 def test_a_model_with_another_setting_is_not_served_the_first_ones_graph(tmp_path):
