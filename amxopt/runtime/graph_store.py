@@ -665,11 +665,16 @@ def _library_code(fn: Any) -> bool:
 
 def _library_file(fn: types.FunctionType) -> str | None:
     """``fn``'s file relative to the library (or stdlib) holding it; None outside them."""
-    filename = fn.__code__.co_filename
+    return _library_path(fn.__code__.co_filename)
+
+
+@functools.lru_cache(maxsize=4096)
+def _library_path(filename: str) -> str | None:
     for root in _library_roots():
-        where = os.path.relpath(filename, os.path.dirname(root.rstrip(os.sep)))
-        if filename.startswith(root) and not {"site-packages", "dist-packages"} & set(pathlib.Path(where).parts):
-            return where  # (a library's own files, or the stdlib's without its installed packages)
+        if filename.startswith(root):
+            where = os.path.relpath(filename, os.path.dirname(root.rstrip(os.sep)))
+            if not {"site-packages", "dist-packages"} & set(pathlib.Path(where).parts):
+                return where  # (a library's own files, or the stdlib's without its installed packages)
     return None
 
 
