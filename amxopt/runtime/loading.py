@@ -26,6 +26,7 @@ import logging
 import mmap
 import pathlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -244,8 +245,11 @@ def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.state_dict(keep_vars=True))
 
 
-def _check_keys(expected: dict, found, where: str, hint: str = "") -> dict[str, str]:
-    """For each expected name, the stored name to read it from (a tied group needs only one stored name)."""
+def _check_keys(
+    expected: dict, found, where: str, hint: Callable[[list[str]], str] | None = None
+) -> dict[str, str]:
+    """For each expected name, the stored name to read it from (a tied group needs only one stored name).
+    ``hint(unexpected names)`` may add to the error what would explain them."""
     by_tensor: dict[int, list[str]] = {}
     for name, t in expected.items():
         by_tensor.setdefault(id(t), []).append(name)
@@ -259,28 +263,31 @@ def _check_keys(expected: dict, found, where: str, hint: str = "") -> dict[str, 
     if missing or unexpected:
         raise CheckpointError(
             f"amxopt: {where} does not match the model: missing {len(missing)} tensor(s) {sorted(missing)[:5]}, "
-            f"unexpected {len(unexpected)} {unexpected[:5]}{hint}"
+            f"unexpected {len(unexpected)} {unexpected[:5]}{hint(unexpected) if hint else ''}"
         )
     return source
 
 
-def _conversion_hint(model: nn.Module) -> str:
+def _conversion_hint(model: nn.Module, unexpected: list[str]) -> str:
     """transformers 5 renames or merges some models' tensors as it loads them (and writes them back
-    in the original layout): a checkpoint of such a model does not match its module names."""
+    in the original layout): a checkpoint of such a model does not match its module names. Said
+    only when a stored name is one of those transformers would convert (every model has some
+    generic renames, e.g. ``LayerNorm.gamma``)."""
     if not _is_transformers(type(model)):
         return ""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
 
         conversions = get_model_conversion_mapping(model)
+        converted = [k for k in unexpected if any(c.compiled_sources.search(k) for c in conversions)]
     except Exception:  # noqa: BLE001 - only a hint
         return ""
-    if not conversions:
+    if not converted:
         return ""
     return (
-        f"; transformers converts {type(model).__name__}'s checkpoint names as it loads them ({len(conversions)} "
-        "weight conversions), which amxopt.from_pretrained does not apply: load the model with its own "
-        "from_pretrained and pass it to amxopt.optimize"
+        f"; transformers converts {type(model).__name__}'s checkpoint names as it loads them (e.g. "
+        f"{converted[0]}: {len(conversions)} weight conversions), which amxopt.from_pretrained does not apply: "
+        "load the model with its own from_pretrained and pass it to amxopt.optimize"
     )
 
 
@@ -356,15 +363,23 @@ def _check_directory(cls: type, path: pathlib.Path) -> None:
     if pipeline:
         return
     if not (path / "config.json").exists():
-        raise CheckpointError(f"amxopt: {path} has no config.json")
+        saved = " (amxopt.json: an artifact of opt.save, which amxopt.load reads)" if (path / MANIFEST).exists() else ""
+        raise CheckpointError(f"amxopt: {path} has no config.json{saved}")
     stored = json.loads((path / "config.json").read_text())
-    found = stored.get("_class_name") or stored.get("model_type")  # diffusers' / transformers' label
     if _is_transformers(cls):
+        library, found = "transformers", stored.get("model_type")
         expected = {getattr(cls.config_class, "model_type", None)} - {None, ""}
     else:
+        library, found = "diffusers", stored.get("_class_name")
         expected = {c.__name__ for c in cls.__mro__}
-    if found and expected and found not in expected:
-        raise CheckpointError(f"amxopt: {path} holds a {found} model, not one {cls.__name__} reads")
+    if not found and stored.get("_class_name" if library == "transformers" else "model_type"):
+        other = "diffusers" if library == "transformers" else "transformers"
+        raise CheckpointError(f"amxopt: {path} holds a {other} model, and {cls.__name__} is a {library} class")
+    if found and expected and found not in expected and library == "diffusers":
+        # Read as the library reads it: another type (an older or related one: Qwen3-VL's vision config
+        # once said qwen3_vl; transformers warns), a user's subclass; the tensor names are checked
+        # next, before anything is packed.
+        logger.warning("amxopt: %s holds a %s, read as %s", path, found, cls.__name__)
 
 
 def _load_pipeline(cls: type, path: pathlib.Path, dtype: torch.dtype, provider: str) -> Any:
@@ -396,7 +411,7 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
     model = _build_empty(cls, _config_of(cls, path), torch_dtype)
     files = _checkpoint(path, "model" if _is_transformers(cls) else "diffusion_pytorch_model")
     expected = _expected(model)
-    stored = _check_keys(expected, files, str(path), _conversion_hint(model))
+    stored = _check_keys(expected, files, str(path), functools.partial(_conversion_hint, model))
     parts = _packed_parts(model)
     done: dict[int, torch.Tensor] = {}  # tied names share one tensor: loaded (and packed) once
     for name in tqdm(sorted(expected), desc=f"amxopt: loading {cls.__name__}", unit="tensor", leave=False):
