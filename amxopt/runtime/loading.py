@@ -245,9 +245,7 @@ def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.state_dict(keep_vars=True))
 
 
-def _check_keys(
-    expected: dict, found, where: str, hint: Callable[[list[str]], str] | None = None
-) -> dict[str, str]:
+def _check_keys(expected: dict, found, where: str, hint: Callable[[list[str]], str] | None = None) -> dict[str, str]:
     """For each expected name, the stored name to read it from (a tied group needs only one stored name).
     ``hint(unexpected names)`` may add to the error what would explain them."""
     by_tensor: dict[int, list[str]] = {}
@@ -308,17 +306,23 @@ def _convert(name: str, tensor: torch.Tensor, like: torch.Tensor, where: str) ->
 
 
 def from_pretrained(
-    cls: type, path: str | pathlib.Path, torch_dtype: torch.dtype = torch.bfloat16, config: AmxConfig | None = None
+    cls: type,
+    path: str | pathlib.Path,
+    torch_dtype: torch.dtype | dict[str, torch.dtype] = torch.bfloat16,
+    config: AmxConfig | None = None,
 ) -> Any:
     """Build ``cls`` from a local ``save_pretrained`` directory, packing weights as they are read.
 
     Args:
         cls: a transformers or diffusers model class (e.g. ``Qwen3VLVisionModel``, ``WanTransformer3DModel``),
-            or a diffusers pipeline class (``WanPipeline``): then ``transformer``, ``transformer_2`` and
-            the text/image encoders are loaded packed and every other part by its own class.
+            or a diffusers pipeline class (``WanPipeline``, or ``DiffusionPipeline`` for the class the
+            directory names): then ``transformer``, ``transformer_2`` and the text/image encoders are
+            loaded packed and every other part by its own class.
         path: a directory with ``config.json`` and safetensors weights (one file or shards + index), or a
             pipeline directory with ``model_index.json``.
-        torch_dtype: the dtype to run in; modules the class keeps in fp32 stay fp32.
+        torch_dtype: the dtype to run in; modules the class keeps in fp32 stay fp32. For a pipeline,
+            as diffusers takes it: one dtype for every part, or a dict by part name with a
+            ``"default"`` (fp32 without one), e.g. ``{"default": torch.bfloat16, "vae": torch.float32}``.
         config: amxopt options, as for :func:`amxopt.optimize`.
 
     Returns:
@@ -344,6 +348,11 @@ def from_pretrained(
             "amxopt.optimize with that config"
         )
     _check_directory(cls, path)
+    if isinstance(torch_dtype, dict) and issubclass(cls, nn.Module):
+        raise ValueError(
+            f"amxopt.from_pretrained: a dict of dtypes names a pipeline's parts; {cls.__name__} is one model: "
+            "pass one torch.dtype"
+        )
     config = dataclasses.replace(config, provider=resolve(config.provider))
     if (path / "model_index.json").exists():
         return amxopt.optimize(_load_pipeline(cls, path, torch_dtype, config.provider), config=config)
@@ -382,11 +391,18 @@ def _check_directory(cls: type, path: pathlib.Path) -> None:
         logger.warning("amxopt: %s holds a %s, read as %s", path, found, cls.__name__)
 
 
-def _load_pipeline(cls: type, path: pathlib.Path, dtype: torch.dtype, provider: str) -> Any:
-    """A diffusers pipeline directory: the parts amxopt optimizes are loaded packed, the rest by their own class."""
+def _load_pipeline(cls: type, path: pathlib.Path, dtype: torch.dtype | dict, provider: str) -> Any:
+    """A diffusers pipeline directory: the parts amxopt optimizes are loaded packed, the rest by their own class.
+
+    As ``DiffusionPipeline.from_pretrained`` does: the directory's own pipeline class where ``cls`` is
+    a base of it, and each part in ``dtype`` (a dict: by part name, else its ``"default"``, else fp32).
+    """
     from amxopt.runtime.components import PIPELINE_COMPONENTS
 
     index = json.loads((path / "model_index.json").read_text())
+    named = getattr(importlib.import_module("diffusers"), str(index.get("_class_name")), None)
+    if isinstance(named, type) and issubclass(named, cls):
+        cls = named
     parts, options = {}, {}
     for name, value in index.items():
         if name.startswith("_"):
@@ -397,10 +413,13 @@ def _load_pipeline(cls: type, path: pathlib.Path, dtype: torch.dtype, provider: 
             parts[name] = None
         else:
             part_cls = getattr(importlib.import_module(value[0]), value[1])
-            if name in PIPELINE_COMPONENTS and issubclass(part_cls, nn.Module):
-                parts[name] = _load_model(part_cls, path / name, dtype, provider)
-            else:
+            part_dtype = dtype.get(name, dtype.get("default", torch.float32)) if isinstance(dtype, dict) else dtype
+            if not issubclass(part_cls, nn.Module):
                 parts[name] = part_cls.from_pretrained(path / name)
+            elif name in PIPELINE_COMPONENTS:
+                parts[name] = _load_model(part_cls, path / name, part_dtype, provider)
+            else:
+                parts[name] = part_cls.from_pretrained(path / name, dtype=part_dtype)
     return cls(**parts, **options)
 
 

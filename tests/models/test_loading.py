@@ -15,7 +15,7 @@ from transformers import Qwen3VLVisionModel
 import amxopt
 from amxopt import models
 from amxopt.ops import packed
-from amxopt.runtime import loading
+from amxopt.runtime import loading, max_abs_error
 from tests.helpers import CONFIG
 
 RELEASE = dataclasses.replace(CONFIG, keep_source=False)
@@ -174,6 +174,26 @@ def test_pipeline_from_pretrained_gives_the_same_frames(tmp_path):
     assert sorted(loaded.amxopt_report.optimized) == ["text_encoder", "transformer"]
     assert packed.is_released(loaded.transformer.__dict__["_source"].blocks[0].ffn.net[2].weight)
     torch.testing.assert_close(loaded(**call, generator=torch.Generator().manual_seed(0)).frames, expected)
+
+
+def test_pipeline_from_pretrained_takes_the_class_and_dtypes_as_diffusers_does(tmp_path):
+    from diffusers import DiffusionPipeline, WanPipeline
+
+    from amxopt import pipelines
+
+    pipelines.build_wan_pipeline("tiny-wan", torch.float32).save_pretrained(tmp_path)
+    call = dict(pipelines.wan_call(max_sequence_length=16), output_type="latent")
+    bf16 = torch.bfloat16
+    for dtype in (bf16, {"default": bf16, "vae": torch.float32}, {"transformer": bf16}):
+        expected = DiffusionPipeline.from_pretrained(tmp_path, dtype=dtype)
+        loaded = amxopt.from_pretrained(DiffusionPipeline, tmp_path, dtype, RELEASE)
+        assert type(loaded) is WanPipeline
+        for name in ("transformer", "text_encoder", "vae"):
+            assert getattr(loaded, name).dtype == getattr(expected, name).dtype, (dtype, name)
+        runs = [p(**call, generator=torch.Generator().manual_seed(0)).frames.float() for p in (loaded, expected)]
+        assert max_abs_error(*runs) < 0.05 * runs[1].abs().max()
+    with pytest.raises(ValueError, match="a dict of dtypes names a pipeline's parts"):
+        amxopt.from_pretrained(WanTransformer3DModel, tmp_path / "transformer", {"default": bf16}, RELEASE)
 
 
 def test_save_and_load_a_model_with_tied_weights(tmp_path):
