@@ -126,6 +126,8 @@ class _LoadWatch:
     def __call__(self, module: nn.Module, state_dict: Mapping, prefix: str, *_) -> None:
         if not any(k.startswith(prefix) for k in state_dict):
             return
+        for opt in list(self.watchers):
+            opt._refuse_at_tp()
         for name, p in module.named_parameters(remove_duplicate=False):
             if prefix + name in state_dict and packed.is_released(p):
                 raise RuntimeError(
@@ -271,10 +273,11 @@ class OptimizedModule(nn.Module):
         saves its towers as they were); refused when optimize released packed source weights."""
         source = self.__dict__["_source"]
         if _released(source):
+            save = "" if self.amx_config.tp != 1 else "save the optimized model with opt.save(directory), "
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}'s packed weights were released by amxopt.optimize, so it has no "
-                "state dict to save: save the model before optimizing it, save the optimized model with "
-                "opt.save(directory), or optimize with AmxConfig(keep_source=True)"
+                f"state dict to save: save the model before optimizing it, {save}or optimize with "
+                "AmxConfig(keep_source=True)"
             )
         return source.state_dict(*args, **kwargs)
 
@@ -336,13 +339,17 @@ class OptimizedModule(nn.Module):
         new._watch_loads(new.__dict__["_source"])
         return new
 
-    def _drop_graphs(self) -> None:
+    def _refuse_at_tp(self) -> None:
+        """A change to the source, refused before anything is written where the graphs run tensor-parallel."""
         if self.amx_config.tp != 1 and (self._entries or self._pending):
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name} runs tensor-parallel (tp={self.amx_config.tp}): every rank holds "
                 "its own shards, packed when it was optimized, and would not follow a change to the model's weights, "
                 "modules or adapters. Change the model before amxopt.optimize, then optimize it"
             )
+
+    def _drop_graphs(self) -> None:
+        self._refuse_at_tp()
         if self._entries or self._pending:
             logger.info("amxopt: %s changed after optimize: its graphs are captured anew", self.adapter.model_name)
         merged = self._merged_since_capture()
@@ -377,6 +384,7 @@ class OptimizedModule(nn.Module):
         and is refused until it is undone."""
         if _adapter_state(self._adapters[0]) == self._adapters[1]:
             return
+        self._refuse_at_tp()
         if any(_released(layer) for layer in self._merged_since_capture()):
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}: a LoRA adapter was merged into (or unmerged from) weights "
@@ -479,6 +487,7 @@ class OptimizedModule(nn.Module):
         sees: the adapter layers are packed and captured again (refused where they were released)."""
         if not kwargs.get("hotswap"):
             return load(*args, **kwargs)
+        self._refuse_at_tp()
         layers = _adapter_layers(self.__dict__["_source"].modules())
         if any(_released(layer) for layer in layers):
             raise RuntimeError(

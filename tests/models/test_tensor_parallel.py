@@ -485,6 +485,12 @@ def test_an_idle_module_and_a_failed_call_leave_it_usable(tmp_path):
             model.load_state_dict(model.state_dict())
         with pytest.raises(RuntimeError, match="runs tensor-parallel"):
             model.blocks[0].mlp.linear_fc2 = torch.nn.Linear(1, 1)
+        loads = []
+        model.load_adapter = lambda *args, **kwargs: loads.append(kwargs)  # peft would write rank 0's adapter
+        with pytest.raises(RuntimeError, match="runs tensor-parallel"):
+            sharded.load_adapter(str(tmp_path / "adapter"), adapter_name="style", hotswap=True)
+        assert not loads
+        del model.load_adapter
         wants_grad = {k: v.requires_grad_() if k == "hidden_states" else v for k, v in inputs.items()}
         with pytest.raises(RuntimeError, match="hidden_states requires grad"):
             sharded(**wants_grad)
