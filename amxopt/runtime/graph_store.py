@@ -593,10 +593,11 @@ _LIBRARIES = ("torch", "transformers", "diffusers", "amxopt")
 
 def _model_code(module: nn.Module) -> dict[str, str]:
     """A digest of the source of each class in ``module`` that is not a library's (a user's model
-    edited between runs): its file and every loaded file of its package (a helper its forward
-    calls), or its compiled methods where there is no file."""
+    edited between runs): its file, or its compiled methods where there is no file, and the user
+    code it may call (see ``_package_files``)."""
     digests: dict[str, Any] = {}
     memo: dict[type, list] = {}
+    packages: dict[str, Any] = {}  # top-level module -> digest of its user files
     for cls in sorted({type(m) for m in module.modules()}, key=_qualified):
         if cls.__module__.split(".")[0] in _LIBRARIES:
             patched = _patches(cls, memo)
@@ -606,12 +607,19 @@ def _model_code(module: nn.Module) -> dict[str, str]:
         digest = hashlib.sha256()
         try:
             digest.update(pathlib.Path(inspect.getsourcefile(cls)).read_bytes())
-            for path in _package_files(cls.__module__):
-                digest.update(path.encode() + pathlib.Path(path).read_bytes())
         except (TypeError, OSError):  # defined in a notebook or by exec
             for name, f in sorted(vars(cls).items()):
                 if isinstance(f, types.FunctionType):  # not co_filename: a notebook's names its process
                     digest.update(name.encode() + json.dumps(_code_data(f.__code__)).encode())
+        top = cls.__module__.split(".")[0]
+        if top not in packages:
+            packages[top] = hashlib.sha256()
+            for path in _package_files(top):
+                try:
+                    packages[top].update(path.encode() + pathlib.Path(path).read_bytes())
+                except OSError:  # deleted since it was imported
+                    packages[top].update(path.encode())
+        digest.update(packages[top].digest())
         closures = [v for _, v in sorted(vars(cls).items()) if isinstance(v, types.FunctionType) and v.__closure__]
         digest.update(json.dumps(_described(closures, "closures", {}), default=str).encode())
         digests[_qualified(cls)] = digest.hexdigest()
@@ -728,13 +736,29 @@ def _code_data(code: types.CodeType) -> list:
     return [code.co_code.hex(), [const(c) for c in code.co_consts], list(code.co_names)]
 
 
-def _package_files(module_name: str) -> list[str]:
-    """The source files of the loaded modules of ``module_name``'s top-level package."""
-    top = module_name.split(".")[0]
-    if top == "__main__":
-        return []  # a script: its own file is the class's
-    loaded = [m for name, m in list(sys.modules.items()) if name == top or name.startswith(top + ".")]
-    return sorted({f for m in loaded if (f := getattr(m, "__file__", None)) and f.endswith(".py")})
+def _package_files(top: str) -> list[str]:
+    """The source files of the user code a class of the top-level module ``top`` may call: the
+    loaded modules in the directory that module or package sits in (its package's files, a script's helper
+    module beside it; a notebook's: the working directory), without the stdlib, installed packages
+    and the libraries (their versions are in the key)."""
+    file = getattr(sys.modules.get(top), "__file__", None)
+    if file is None:
+        root = os.getcwd()
+    else:
+        root = os.path.dirname(os.path.abspath(file))
+        if os.path.basename(file) == "__init__.py":
+            root = os.path.dirname(root)
+    root = os.path.join(root, "")
+    files = {getattr(m, "__file__", None) for m in list(sys.modules.values())}
+    return sorted(
+        f
+        for f in files
+        if f
+        and f.endswith(".py")
+        and os.path.abspath(f).startswith(root)
+        and _library_path(f) is None
+        and not {"site-packages", "dist-packages"} & set(pathlib.Path(f).parts)
+    )
 
 
 def _model_config(module: nn.Module) -> Any:

@@ -273,6 +273,27 @@ def test_cache_key_follows_a_helper_file_of_the_models_package(tmp_path, monkeyp
     assert key() != before
 
 
+def test_cache_key_follows_a_helper_module_beside_a_scripts_model(tmp_path, monkeypatch):
+    # A script's model imports a module from its own directory, not a package: edits to it count.
+    (tmp_path / "act_beside_key.py").write_text("import torch\ndef act(h):\n    return torch.relu(h)\n")
+    (tmp_path / "net_beside_key.py").write_text(
+        "import torch\nfrom act_beside_key import act\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.fc = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n        return act(self.fc(x))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from net_beside_key import Net
+
+    def key():
+        return graph_store.cache_key(Net(), "plain", {"x": torch.randn(2, 8)}, CONFIG)
+
+    before = key()
+    assert key() == before
+    (tmp_path / "act_beside_key.py").write_text("import torch\ndef act(h):\n    return torch.sigmoid(h)\n")
+    assert key() != before
+
+
 def test_cache_key_follows_library_code_patched_in_this_process(monkeypatch):
     # Attention or kernel swaps patch a library's class or module function; the versions in the key
     # cannot tell. A patched instance forward is a setting, with its code.
