@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
 import logging
 import os
@@ -251,46 +252,35 @@ def test_cache_key_follows_settings_code_and_training_and_hooks_turn_it_off():
     assert key(model) is not None
 
 
-def test_cache_key_follows_a_helper_file_of_the_models_package(tmp_path, monkeypatch):
-    package = tmp_path / "userpkg_for_key"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "helpers.py").write_text("import torch\ndef act(h):\n    return torch.relu(h)\n")
-    (package / "model.py").write_text(
-        "import torch\nfrom userpkg_for_key.helpers import act\n"
-        "class Net(torch.nn.Module):\n"
-        "    def __init__(self):\n        super().__init__(); self.fc = torch.nn.Linear(8, 8)\n"
-        "    def forward(self, x):\n        return act(self.fc(x))\n"
-    )
+_NET = (
+    "import torch\nfrom {helper} import act\n"
+    "class Net(torch.nn.Module):\n"
+    "    def __init__(self):\n        super().__init__(); self.fc = torch.nn.Linear(8, 8)\n"
+    "    def forward(self, x):\n        return act(self.fc(x))\n"
+)
+
+
+@pytest.mark.parametrize("layout", ["package", "beside"], ids=["in-its-package", "beside-a-script's-model"])
+def test_cache_key_follows_a_helper_file_the_model_imports(tmp_path, monkeypatch, layout):
+    # A helper of the model's package, or a module beside a script's model (not a package): edits count.
+    if layout == "package":
+        where, module, helper = tmp_path / "userpkg_for_key", "userpkg_for_key.model", "userpkg_for_key.helpers"
+        where.mkdir()
+        (where / "__init__.py").write_text("")
+    else:
+        where, module, helper = tmp_path, "net_beside_key", "act_beside_key"
+    helper_file = where / f"{helper.rpartition('.')[2]}.py"
+    helper_file.write_text("import torch\ndef act(h):\n    return torch.relu(h)\n")
+    (where / f"{module.rpartition('.')[2]}.py").write_text(_NET.format(helper=helper))
     monkeypatch.syspath_prepend(str(tmp_path))
-    from userpkg_for_key.model import Net
+    net = importlib.import_module(module).Net
 
     def key():
-        return graph_store.cache_key(Net(), "plain", {"x": torch.randn(2, 8)}, CONFIG)
-
-    before = key()
-    (package / "helpers.py").write_text("import torch\ndef act(h):\n    return torch.sigmoid(h)\n")
-    assert key() != before
-
-
-def test_cache_key_follows_a_helper_module_beside_a_scripts_model(tmp_path, monkeypatch):
-    # A script's model imports a module from its own directory, not a package: edits to it count.
-    (tmp_path / "act_beside_key.py").write_text("import torch\ndef act(h):\n    return torch.relu(h)\n")
-    (tmp_path / "net_beside_key.py").write_text(
-        "import torch\nfrom act_beside_key import act\n"
-        "class Net(torch.nn.Module):\n"
-        "    def __init__(self):\n        super().__init__(); self.fc = torch.nn.Linear(8, 8)\n"
-        "    def forward(self, x):\n        return act(self.fc(x))\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    from net_beside_key import Net
-
-    def key():
-        return graph_store.cache_key(Net(), "plain", {"x": torch.randn(2, 8)}, CONFIG)
+        return graph_store.cache_key(net(), "plain", {"x": torch.randn(2, 8)}, CONFIG)
 
     before = key()
     assert key() == before
-    (tmp_path / "act_beside_key.py").write_text("import torch\ndef act(h):\n    return torch.sigmoid(h)\n")
+    helper_file.write_text("import torch\ndef act(h):\n    return torch.sigmoid(h)\n")
     assert key() != before
 
 
