@@ -652,7 +652,9 @@ def _code_layers(fn: Any) -> list[types.FunctionType]:
     (``functools.wraps``, ``lru_cache``) or in its closure (a decorator's inner function)."""
     layers: list[types.FunctionType] = []
     todo = [fn]
-    while todo and len(layers) < 16:
+    for _ in range(64):  # bounded: an object may answer any attribute with another
+        if not todo:
+            break
         f = todo.pop()
         f = getattr(f, "__func__", f)  # a bound method
         if any(f is seen for seen in layers):
