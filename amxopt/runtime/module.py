@@ -262,6 +262,30 @@ class OptimizedModule(nn.Module):
                 module.register_load_state_dict_pre_hook(watch)
         return modules
 
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
+        """This module, its graph's holders of packed weights, then the source model's modules under
+        their own names: a tool that walks a model to change its layers (peft's ``get_peft_model`` or
+        ``PeftModel.from_pretrained`` on a whole model) finds the source's, and what it changes there
+        is seen (``_LoadWatch``): the graphs are captured again at the next call. The graph's holders
+        come first (``model.device`` reads the first parameter: the source's may be released), named
+        with ``_`` for their inner dots (``graph_module.blocks_0_attn_qkv``) so that no layer name
+        matches them."""
+        memo = set() if memo is None else memo
+        if remove_duplicate and self in memo:
+            return
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+        dot = "." if prefix else ""
+        graph = self._modules.get("graph_module")
+        if graph is not None:
+            for name, module in graph.named_modules(memo, "", remove_duplicate):
+                yield f"{prefix}{dot}graph_module{'.' + name.replace('.', '_') if name else ''}", module
+        source = self.__dict__["_source"]
+        for name, module in source.named_modules(memo, prefix, remove_duplicate):
+            if module is not source:
+                yield name, module
+
     def train(self, mode: bool = True) -> OptimizedModule:
         # Only the flag, as the source's: the graphs compute inference whatever it says (a graph
         # from export refuses train()).

@@ -151,3 +151,33 @@ def test_a_copied_pipeline_routes_its_lora_calls_to_its_own_parts(tmp_path):
     eager.load_lora_weights(dict(lora), adapter_name="style")
     runs = [p(**call, generator=torch.Generator().manual_seed(0)).frames for p in (twin, eager)]
     assert max_abs_error(*runs) < 1e-5
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["qkv", "q_proj", "v_proj", "linear_fc1"]], ids=["all", "named"])
+def test_peft_on_a_whole_model_after_optimize_reaches_the_optimized_tower(targets, tmp_path):
+    # get_peft_model walks the whole model's modules: the optimized tower must show its source's
+    # layers (peft found none in it, or failed on the graph's holders of packed weights).
+    from amxopt import pipelines
+
+    def logits(model, inputs):
+        with torch.no_grad():
+            return model(**inputs).logits
+
+    def with_lora(model):
+        torch.manual_seed(0)
+        lora = peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
+        return peft.get_peft_model(model, lora).eval()
+
+    for keep_source in (True, False):
+        model, eager = pipelines.build_qwen3_vl("tiny"), pipelines.build_qwen3_vl("tiny")
+        inputs = pipelines.qwen3_vl_prompt(model, images=[(64, 96)])
+        amxopt.optimize(model, config=_config(keep_source, tmp_path))
+        logits(model, inputs)  # captured before the adapter comes
+        model = with_lora(model)
+        tower = model.base_model.model.model.visual.__dict__["_source"]
+        assert any(isinstance(m, peft.tuners.lora.LoraLayer) for m in tower.modules())
+        if keep_source:
+            assert max_abs_error(logits(model, inputs), logits(with_lora(eager), inputs)) < 1e-5
+        else:
+            with pytest.raises(RuntimeError, match="is on the meta device.*before amxopt.optimize"):
+                logits(model, inputs)
