@@ -566,7 +566,7 @@ def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
         return ["partial", _described((v.func, v.args, v.keywords), where, seen, depth + 1)]
     if isinstance(v, (types.FunctionType, types.MethodType)):
         fn = getattr(v, "__func__", v)
-        cells = [c.cell_contents for c in fn.__closure__ or () if c.cell_contents is not fn]
+        cells = [c.cell_contents for c in fn.__closure__ or () if _full(c) and c.cell_contents is not fn]
         return ["function", _function_identity(fn), _described(cells, where, seen, depth + 1)]
     if isinstance(v, (type, types.BuiltinFunctionType, types.ModuleType)):
         return _qualified(v)
@@ -613,13 +613,8 @@ def _model_code(module: nn.Module) -> dict[str, str]:
                     digest.update(name.encode() + json.dumps(_code_data(f.__code__)).encode())
         top = cls.__module__.split(".")[0]
         if top not in packages:
-            packages[top] = hashlib.sha256()
-            for path in _package_files(top):
-                try:
-                    packages[top].update(path.encode() + pathlib.Path(path).read_bytes())
-                except OSError:  # deleted since it was imported
-                    packages[top].update(path.encode())
-        digest.update(packages[top].digest())
+            packages[top] = _files_digest(top)
+        digest.update(packages[top].encode())
         closures = [v for _, v in sorted(vars(cls).items()) if isinstance(v, types.FunctionType) and v.__closure__]
         digest.update(json.dumps(_described(closures, "closures", {}), default=str).encode())
         digests[_qualified(cls)] = digest.hexdigest()
@@ -630,14 +625,16 @@ def _patches(cls: type, memo: dict[type, list]) -> list:
     """What replaced a library class's code in this process: each method of it (or of its library
     bases) whose code is not the library's, and each global a method reads that is now a function
     from outside the libraries (``transformers...modeling_x.apply_rotary_pos_emb = mine``). A
-    decorated function counts by every function it wraps (``torch.no_grad()(mine)`` is not torch's)."""
+    decorated function counts by every function it wraps (``torch.no_grad()(mine)`` is not torch's),
+    and a library function put in another's place (``MLP.forward = nn.Identity.forward``) by its name."""
     found = []
     for base in cls.__mro__[:-1]:  # not object
         if base not in memo:
             memo[base] = []
             for name, f in sorted(vars(base).items()):
                 layers = _code_layers(f)
-                if layers and not _library_code(f):
+                own = any(layer.__code__.co_qualname == f"{base.__qualname__}.{name}" for layer in layers)
+                if layers and not (own and _library_code(f)):
                     memo[base].append([name, _function_identity(f)])
                 for layer, g_name in ((layer, g_name) for layer in layers for g_name in layer.__code__.co_names):
                     g = layer.__globals__.get(g_name)
@@ -659,6 +656,8 @@ def _code_layers(fn: Any) -> list[types.FunctionType]:
         f = getattr(f, "__func__", f)  # a bound method
         if any(f is seen for seen in layers):
             continue
+        if isinstance(f, (functools.partial, functools.partialmethod)):
+            todo.append(f.func)
         if isinstance(f, types.FunctionType):
             layers.append(f)
             todo += [cell.cell_contents for cell in reversed(f.__closure__ or ()) if _full(cell)]
@@ -669,7 +668,10 @@ def _code_layers(fn: Any) -> list[types.FunctionType]:
 
 
 def _library_code(fn: Any) -> bool:
-    """Whether every function ``fn`` runs (see ``_code_layers``) is a library's or the stdlib's."""
+    """Whether every function ``fn`` runs (see ``_code_layers``) is a library's or the stdlib's (a
+    partial's arguments are not code: it never is)."""
+    if isinstance(fn, (functools.partial, functools.partialmethod)):
+        return False
     return all(_library_file(layer) is not None for layer in _code_layers(fn))
 
 
@@ -705,6 +707,8 @@ def _function_identity(fn: Any) -> Any:
     (the library's version is in the key), any other by its name and compiled code (edited between
     runs), not its file name (a notebook's names its process). Names come from the code, not from
     ``functools.wraps`` (which gives a wrapper the name of what it wraps)."""
+    if isinstance(fn, (functools.partial, functools.partialmethod)):
+        return ["partial", _function_identity(fn.func), _described([fn.args, fn.keywords], "partial", {})]
     identity = []
     for layer in _code_layers(fn):
         name, where = layer.__code__.co_qualname, _library_file(layer)
@@ -713,7 +717,8 @@ def _function_identity(fn: Any) -> Any:
         else:  # its code, and the values it reads besides its arguments: defaults, closure
             cells = [c.cell_contents for c in layer.__closure__ or () if _full(c)]
             values = [layer.__defaults__, layer.__kwdefaults__, [c for c in cells if not _code_layers(c)]]
-            data = [_code_data(layer.__code__), _described(values, name, {})]
+            # and the user code beside it: a helper it calls, a constant of its module
+            data = [_code_data(layer.__code__), _described(values, name, {}), _files_digest(layer.__module__)]
             digest = hashlib.sha256(json.dumps(data, default=str).encode()).hexdigest()[:16]
             identity.append([f"{layer.__module__}.{name}", digest])
     return identity
@@ -739,28 +744,74 @@ def _code_data(code: types.CodeType) -> list:
 
 
 def _package_files(top: str) -> list[str]:
-    """The source files of the user code a class of the top-level module ``top`` may call: the
-    loaded modules in the directory that module or package sits in (its package's files, a script's helper
-    module beside it; a notebook's: the working directory), without the stdlib, installed packages
-    and the libraries (their versions are in the key)."""
+    """The source files of the code a class of the top-level module ``top`` may call: the loaded
+    modules of its package (installed or not, a namespace package too), and for a plain module (a
+    script's model, ``__main__`` itself) the loaded user modules beside it (a helper module; a
+    notebook's: in the working directory), but not the script that runs it, the stdlib, installed
+    packages or the libraries (their versions are in the key)."""
+    loaded = {name: m for name, m in list(sys.modules.items()) if name == top or name.startswith(top + ".")}
+    files = {f for m in loaded.values() if _real_file(f := getattr(m, "__file__", None))}
+    module = sys.modules.get(top)
+    if module is not None and not hasattr(module, "__path__"):  # a plain module, not a package
+        file = getattr(module, "__file__", None)
+        root = os.path.join(os.path.dirname(os.path.abspath(file)) if file else os.getcwd(), "")
+        main = getattr(sys.modules.get("__main__"), "__file__", None) if top != "__main__" else None
+        main = os.path.abspath(main) if _real_file(main) else None
+        for m in list(sys.modules.values()):
+            f = getattr(m, "__file__", None)
+            if (
+                _real_file(f)
+                and os.path.abspath(f).startswith(root)
+                and not _installed(f)
+                and os.path.abspath(f) != main
+            ):
+                files.add(f)
+    return sorted(files)
+
+
+def _files_digest(module_name: str | None) -> str:
+    """What the code of ``module_name``'s top-level module is: an installed distribution by its
+    name and version, anything else by a digest of ``_package_files``."""
+    top = str(module_name).split(".")[0]
     file = getattr(sys.modules.get(top), "__file__", None)
-    if file is None:
-        root = os.getcwd()
-    else:
-        root = os.path.dirname(os.path.abspath(file))
-        if os.path.basename(file) == "__init__.py":
-            root = os.path.dirname(root)
-    root = os.path.join(root, "")
-    files = {getattr(m, "__file__", None) for m in list(sys.modules.values())}
-    return sorted(
-        f
-        for f in files
-        if f
-        and f.endswith(".py")
-        and os.path.abspath(f).startswith(root)
-        and _library_path(f) is None
-        and not {"site-packages", "dist-packages"} & set(pathlib.Path(f).parts)
-    )
+    if _real_file(file) and _installed(file) and _distributions(top):
+        return _distributions(top)
+    digest = hashlib.sha256()
+    for path in _package_files(top):
+        digest.update(path.encode() + _file_digest(path))
+    return digest.hexdigest()
+
+
+@functools.cache
+def _distributions(top: str) -> str:
+    names = importlib.metadata.packages_distributions().get(top, [])
+    return ", ".join(f"{name}=={importlib.metadata.version(name)}" for name in sorted(set(names)))
+
+
+def _file_digest(path: str) -> bytes:
+    try:
+        stat = os.stat(path)
+    except OSError:  # deleted since it was imported
+        return b"missing"
+    return _read_digest(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8192)
+def _read_digest(path: str, mtime_ns: int, size: int) -> bytes:
+    """A file's digest, read again only when its modification time or size changed."""
+    try:
+        return hashlib.sha256(pathlib.Path(path).read_bytes()).digest()
+    except OSError:
+        return b"missing"
+
+
+def _real_file(f: Any) -> bool:
+    return isinstance(f, str) and f.endswith(".py") and os.path.isabs(f)
+
+
+def _installed(f: str) -> bool:
+    """A file of the stdlib, an installed package or the libraries."""
+    return _library_path(f) is not None or bool({"site-packages", "dist-packages"} & set(pathlib.Path(f).parts))
 
 
 def _model_config(module: nn.Module) -> Any:

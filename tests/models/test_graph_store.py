@@ -260,19 +260,23 @@ _NET = (
 )
 
 
-@pytest.mark.parametrize("layout", ["package", "beside"], ids=["in-its-package", "beside-a-script's-model"])
+@pytest.mark.parametrize("layout", ["package", "installed", "namespace", "beside"])
 def test_cache_key_follows_a_helper_file_the_model_imports(tmp_path, monkeypatch, layout):
-    # A helper of the model's package, or a module beside a script's model (not a package): edits count.
-    if layout == "package":
-        where, module, helper = tmp_path / "userpkg_for_key", "userpkg_for_key.model", "userpkg_for_key.helpers"
-        where.mkdir()
-        (where / "__init__.py").write_text("")
+    # A helper of the model's package (installed, or without __init__.py), or a module beside a
+    # script's model (not a package): edits count.
+    if layout == "beside":
+        root, where, module, helper = tmp_path, tmp_path, "net_beside_key", "act_beside_key"
     else:
-        where, module, helper = tmp_path, "net_beside_key", "act_beside_key"
+        root = tmp_path / "site-packages" if layout == "installed" else tmp_path
+        package = f"userpkg_{layout}_key"
+        where, module, helper = root / package, f"{package}.model", f"{package}.helpers"
+        where.mkdir(parents=True)
+        if layout != "namespace":
+            (where / "__init__.py").write_text("")
     helper_file = where / f"{helper.rpartition('.')[2]}.py"
     helper_file.write_text("import torch\ndef act(h):\n    return torch.relu(h)\n")
     (where / f"{module.rpartition('.')[2]}.py").write_text(_NET.format(helper=helper))
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(root))
     net = importlib.import_module(module).Net
 
     def key():
@@ -353,6 +357,46 @@ def test_cache_key_follows_a_decorated_patch_by_the_code_it_wraps(monkeypatch):
         keys.add(key())
         monkeypatch.undo()
     assert len(keys) == 9  # every patch its own key
+    assert key() == plain
+
+
+def test_cache_key_follows_what_a_patch_reads(tmp_path, monkeypatch):
+    # A patch's helpers and constants (in its own module), a partial's arguments, a library function
+    # put in a method's place: each is code the graph was captured from.
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
+
+    name = "tiny-qwen3-vl-vision"
+    inputs = models.example_inputs(name, torch.float32)
+
+    def key():
+        model = models.build_model(name, torch.float32)
+        adapter, graph_inputs = prepare(model, inputs)
+        return graph_store.cache_key(adapter.export_module(model), adapter.name, graph_inputs, CONFIG)
+
+    plain, mlp, rotary = key(), qwen.Qwen3VLVisionMLP.forward, qwen.apply_rotary_pos_emb_vision
+    patch = tmp_path / "patch_reads_key.py"
+    patch.write_text("SCALE = 1.0\ndef scaled(x):\n    return x * SCALE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from patch_reads_key import scaled
+
+    keys = {plain}
+    monkeypatch.setattr(qwen.Qwen3VLVisionMLP, "forward", lambda self, x: scaled(mlp(self, x)))
+    keys.add(key())
+    patch.write_text("SCALE = 3.0\ndef scaled(x):\n    return x * SCALE\n")
+    keys.add(key())
+    monkeypatch.setattr(qwen.Qwen3VLVisionMLP, "forward", torch.nn.Identity.forward)
+    keys.add(key())
+    monkeypatch.undo()
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def rope(q, k, cos, sin, scale):
+        return rotary(q * scale, k, cos, sin)
+
+    for scale in (1.0, 2.0):
+        monkeypatch.setattr(qwen, "apply_rotary_pos_emb_vision", functools.partial(rope, scale=scale))
+        keys.add(key())
+    monkeypatch.undo()
+    assert len(keys) == 6  # every patch its own key
     assert key() == plain
 
 
