@@ -375,20 +375,28 @@ def _check_directory(cls: type, path: pathlib.Path) -> None:
         saved = " (amxopt.json: an artifact of opt.save, which amxopt.load reads)" if (path / MANIFEST).exists() else ""
         raise CheckpointError(f"amxopt: {path} has no config.json{saved}")
     stored = json.loads((path / "config.json").read_text())
-    if _is_transformers(cls):
-        library, found = "transformers", stored.get("model_type")
-        expected = {getattr(cls.config_class, "model_type", None)} - {None, ""}
-    else:
-        library, found = "diffusers", stored.get("_class_name")
-        expected = {c.__name__ for c in cls.__mro__}
-    if not found and stored.get("_class_name" if library == "transformers" else "model_type"):
-        other = "diffusers" if library == "transformers" else "transformers"
+    library, other = ("transformers", "diffusers") if _is_transformers(cls) else ("diffusers", "transformers")
+    if not stored.get(_TYPE_KEY[library]) and stored.get(_TYPE_KEY[other]):
         raise CheckpointError(f"amxopt: {path} holds a {other} model, and {cls.__name__} is a {library} class")
-    if found and expected and found not in expected and library == "diffusers":
-        # Read as the library reads it: another type (an older or related one: Qwen3-VL's vision config
-        # once said qwen3_vl; transformers warns), a user's subclass; the tensor names are checked
-        # next, before anything is packed.
-        logger.warning("amxopt: %s holds a %s, read as %s", path, found, cls.__name__)
+    if library == "diffusers" and _other_type(cls, path):  # transformers warns itself
+        logger.warning("amxopt: %s holds a %s, read as %s", path, _other_type(cls, path), cls.__name__)
+
+
+# Where a saved config names its model: transformers' model type, diffusers' class.
+_TYPE_KEY = {"transformers": "model_type", "diffusers": "_class_name"}
+
+
+def _other_type(cls: type, path: pathlib.Path) -> str | None:
+    """The model type (transformers) or class (diffusers) ``path``'s config names, where ``cls`` is
+    not of it. Read as the library reads it: another type of the same library may load (Qwen3-VL's
+    vision config once said qwen3_vl; a user's diffusers subclass), and where it does not, the
+    build or the tensor names fail before anything is packed, saying this."""
+    stored = json.loads((path / "config.json").read_text())
+    if _is_transformers(cls):
+        found, expected = stored.get("model_type"), {getattr(cls.config_class, "model_type", None)} - {None, ""}
+    else:
+        found, expected = stored.get("_class_name"), {c.__name__ for c in cls.__mro__}
+    return found if found and expected and found not in expected else None
 
 
 def _load_pipeline(cls: type, path: pathlib.Path, dtype: torch.dtype | dict, provider: str) -> Any:
@@ -427,10 +435,17 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
     """``cls`` with its packable weights packed for ``provider`` (meta placeholders), the rest loaded."""
     from tqdm.auto import tqdm
 
-    model = _build_empty(cls, _config_of(cls, path), torch_dtype)
+    other = _other_type(cls, path)
+    note = f"; {path} holds a {other} model, read as {cls.__name__}" if other else ""
+    try:
+        model = _build_empty(cls, _config_of(cls, path), torch_dtype)
+    except Exception as e:
+        if not other:
+            raise
+        raise CheckpointError(f"amxopt: {cls.__name__} cannot be built from {path}'s config ({e}){note}") from e
     files = _checkpoint(path, "model" if _is_transformers(cls) else "diffusion_pytorch_model")
     expected = _expected(model)
-    stored = _check_keys(expected, files, str(path), functools.partial(_conversion_hint, model))
+    stored = _check_keys(expected, files, str(path), lambda unexpected: note + _conversion_hint(model, unexpected))
     parts = _packed_parts(model)
     done: dict[int, torch.Tensor] = {}  # tied names share one tensor: loaded (and packed) once
     for name in tqdm(sorted(expected), desc=f"amxopt: loading {cls.__name__}", unit="tensor", leave=False):

@@ -418,6 +418,10 @@ def test_from_pretrained_refuses_a_wrong_directory_or_option_before_reading(chec
         amxopt.from_pretrained(Qwen3VLVisionModel, tmp_path / "nothing-here", torch.float32, RELEASE)
     with pytest.raises(amxopt.CheckpointError, match="holds a transformers model, and WanTransformer3DModel is a diff"):
         amxopt.from_pretrained(WanTransformer3DModel, checkpoint, torch.float32, RELEASE)
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
+
+    with pytest.raises(amxopt.CheckpointError, match="holds a qwen3_vl_vision model, read as Qwen3OmniMoeAudioEncoder"):
+        amxopt.from_pretrained(Qwen3OmniMoeAudioEncoder, checkpoint, torch.float32, RELEASE)
     (tmp_path / "model_index.json").write_text("{}")
     with pytest.raises(amxopt.CheckpointError, match="is a pipeline directory .* not a pipeline class"):
         amxopt.from_pretrained(WanTransformer3DModel, tmp_path, torch.float32, RELEASE)
