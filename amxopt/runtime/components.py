@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -125,44 +126,42 @@ def _optimize_pipeline(pipe: Any, config: AmxConfig) -> ComponentsReport:
             report.optimized[name] = opt
         else:
             report.left[name] = _left_reason(name, component)
-    _route_lora_calls(pipe, report.optimized)
+    _route_lora_calls(pipe)
     return report
 
 
-def _route_lora_calls(pipe: Any, parts: dict[str, OptimizedModule]) -> None:
+def _route_lora_calls(pipe: Any) -> None:
     """Point diffusers' LoRA methods of ``pipe`` (``load_lora_weights``, ``set_adapters``,
     ``fuse_lora``, ``disable_lora``, ...) at the source models of its optimized parts.
 
     They find the parts they act on by class (``ModelMixin``), which an :class:`OptimizedModule` is
     not: a part would be skipped, or its adapters not found. During such a call each optimized part
     is its source model again; the optimized module sees what the call changed at its next call
-    (new adapter layers, another scale, a merge: ``OptimizedModule._check_adapters``).
+    (new adapter layers, another scale, a merge: ``OptimizedModule._check_adapters``). The methods
+    live on a subclass of the pipeline's class, under its name (what diffusers saves), so that a
+    copy of the pipeline calls them on itself.
     """
-    mixins = [c for c in type(pipe).__mro__ if c.__module__.startswith("diffusers.loaders") and "Lora" in c.__name__]
-    names = {n for c in mixins for n, f in vars(c).items() if inspect.isfunction(f) and not n.startswith("_")}
-    for name in names:
-        pipe.__dict__[name] = _WithSources(pipe, name)
+    cls = type(pipe)
+    if cls not in _ROUTED:
+        mixins = [c for c in cls.__mro__ if c.__module__.startswith("diffusers.loaders") and "Lora" in c.__name__]
+        names = {n for c in mixins for n, f in vars(c).items() if inspect.isfunction(f) and not n.startswith("_")}
+        methods = {n: _with_sources(getattr(cls, n)) for n in sorted(names)}
+        routed = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **methods})
+        _ROUTED[cls] = _ROUTED[routed] = routed
+    pipe.__class__ = _ROUTED[cls]
 
 
-class _WithSources:
-    """``pipe.name`` (a diffusers LoRA method) run with each optimized part swapped to its source.
+# A pipeline class -> its subclass with routed LoRA methods (and that subclass -> itself).
+_ROUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    Holds the pipeline weakly (no cycle through its own dict); a deep copy of the pipeline gets one
-    for the copy (deepcopy puts the copy in ``memo`` before copying its dict).
-    """
 
-    def __init__(self, pipe: Any, name: str) -> None:
-        self.function, self.ref = getattr(type(pipe), name), weakref.ref(pipe)
-        functools.update_wrapper(self, self.function)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        pipe = self.ref()
-        if pipe is None:
-            raise RuntimeError(f"amxopt: {self.function.__qualname__} called after its pipeline was deleted")
+def _with_sources(function: Callable) -> Callable:
+    @functools.wraps(function)
+    def call(pipe: Any, *args: Any, **kwargs: Any) -> Any:
         swapped = {n: v for n, v in pipe.__dict__.items() if isinstance(v, OptimizedModule)}
         for n, opt in swapped.items():
             pipe.__dict__[n] = opt.__dict__["_source"]
-        run = functools.partial(self.function, pipe)
+        run = functools.partial(function, pipe)
         for opt in swapped.values():  # load_lora_weights(..., hotswap=True): see hotswap_watched
             run = functools.partial(opt.hotswap_watched, run)
         try:
@@ -170,6 +169,4 @@ class _WithSources:
         finally:
             pipe.__dict__.update(swapped)
 
-    def __deepcopy__(self, memo: dict) -> _WithSources:
-        pipe = self.ref()
-        return _WithSources(memo.get(id(pipe), pipe), self.function.__name__)
+    return call

@@ -137,13 +137,14 @@ def test_a_hotswap_through_the_optimized_module_is_used_or_refused(keep_source, 
     assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) < 1e-5
 
 
-def test_a_copied_pipeline_routes_its_lora_calls_to_its_own_parts(tmp_path):
-    # The LoRA methods amxopt puts on a pipeline must act on the pipeline they are read from.
+@pytest.mark.parametrize("copier", [copy.deepcopy, copy.copy], ids=["deepcopy", "copy"])
+def test_a_copied_pipeline_routes_its_lora_calls_to_its_own_parts(copier, tmp_path):
+    # The LoRA methods amxopt gives a pipeline must act on the pipeline they are read from.
     call = dict(pipelines.wan_call(max_sequence_length=16, output_type="latent"))
     lora = {f"transformer.{k}": v for k, v in _adapter_weights(1).items()}
     pipe = pipelines.build_wan_pipeline(WAN)
     amxopt.optimize(pipe, config=_config(True, tmp_path))
-    twin = copy.deepcopy(pipe)
+    twin = copier(pipe)
     del pipe
     twin.load_lora_weights(dict(lora), adapter_name="style")
     assert twin.transformer.__dict__["_source"].peft_config.keys() == {"style"}
