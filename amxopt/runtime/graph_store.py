@@ -491,6 +491,7 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         "adapter": adapter_name,
         "structure": repr(module),
         "config": _model_config(module),
+        "attention_functions": _attention_functions(module),
         # what repr and the config do not show: a constant in a forward, an attention processor,
         # which submodules are in training mode; and the code of classes outside the libraries
         "settings": described,
@@ -812,6 +813,23 @@ def _real_file(f: Any) -> bool:
 def _installed(f: str) -> bool:
     """A file of the stdlib, an installed package or the libraries."""
     return _library_path(f) is not None or bool({"site-packages", "dist-packages"} & set(pathlib.Path(f).parts))
+
+
+def _attention_functions(module: nn.Module) -> dict[str, Any]:
+    """The functions transformers' registries hold under the attention implementations the model's
+    configs name (a user may register their own, or replace ``sdpa``'s)."""
+    names = {getattr(m.config, "_attn_implementation", None) for m in module.modules() if hasattr(m, "config")}
+    names.discard(None)
+    if not names or "transformers" not in sys.modules:
+        return {}
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    found = {}
+    for kind, registry in (("attention", ALL_ATTENTION_FUNCTIONS), ("mask", ALL_MASK_ATTENTION_FUNCTIONS)):
+        for name in sorted(n for n in names if isinstance(n, str) and n in registry):
+            found[f"{kind}:{name}"] = _function_identity(registry[name])
+    return found
 
 
 def _model_config(module: nn.Module) -> Any:

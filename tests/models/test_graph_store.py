@@ -362,7 +362,8 @@ def test_cache_key_follows_a_decorated_patch_by_the_code_it_wraps(monkeypatch):
 
 def test_cache_key_follows_what_a_patch_reads(tmp_path, monkeypatch):
     # A patch's helpers and constants (in its own module), a partial's arguments, a library function
-    # put in a method's place: each is code the graph was captured from.
+    # put in a method's place, an attention function registered in transformers' place: each is
+    # code the graph was captured from.
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
 
     name = "tiny-qwen3-vl-vision"
@@ -396,7 +397,13 @@ def test_cache_key_follows_what_a_patch_reads(tmp_path, monkeypatch):
         monkeypatch.setattr(qwen, "apply_rotary_pos_emb_vision", functools.partial(rope, scale=scale))
         keys.add(key())
     monkeypatch.undo()
-    assert len(keys) == 6  # every patch its own key
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", lambda *a, **k: sdpa(*a, **k))  # a registered kernel
+    keys.add(key())
+    monkeypatch.undo()
+    assert len(keys) == 7  # every patch its own key
     assert key() == plain
 
 
