@@ -9,6 +9,7 @@ caller's own code (``generate``, ``pipe(...)``) runs unchanged and reaches the r
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -146,9 +147,31 @@ def _route_lora_calls(pipe: Any) -> None:
         mixins = [c for c in cls.__mro__ if c.__module__.startswith("diffusers.loaders") and "Lora" in c.__name__]
         names = {n for c in mixins for n, f in vars(c).items() if inspect.isfunction(f) and not n.startswith("_")}
         methods = {n: _with_sources(getattr(cls, n)) for n in sorted(names)}
-        routed = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **methods})
+        names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+        copies = {"__reduce_ex__": _refuse_pickle, "__copy__": _copy, "__deepcopy__": _deepcopy}
+        routed = type(cls.__name__, (cls,), {**names, **copies, **methods})
         _ROUTED[cls] = _ROUTED[routed] = routed
     pipe.__class__ = _ROUTED[cls]
+
+
+def _refuse_pickle(pipe: Any, protocol: int) -> Any:
+    raise TypeError(
+        f"amxopt: a {type(pipe).__name__} with optimized parts cannot be pickled (their graphs would lose their "
+        "output types): save the pipeline before amxopt.optimize, and optimize it again after loading"
+    )
+
+
+def _copy(pipe: Any) -> Any:
+    new = object.__new__(type(pipe))
+    new.__dict__.update(pipe.__dict__)
+    return new
+
+
+def _deepcopy(pipe: Any, memo: dict) -> Any:
+    new = object.__new__(type(pipe))
+    memo[id(pipe)] = new
+    new.__dict__.update(copy.deepcopy(pipe.__dict__, memo))
+    return new
 
 
 # A pipeline class -> its subclass with routed LoRA methods (and that subclass -> itself).

@@ -188,6 +188,14 @@ def _released(module: nn.Module) -> bool:
     return any(packed.is_released(p) for p in module.parameters())
 
 
+def _merged_since(captured: tuple[list[nn.Module], list[tuple]] | None) -> list[nn.Module]:
+    """The adapter layers whose merges differ from ``captured`` (layers and their _adapter_state)."""
+    if not captured:
+        return []
+    layers, state = captured
+    return [m for m, before, now in zip(layers, state, _adapter_state(layers), strict=True) if before[2] != now[2]]
+
+
 def _forget_packings(modules: list[nn.Module]) -> None:
     for p in (p for m in modules for p in m.parameters()):
         packed.forget_all(p)
@@ -263,25 +271,20 @@ class OptimizedModule(nn.Module):
         return modules
 
     def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
-        """This module, its graph's holders of packed weights, then the source model's modules under
-        their own names: a tool that walks a model to change its layers (peft's ``get_peft_model`` or
-        ``PeftModel.from_pretrained`` on a whole model) finds the source's, and what it changes there
-        is seen (``_LoadWatch``): the graphs are captured again at the next call. The graph's holders
-        come first (``model.device`` reads the first parameter: the source's may be released), named
-        with ``_`` for their inner dots (``graph_module.blocks_0_attn_qkv``) so that no layer name
-        matches them."""
-        memo = set() if memo is None else memo
-        if remove_duplicate and self in memo:
-            return
-        if remove_duplicate:
-            memo.add(self)
-        yield prefix, self
-        dot = "." if prefix else ""
-        graph = self._modules.get("graph_module")
-        if graph is not None:
-            for name, module in graph.named_modules(memo, "", remove_duplicate):
-                yield f"{prefix}{dot}graph_module{'.' + name.replace('.', '_') if name else ''}", module
+        """This module, then the source model's modules under their own names: a tool that walks a
+        model to change its layers (peft's ``get_peft_model`` or ``PeftModel.from_pretrained`` on a
+        whole model) finds the source's, and what it changes there is seen (``_LoadWatch``): the
+        graphs are captured again at the next call. Where the source's packed weights were released,
+        the graph's modules come first (``model.device`` reads the first parameter, and the source's
+        is a meta placeholder); an adapter put on released weights has no values, which the next
+        call says."""
         source = self.__dict__["_source"]
+        if _released(source):
+            yield from super().named_modules(memo, prefix, remove_duplicate)
+        elif not remove_duplicate or memo is None or self not in memo:
+            if remove_duplicate and memo is not None:
+                memo.add(self)
+            yield prefix, self
         for name, module in source.named_modules(memo, prefix, remove_duplicate):
             if module is not source:
                 yield name, module
@@ -300,8 +303,8 @@ class OptimizedModule(nn.Module):
             save = "" if self.amx_config.tp != 1 else "save the optimized model with opt.save(directory), "
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}'s packed weights were released by amxopt.optimize, so it has no "
-                f"state dict to save: save the model before optimizing it, {save}or optimize with "
-                "AmxConfig(keep_source=True)"
+                f"state dict (to save it, or to load a peft adapter into it): save the model before optimizing it, "
+                f"{save}load adapters before optimizing it, or optimize with AmxConfig(keep_source=True)"
             )
         return source.state_dict(*args, **kwargs)
 
@@ -376,20 +379,25 @@ class OptimizedModule(nn.Module):
         self._refuse_at_tp()
         if self._entries or self._pending:
             logger.info("amxopt: %s changed after optimize: its graphs are captured anew", self.adapter.model_name)
-        merged = self._merged_since_capture()
+        # The adapters as captured, kept until the next capture settles their merges (_settle_merges):
+        # peft's merge_and_unload merges and replaces the layers one by one, each replacement a drop.
+        if self._adapters is not None and "_dropped_adapters" not in self.__dict__:
+            self.__dict__["_dropped_adapters"] = self._adapters
+        self._entries, self._pending, self._adapters, self._packed_versions = [], [], None, []
+
+    def _settle_merges(self) -> None:
+        """Before a capture: the adapter layers merged (or unmerged) since the last one wrote their
+        base weights in place through ``.data``, which no packing's stamp sees, so they are packed
+        again; where those weights were released the merge changed nothing, and the module refuses
+        from then on."""
+        merged = _merged_since(self.__dict__.pop("_dropped_adapters", None))
         if any(_released(layer) for layer in merged):
             self.__dict__["_lost_merge"] = (
                 f"amxopt: {self.adapter.model_name}: a LoRA adapter was merged into weights amxopt.optimize packed "
                 f"and released, which changed nothing, and the model changed since: {_LOST_MERGE_ADVICE}"
             )
-        _forget_packings(merged)  # written in place through .data, which the packings' stamps cannot see
-        self._entries, self._pending, self._adapters, self._packed_versions = [], [], None, []
-
-    def _merged_since_capture(self) -> list[nn.Module]:
-        if not self._adapters:
-            return []
-        layers, state = self._adapters
-        return [m for m, before, now in zip(layers, state, _adapter_state(layers), strict=True) if before[2] != now[2]]
+            raise RuntimeError(self.__dict__["_lost_merge"])
+        _forget_packings(merged)
 
     def _check_source(self) -> None:
         """What changed in the source since the graphs were captured and no hook saw: an adapter's
@@ -409,7 +417,7 @@ class OptimizedModule(nn.Module):
         if _adapter_state(self._adapters[0]) == self._adapters[1]:
             return
         self._refuse_at_tp()
-        if any(_released(layer) for layer in self._merged_since_capture()):
+        if any(_released(layer) for layer in _merged_since(self._adapters)):
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}: a LoRA adapter was merged into (or unmerged from) weights "
                 f"amxopt.optimize packed and released, which changed nothing: undo it (unfuse_lora / fuse_lora). "
@@ -600,6 +608,7 @@ class OptimizedModule(nn.Module):
 
     def _recapture(self, graph_inputs: dict) -> GraphEntry:
         model = self.__dict__["_source"]
+        self._settle_merges()
         shapes = {k: tuple(v.shape) for k, v in graph_inputs.items() if isinstance(v, torch.Tensor)}
         if len(self._graphs) >= self.amx_config.max_recaptures:
             raise RuntimeError(

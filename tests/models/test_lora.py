@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -152,12 +153,20 @@ def test_a_copied_pipeline_routes_its_lora_calls_to_its_own_parts(copier, tmp_pa
     eager.load_lora_weights(dict(lora), adapter_name="style")
     runs = [p(**call, generator=torch.Generator().manual_seed(0)).frames for p in (twin, eager)]
     assert max_abs_error(*runs) < 1e-5
+    assert type(twin).__name__ == "WanPipeline" and type(twin).__doc__ == type(eager).__doc__
+    with pytest.raises(TypeError, match="WanPipeline with optimized parts cannot be pickled"):
+        pickle.dumps(twin)
 
 
-@pytest.mark.parametrize("targets", ["all-linear", ["qkv", "q_proj", "v_proj", "linear_fc1"]], ids=["all", "named"])
+@pytest.mark.parametrize(
+    "targets",
+    ["all-linear", ["qkv", "q_proj", "v_proj", "linear_fc1"], r".*\.(qkv|q_proj|v_proj|linear_fc1)"],
+    ids=["all", "named", "regex"],
+)
 def test_peft_on_a_whole_model_after_optimize_reaches_the_optimized_tower(targets, tmp_path):
     # get_peft_model walks the whole model's modules: the optimized tower must show its source's
-    # layers (peft found none in it, or failed on the graph's holders of packed weights).
+    # layers (peft found none in it, or failed on the graph's holders of packed weights), and a
+    # merge_and_unload, which merges and replaces layer after layer, must reach every packing.
     from amxopt import pipelines
 
     def logits(model, inputs):
@@ -174,11 +183,20 @@ def test_peft_on_a_whole_model_after_optimize_reaches_the_optimized_tower(target
         inputs = pipelines.qwen3_vl_prompt(model, images=[(64, 96)])
         amxopt.optimize(model, config=_config(keep_source, tmp_path))
         logits(model, inputs)  # captured before the adapter comes
+        if keep_source:  # what a whole model lists is what the eager one lists
+            assert [n for n, _ in model.named_parameters()] == [n for n, _ in eager.named_parameters()]
+        if not keep_source and targets != "all-linear":
+            with pytest.raises(ValueError, match=r"Target module Module\(\) is not supported"):
+                with_lora(model)
+            continue
         model = with_lora(model)
         tower = model.base_model.model.model.visual.__dict__["_source"]
         assert any(isinstance(m, peft.tuners.lora.LoraLayer) for m in tower.modules())
-        if keep_source:
-            assert max_abs_error(logits(model, inputs), logits(with_lora(eager), inputs)) < 1e-5
-        else:
+        if not keep_source:  # no values to adapt: amxopt says so, or peft fails on a graph's module
             with pytest.raises(RuntimeError, match="is on the meta device.*before amxopt.optimize"):
                 logits(model, inputs)
+            continue
+        eager = with_lora(eager)
+        assert max_abs_error(logits(model, inputs), logits(eager, inputs)) < 1e-5
+        model, eager = model.merge_and_unload(), eager.merge_and_unload()
+        assert max_abs_error(logits(model, inputs), logits(eager, inputs)) < 1e-5
