@@ -662,17 +662,29 @@ def _code_layers(fn: Any) -> list[types.FunctionType]:
         if isinstance(f, types.FunctionType):
             layers.append(f)
             todo += [cell.cell_contents for cell in reversed(f.__closure__ or ()) if _full(cell)]
+        elif _callable_instance(f):
+            todo.append(type(f).__call__)
         wrapped = getattr(f, "__wrapped__", None) if callable(f) else None
         if wrapped is not None:
             todo.append(wrapped)
     return layers
 
 
+def _callable_instance(obj: Any) -> bool:
+    """An object called through its class's Python ``__call__`` (not a function, class or builtin)."""
+    return not isinstance(obj, type) and isinstance(getattr(type(obj), "__call__", None), types.FunctionType)
+
+
 def _library_code(fn: Any) -> bool:
     """Whether every function ``fn`` runs (see ``_code_layers``) is a library's or the stdlib's (a
-    partial's arguments are not code: it never is)."""
+    partial's arguments are not code: it never is; an object's state is, where its class is a
+    library's)."""
     if isinstance(fn, (functools.partial, functools.partialmethod)):
         return False
+    if _stateful(fn):
+        top = type(_owner(fn)).__module__.split(".")[0]
+        if top not in _LIBRARIES and top not in sys.stdlib_module_names:
+            return False
     return all(_library_file(layer) is not None for layer in _code_layers(fn))
 
 
@@ -710,6 +722,10 @@ def _function_identity(fn: Any) -> Any:
     ``functools.wraps`` (which gives a wrapper the name of what it wraps)."""
     if isinstance(fn, (functools.partial, functools.partialmethod)):
         return ["partial", _function_identity(fn.func), _described([fn.args, fn.keywords], "partial", {})]
+    if _stateful(fn):  # a callable object, or a method bound to one: its state too
+        owner = _owner(fn)
+        code = fn.__func__ if isinstance(fn, types.MethodType) else type(owner).__call__
+        return ["object", _qualified(type(owner)), _function_identity(code), _described(vars(owner), "object", {})]
     identity = []
     for layer in _code_layers(fn):
         name, where = layer.__code__.co_qualname, _library_file(layer)
@@ -723,6 +739,21 @@ def _function_identity(fn: Any) -> Any:
             digest = hashlib.sha256(json.dumps(data, default=str).encode()).hexdigest()[:16]
             identity.append([f"{layer.__module__}.{name}", digest])
     return identity
+
+
+def _stateful(fn: Any) -> bool:
+    """A callable object of a user's class, or a method bound to an object with state (not a module,
+    whose own settings the key covers)."""
+    owner = _owner(fn)
+    return (
+        owner is not None and hasattr(owner, "__dict__") and not isinstance(owner, (nn.Module, type, types.ModuleType))
+    )
+
+
+def _owner(fn: Any) -> Any:
+    if isinstance(fn, types.MethodType):
+        return fn.__self__
+    return fn if _callable_instance(fn) else None
 
 
 def _full(cell: types.CellType) -> bool:

@@ -361,9 +361,9 @@ def test_cache_key_follows_a_decorated_patch_by_the_code_it_wraps(monkeypatch):
 
 
 def test_cache_key_follows_what_a_patch_reads(tmp_path, monkeypatch):
-    # A patch's helpers and constants (in its own module), a partial's arguments, a library function
-    # put in a method's place, an attention function registered in transformers' place: each is
-    # code the graph was captured from.
+    # A patch's helpers and constants (in its own module), a partial's arguments or an object's
+    # state, a library function put in a method's place, an attention function registered in
+    # transformers' place: each is code the graph was captured from.
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
 
     name = "tiny-qwen3-vl-vision"
@@ -393,9 +393,20 @@ def test_cache_key_follows_what_a_patch_reads(tmp_path, monkeypatch):
     def rope(q, k, cos, sin, scale):
         return rotary(q * scale, k, cos, sin)
 
+    class Rope:  # a callable object, or a method bound to one: its state counts
+        def __init__(self, scale):
+            self.scale = scale
+
+        def __call__(self, q, k, cos, sin):
+            return rope(q, k, cos, sin, self.scale)
+
+        def method(self, q, k, cos, sin):
+            return rope(q, k, cos, sin, self.scale)
+
     for scale in (1.0, 2.0):
-        monkeypatch.setattr(qwen, "apply_rotary_pos_emb_vision", functools.partial(rope, scale=scale))
-        keys.add(key())
+        for patched in (functools.partial(rope, scale=scale), Rope(scale), Rope(scale).method):
+            monkeypatch.setattr(qwen, "apply_rotary_pos_emb_vision", patched)
+            keys.add(key())
     monkeypatch.undo()
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -403,7 +414,7 @@ def test_cache_key_follows_what_a_patch_reads(tmp_path, monkeypatch):
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", lambda *a, **k: sdpa(*a, **k))  # a registered kernel
     keys.add(key())
     monkeypatch.undo()
-    assert len(keys) == 7  # every patch its own key
+    assert len(keys) == 11  # every patch its own key
     assert key() == plain
 
 
