@@ -288,18 +288,20 @@ def test_cache_key_follows_a_helper_file_the_model_imports(tmp_path, monkeypatch
     assert key() != before
 
 
+def _vision_key(model: torch.nn.Module | None = None) -> str:
+    """The graph cache key of tiny Qwen3-VL vision (built anew unless given), as optimize computes it."""
+    name = "tiny-qwen3-vl-vision"
+    model = model or models.build_model(name, torch.float32)
+    adapter, graph_inputs = prepare(model, models.example_inputs(name, torch.float32))
+    return graph_store.cache_key(adapter.export_module(model), adapter.name, graph_inputs, CONFIG)
+
+
 def test_cache_key_follows_library_code_patched_in_this_process(monkeypatch):
     # Attention or kernel swaps patch a library's class or module function; the versions in the key
     # cannot tell. A patched instance forward is a setting, with its code.
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
 
-    name = "tiny-qwen3-vl-vision"
-    inputs = models.example_inputs(name, torch.float32)
-
-    def key(model=None):
-        model = model or models.build_model(name, torch.float32)
-        adapter, graph_inputs = prepare(model, inputs)
-        return graph_store.cache_key(adapter.export_module(model), adapter.name, graph_inputs, CONFIG)
+    key = _vision_key
 
     plain = key()
     mlp = qwen.Qwen3VLVisionMLP.forward
@@ -314,7 +316,7 @@ def test_cache_key_follows_library_code_patched_in_this_process(monkeypatch):
     monkeypatch.setattr(qwen, "apply_rotary_pos_emb_vision", lambda q, k, cos, sin: rotary(q, k, cos, sin))
     assert key() != plain
     monkeypatch.undo()
-    model = models.build_model(name, torch.float32)
+    model = models.build_model("tiny-qwen3-vl-vision", torch.float32)
     model.blocks[0].mlp.forward = lambda x: x
     assert key(model) != plain
 
@@ -326,13 +328,7 @@ def test_cache_key_follows_a_decorated_patch_by_the_code_it_wraps(monkeypatch):
 
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
 
-    name = "tiny-qwen3-vl-vision"
-    inputs = models.example_inputs(name, torch.float32)
-
-    def key():
-        model = models.build_model(name, torch.float32)
-        adapter, graph_inputs = prepare(model, inputs)
-        return graph_store.cache_key(adapter.export_module(model), adapter.name, graph_inputs, CONFIG)
+    key = _vision_key
 
     def traced(f):  # a decorator without functools.wraps: the function is only in its closure
         return lambda *a: f(*a)
@@ -366,13 +362,7 @@ def test_cache_key_follows_what_a_patch_reads(tmp_path, monkeypatch):
     # transformers' place: each is code the graph was captured from.
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
 
-    name = "tiny-qwen3-vl-vision"
-    inputs = models.example_inputs(name, torch.float32)
-
-    def key():
-        model = models.build_model(name, torch.float32)
-        adapter, graph_inputs = prepare(model, inputs)
-        return graph_store.cache_key(adapter.export_module(model), adapter.name, graph_inputs, CONFIG)
+    key = _vision_key
 
     plain, mlp, rotary = key(), qwen.Qwen3VLVisionMLP.forward, qwen.apply_rotary_pos_emb_vision
     patch = tmp_path / "patch_reads_key.py"
