@@ -606,12 +606,15 @@ def _model_code(module: nn.Module) -> dict[str, str]:
                 digests[_qualified(cls)] = patched
             continue
         digest = hashlib.sha256()
+        methods = [(name, f) for name, f in sorted(vars(cls).items()) if isinstance(f, types.FunctionType)]
         try:
-            digest.update(pathlib.Path(inspect.getsourcefile(cls)).read_bytes())
+            file = inspect.getsourcefile(cls)
+            if methods and all(os.path.abspath(f.__code__.co_filename) != os.path.abspath(file) for _, f in methods):
+                raise OSError("defined by exec")  # getsourcefile names the module's file, not the exec'd text
+            digest.update(pathlib.Path(file).read_bytes())
         except (TypeError, OSError):  # defined in a notebook or by exec
-            for name, f in sorted(vars(cls).items()):
-                if isinstance(f, types.FunctionType):  # not co_filename: a notebook's names its process
-                    digest.update(name.encode() + json.dumps(_code_data(f.__code__)).encode())
+            for name, f in methods:  # not co_filename: a notebook's names its process
+                digest.update(name.encode() + json.dumps(_code_data(f.__code__)).encode())
         top = cls.__module__.split(".")[0]
         if top not in packages:
             packages[top] = _files_digest(top)

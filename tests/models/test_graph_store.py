@@ -288,6 +288,21 @@ def test_cache_key_follows_a_helper_file_the_model_imports(tmp_path, monkeypatch
     assert key() != before
 
 
+def test_cache_key_follows_a_class_built_by_exec_in_a_module():
+    # Its module's file is not its code: the class's compiled methods are.
+    keys = set()
+    for act in ("relu", "sigmoid"):
+        text = (
+            "class Net(torch.nn.Module):\n"
+            "    def __init__(self):\n        super().__init__(); self.fc = torch.nn.Linear(8, 8)\n"
+            f"    def forward(self, x):\n        return torch.{act}(self.fc(x))\n"
+        )
+        namespace = {"torch": torch, "__name__": __name__}
+        exec(text, namespace)
+        keys.add(graph_store.cache_key(namespace["Net"](), "plain", {"x": torch.randn(2, 8)}, CONFIG))
+    assert len(keys) == 2
+
+
 def _vision_key(model: torch.nn.Module | None = None) -> str:
     """The graph cache key of tiny Qwen3-VL vision (built anew unless given), as optimize computes it."""
     name = "tiny-qwen3-vl-vision"
