@@ -472,7 +472,7 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         logger.info("amxopt: graph cache not used: forward hooks on %s", ", ".join(p or "the model" for p in hooks))
         return None
     try:
-        described, code = _settings(module), _model_code(module)
+        described, code, attention = _settings(module), _model_code(module), _attention_functions(module)
     except Exception as e:  # noqa: BLE001 - an attribute that cannot be read: no key, no cache
         logger.info("amxopt: graph cache not used: %s's settings cannot be described (%s)", type(module).__name__, e)
         return None
@@ -491,7 +491,7 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         "adapter": adapter_name,
         "structure": repr(module),
         "config": _model_config(module),
-        "attention_functions": _attention_functions(module),
+        "attention_functions": attention,
         # what repr and the config do not show: a constant in a forward, an attention processor,
         # which submodules are in training mode; and the code of classes outside the libraries
         "settings": described,
