@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import functools
 import inspect
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -147,9 +146,9 @@ def _route_lora_calls(pipe: Any) -> None:
         mixins = [c for c in cls.__mro__ if c.__module__.startswith("diffusers.loaders") and "Lora" in c.__name__]
         names = {n for c in mixins for n, f in vars(c).items() if inspect.isfunction(f) and not n.startswith("_")}
         methods = {n: _with_sources(getattr(cls, n)) for n in sorted(names)}
-        names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+        identity = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
         copies = {"__reduce_ex__": _refuse_pickle, "__copy__": _copy, "__deepcopy__": _deepcopy}
-        routed = type(cls.__name__, (cls,), {**names, **copies, **methods})
+        routed = type(cls.__name__, (cls,), {**identity, **copies, **methods})
         _ROUTED[cls] = _ROUTED[routed] = routed
     pipe.__class__ = _ROUTED[cls]
 
@@ -174,8 +173,8 @@ def _deepcopy(pipe: Any, memo: dict) -> Any:
     return new
 
 
-# A pipeline class -> its subclass with routed LoRA methods (and that subclass -> itself).
-_ROUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# A pipeline class -> its subclass with routed LoRA methods (and that subclass -> itself); one per class.
+_ROUTED: dict[type, type] = {}
 
 
 def _with_sources(function: Callable) -> Callable:
