@@ -274,12 +274,13 @@ class OptimizedModule(nn.Module):
         """This module, then the source model's modules under their own names: a tool that walks a
         model to change its layers (peft's ``get_peft_model`` or ``PeftModel.from_pretrained`` on a
         whole model) finds the source's, and what it changes there is seen (``_LoadWatch``): the
-        graphs are captured again at the next call. Where the source's packed weights were released,
-        the graph's modules come first (``model.device`` reads the first parameter, and the source's
-        is a meta placeholder); an adapter put on released weights has no values, which the next
-        call says."""
+        graphs are captured again at the next call. Where the source's first parameter was released,
+        the graph's modules come first (``model.device`` reads the first parameter, and that one is a
+        meta placeholder); an adapter put on released weights has no values, which the next call
+        says. (One parameter looked at, not all: ``model.device`` walks this on every read.)"""
         source = self.__dict__["_source"]
-        if _released(source):
+        first = next(source.parameters(), None)
+        if first is not None and packed.is_released(first):
             yield from super().named_modules(memo, prefix, remove_duplicate)
         elif not remove_duplicate or memo is None or self not in memo:
             if remove_duplicate and memo is not None:
