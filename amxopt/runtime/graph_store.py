@@ -701,7 +701,7 @@ def _library_path(filename: str) -> str | None:
     for root in _library_roots():
         if filename.startswith(root):
             where = os.path.relpath(filename, os.path.dirname(root.rstrip(os.sep)))
-            if not {"site-packages", "dist-packages"} & set(pathlib.Path(where).parts):
+            if not _in_site_packages(where):
                 return where  # (a library's own files, or the stdlib's without its installed packages)
     return None
 
@@ -846,7 +846,11 @@ def _real_file(f: Any) -> bool:
 
 def _installed(f: str) -> bool:
     """A file of the stdlib, an installed package or the libraries."""
-    return _library_path(f) is not None or bool({"site-packages", "dist-packages"} & set(pathlib.Path(f).parts))
+    return _library_path(f) is not None or _in_site_packages(f)
+
+
+def _in_site_packages(path: str) -> bool:
+    return bool({"site-packages", "dist-packages"} & set(pathlib.Path(path).parts))
 
 
 def _attention_functions(module: nn.Module) -> dict[str, Any]:

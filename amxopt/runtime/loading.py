@@ -378,20 +378,20 @@ def _check_directory(cls: type, path: pathlib.Path) -> None:
     library, other = ("transformers", "diffusers") if _is_transformers(cls) else ("diffusers", "transformers")
     if not stored.get(_TYPE_KEY[library]) and stored.get(_TYPE_KEY[other]):
         raise CheckpointError(f"amxopt: {path} holds a {other} model, and {cls.__name__} is a {library} class")
-    if library == "diffusers" and _other_type(cls, path):  # transformers warns itself
-        logger.warning("amxopt: %s holds a %s, read as %s", path, _other_type(cls, path), cls.__name__)
+    found = _other_type(cls, stored)
+    if library == "diffusers" and found:  # transformers warns itself
+        logger.warning("amxopt: %s holds a %s, read as %s", path, found, cls.__name__)
 
 
 # Where a saved config names its model: transformers' model type, diffusers' class.
 _TYPE_KEY = {"transformers": "model_type", "diffusers": "_class_name"}
 
 
-def _other_type(cls: type, path: pathlib.Path) -> str | None:
-    """The model type (transformers) or class (diffusers) ``path``'s config names, where ``cls`` is
+def _other_type(cls: type, stored: dict) -> str | None:
+    """The model type (transformers) or class (diffusers) a saved config (``stored``) names, where ``cls`` is
     not of it. Read as the library reads it: another type of the same library may load (Qwen3-VL's
     vision config once said qwen3_vl; a user's diffusers subclass), and where it does not, the
     build or the tensor names fail before anything is packed, saying this."""
-    stored = json.loads((path / "config.json").read_text())
     if _is_transformers(cls):
         found, expected = stored.get("model_type"), {getattr(cls.config_class, "model_type", None)} - {None, ""}
     else:
@@ -435,7 +435,7 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
     """``cls`` with its packable weights packed for ``provider`` (meta placeholders), the rest loaded."""
     from tqdm.auto import tqdm
 
-    other = _other_type(cls, path)
+    other = _other_type(cls, json.loads((path / "config.json").read_text()))
     note = f"; {path} holds a {other} model, read as {cls.__name__}" if other else ""
     try:
         model = _build_empty(cls, _config_of(cls, path), torch_dtype)
