@@ -266,27 +266,21 @@ def _check_keys(expected: dict, found, where: str, hint: Callable[[list[str]], s
     return source
 
 
-def _conversion_hint(model: nn.Module, unexpected: list[str]) -> str:
-    """transformers 5 renames or merges some models' tensors as it loads them (and writes them back
-    in the original layout): a checkpoint of such a model does not match its module names. Said
-    only when a stored name is one of those transformers would convert (every model has some
-    generic renames, e.g. ``LayerNorm.gamma``)."""
-    if not _is_transformers(type(model)):
-        return ""
+def _converted(model: nn.Module, unexpected: list[str]) -> list[str]:
+    """The stored names (of ``unexpected``) that transformers 5 converts as it loads ``model``: it
+    renames or merges some models' tensors (Qwen3-Omni's MoE experts, stored one by one, become one
+    tensor per layer) and writes them back in the original layout, so such a checkpoint does not
+    match the module names. Every model has some generic renames (``LayerNorm.gamma``), so only
+    names present in the checkpoint count."""
+    if not unexpected or not _is_transformers(type(model)):
+        return []
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
 
         conversions = get_model_conversion_mapping(model)
-        converted = [k for k in unexpected if any(c.compiled_sources.search(k) for c in conversions)]
-    except Exception:  # noqa: BLE001 - only a hint
-        return ""
-    if not converted:
-        return ""
-    return (
-        f"; transformers converts {type(model).__name__}'s checkpoint names as it loads them (e.g. "
-        f"{converted[0]}: {len(conversions)} weight conversions), which amxopt.from_pretrained does not apply: "
-        "load the model with its own from_pretrained and pass it to amxopt.optimize"
-    )
+        return [k for k in unexpected if any(c.compiled_sources.search(k) for c in conversions)]
+    except Exception:  # noqa: BLE001 - an API of transformers' that may move: then nothing is converted
+        return []
 
 
 def _convert(name: str, tensor: torch.Tensor, like: torch.Tensor, where: str) -> torch.Tensor:
@@ -445,7 +439,10 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
         raise CheckpointError(f"amxopt: {cls.__name__} cannot be built from {path}'s config ({e}){note}") from e
     files = _checkpoint(path, "model" if _is_transformers(cls) else "diffusion_pytorch_model")
     expected = _expected(model)
-    stored = _check_keys(expected, files, str(path), lambda unexpected: note + _conversion_hint(model, unexpected))
+    if _converted(model, sorted(set(files) - set(expected))):
+        del files, model, expected
+        return _load_converted(cls, path, torch_dtype, provider)
+    stored = _check_keys(expected, files, str(path), lambda unexpected: note)
     parts = _packed_parts(model)
     done: dict[int, torch.Tensor] = {}  # tied names share one tensor: loaded (and packed) once
     for name in tqdm(sorted(expected), desc=f"amxopt: loading {cls.__name__}", unit="tensor", leave=False):
@@ -453,9 +450,7 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
         if id(like) not in done:
             key = stored[name]
             value = _convert(key, files[key].tensors.pop(key), like, str(path))
-            module, attr = _owner(model, name)
-            in_part = any(name.startswith(p) for p in parts)
-            if in_part and packable(module, attr) and like.dtype in DTYPES:
+            if _packed_as_read(model, name, like, parts):
                 done[id(like)] = _set(model, name, placeholder(like, {provider: pack(value, provider)}))
             else:
                 # A copy: the model must not keep the checkpoint's memory map (or its file) alive.
@@ -464,9 +459,64 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
             files[key].drop(key)
         _set(model, name, done[id(like)])
     del files
+    _guard_parts(model, parts)
+    return model
+
+
+def _load_converted(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provider: str) -> nn.Module:
+    """A checkpoint whose tensor names transformers converts as it loads them: read by the class's
+    own ``from_pretrained``, which applies the conversions, and checked as strictly as the streamed
+    path (anything missing, unexpected, of another shape or failing to convert is a CheckpointError).
+    Then the weights the streamed path would pack are packed and released: unlike that path, they
+    are in memory unpacked for a moment (a whole model's towers: a few percent of its weights)."""
+    logger.info("amxopt: %s: transformers converts its tensor names; read by %s.from_pretrained", path, cls.__name__)
+    try:  # shapes that do not match are reported in ``info``, like the rest, rather than raised
+        model, info = cls.from_pretrained(
+            path,
+            dtype=torch_dtype,
+            attn_implementation="sdpa",
+            local_files_only=True,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+        )
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"amxopt: {path}: {cls.__name__}.from_pretrained cannot read it: {e}") from e
+    kinds = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs", "conversion_errors")
+    info["mismatched_keys"] = [
+        f"{name}: {tuple(stored)} stored, {tuple(wanted)} in the model"
+        for name, stored, wanted in info.get("mismatched_keys", ())
+    ]
+    problems = [f"{kind.replace('_', ' ')} {sorted(map(str, info[kind]))[:5]}" for kind in kinds if info.get(kind)]
+    if problems:
+        raise CheckpointError(
+            f"amxopt: {path} does not match {cls.__name__} (read by transformers): {'; '.join(problems)}"
+        )
+    model.requires_grad_(False).eval()
+    parts = _packed_parts(model)
+    done: dict[int, nn.Parameter | None] = {}  # decided by a tied tensor's first name, as when streamed
+    for name, like in sorted(_expected(model).items()):
+        if id(like) not in done:
+            done[id(like)] = (
+                placeholder(like, {provider: pack(like, provider)})
+                if _packed_as_read(model, name, like, parts)
+                else None
+            )
+        if done[id(like)] is not None:
+            _set(model, name, done[id(like)])
+    _guard_parts(model, parts)
+    return model
+
+
+def _packed_as_read(model: nn.Module, name: str, like: torch.Tensor, parts: list[str]) -> bool:
+    """Whether the tensor ``name`` is packed and released as it is read: a packable weight of a part
+    optimize() rewrites (:func:`_packed_parts`), in a dtype the kernels take."""
+    module, attr = _owner(model, name)
+    return any(name.startswith(p) for p in parts) and packable(module, attr) and like.dtype in DTYPES
+
+
+def _guard_parts(model: nn.Module, parts: list[str]) -> None:
     for prefix in parts:
         guard(model.get_submodule(prefix.rstrip(".")) if prefix else model)
-    return model
 
 
 def _packed_parts(model: nn.Module) -> list[str]:

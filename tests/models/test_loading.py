@@ -469,11 +469,32 @@ def test_a_weight_written_in_place_is_packed_again_and_never_saved_stale(tmp_pat
         torch.testing.assert_close(amxopt.load(tmp_path / "fresh", CONFIG)(**inputs).pooler_output, expected)
 
 
-def test_a_checkpoint_transformers_converts_on_load_is_refused_with_the_way_to_load_it(tmp_path):
+def test_a_checkpoint_transformers_converts_on_load_is_read_as_transformers_reads_it(tmp_path):
+    """Qwen3-Omni's thinker stores its MoE experts one by one, which transformers merges as it loads."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
 
     from amxopt import pipelines
 
-    pipelines.build_qwen3_omni_thinker().save_pretrained(tmp_path)  # experts written one by one
-    with pytest.raises(amxopt.CheckpointError, match="weight conversions.*load the model with its own from_pretrained"):
+    thinker = pipelines.build_qwen3_omni_thinker()
+    inputs = pipelines.qwen3_omni_prompt(thinker, images=[(64, 64)], audio_seconds=[1.3])
+    with torch.no_grad():
+        expected = thinker.generate(**inputs, max_new_tokens=3, do_sample=False)
+    thinker.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert any(".mlp.experts.0." in name for name in stored)  # what the module names do not match
+    loaded = amxopt.from_pretrained(Qwen3OmniMoeThinkerForConditionalGeneration, tmp_path, torch.float32, RELEASE)
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(**inputs, max_new_tokens=3, do_sample=False), expected)
+    assert sorted(loaded.amxopt_report.optimized) == ["model.audio_tower", "model.visual"]
+    for tower in (loaded.model.visual, loaded.model.audio_tower):
+        source = tower.__dict__["_source"]
+        assert all(packed.is_released(m.weight) for m in source.modules() if isinstance(m, torch.nn.Linear))
+    assert not packed.is_released(loaded.lm_head.weight)
+
+    del stored[next(name for name in stored if ".mlp.experts.1." in name)]
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        amxopt.CheckpointError,
+        match=r"does not match .*Thinker\w* \(read by transformers\): mismatched keys .*experts.down_proj: \(3, 96, 64\) stored, \(4, ",
+    ):
         amxopt.from_pretrained(Qwen3OmniMoeThinkerForConditionalGeneration, tmp_path, torch.float32, RELEASE)
