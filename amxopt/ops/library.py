@@ -97,14 +97,16 @@ def resolve_provider(provider: str) -> str:
 def packed_linear_shape(n: int, k: int, dtype: torch.dtype, provider: str = "auto") -> tuple[int, ...]:
     """Shape of ``pack_linear_weight`` of an ``[n, k]`` weight.
 
-    Native bf16 with even K: the flat VNNI blocks plus one zero per padding column (csrc/common.h),
-    a length that names N and K exactly, so a weight packed for other in/out features is refused.
-    Otherwise the plain ``[n, k]`` matrix.
+    Native bf16 with even K: the VNNI blocks followed by zeros, shaped
+    ``[n, k/2 + ceil(r (k + 1) / 2n), 2]`` (``r`` padding columns, csrc/common.h), a shape that
+    names N and K exactly, so a weight packed for other in/out features is refused. Otherwise the
+    plain ``[n, k]`` matrix.
     """
     # Where the C++ library did not load, every provider runs the reference, and packs like it.
     native_layout = resolve_provider(provider) == "native" and native.available()[0]
-    if native_layout and dtype == torch.bfloat16 and k % 2 == 0 and k > 0:
-        return (-(-n // _NB) * _NB * (k + 1) - n,)
+    if native_layout and dtype == torch.bfloat16 and k % 2 == 0 and k > 0 and n > 0:
+        padding = -(-n // _NB) * _NB - n
+        return (n, k // 2 - (-padding * (k + 1) // (2 * n)), 2)
     return (n, k)
 
 
@@ -153,7 +155,11 @@ def _check_linear(x, packed_weight, bias, activation, out_features, provider, re
     _check_schedule(op, amx_schedule)
     _check_activation(op, activation)
     _check_float(op, "x", x)
-    _check(x.dim() >= 1, op, f"x has shape {tuple(x.shape)}; it needs at least one dim")
+    _check(
+        x.dim() >= 1 and x.shape[-1] != 0,
+        op,
+        f"x has shape {tuple(x.shape)}; it needs at least one dim, and in_features > 0",
+    )
     _check_gemm(op, f"x {tuple(x.shape)}", x.shape[-1], x.dtype, packed_weight, bias, out_features, provider)
     if residual is not None:
         out = (*x.shape[:-1], out_features)
@@ -275,6 +281,22 @@ def _check_conv2d(x, weight, bias, stride, padding, dilation, groups, activation
         op,
         f"stride, padding and dilation need 2 entries each, got {list(stride)}, {list(padding)}, {list(dilation)}",
     )
+    _check(weight.shape[0] != 0, op, f"weight {tuple(weight.shape)} has no output channels")
+    for d in range(2):
+        _check(
+            stride[d] > 0 and padding[d] >= 0 and dilation[d] > 0,
+            op,
+            "stride and dilation must be positive and padding not negative, got stride "
+            f"{list(stride)}, padding {list(padding)}, dilation {list(dilation)}",
+        )
+        window, room = dilation[d] * (weight.shape[2 + d] - 1) + 1, x.shape[2 + d] + 2 * padding[d]
+        if isinstance(room, int):  # a symbolic size is checked when the op runs (no guard is added)
+            _check(
+                window <= room,
+                op,
+                f"the kernel's window ({window} with dilation {dilation[d]}) is larger than x's padded size "
+                f"{room} in dim {2 + d} of x {tuple(x.shape)}",
+            )
     if bias is not None:
         _check(
             bias.shape == (weight.shape[0],) and bias.dtype in (x.dtype, torch.float32),

@@ -118,7 +118,7 @@ def _timing(activation: str, residual: bool, match: Match, fn, config) -> _autot
         )
 
     # Only a VNNI-packed (bf16) weight runs the tile GEMM: an fp32 Linear runs alike in both schedules.
-    order = _autotune.amx_schedule(op, config, x.shape[0], x.shape[1], amxopt) if packed.dim() == 1 else None
+    order = _autotune.amx_schedule(op, config, x.shape[0], x.shape[1], amxopt) if packed.dim() == 3 else None
     if order and order.choice == "rows":
         return _autotune.compare(f"{op}, AMX rows schedule", config, amxopt("rows"), aten, order)
     return _autotune.compare(op, config, amxopt(), aten, order)

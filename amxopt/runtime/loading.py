@@ -41,7 +41,7 @@ from amxopt.runtime.weights import guard, pack, packable, placeholder
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 1  # of the packed weights (VNNI [N/32][K/2][32][2] + padding); bump when it changes
+LAYOUT_VERSION = 2  # of the packed weights (VNNI [N/32][K/2][32][2] + padding, csrc/common.h); bump when it changes
 MANIFEST = "amxopt.json"
 WEIGHTS = "weights.safetensors"
 _PACKED_PREFIX = "packed::"

@@ -832,6 +832,19 @@ def test_packed_weight_with_wrong_in_features_raises(provider, dtype):
         for wrong_n in (8, 33, 41):
             with pytest.raises(ValueError, match=rf"out_features={wrong_n} the packed weight should have shape"):
                 ops.linear(torch.randn(3, k).to(dtype), packed, None, "none", wrong_n, provider)
+    # Both wrong at once: a [64, 128] packing is not a [32, 256] one, though it holds as many values.
+    packed = pack(torch.randn(64, 128).to(dtype), provider)
+    with pytest.raises(ValueError, match=r"x \(3, 256\) has 256 input features; with out_features=32 the packed"):
+        ops.linear(torch.randn(3, 256).to(dtype), packed, None, "none", 32, provider)
+
+
+def test_every_weight_shape_has_its_own_packed_shape(provider):
+    shapes = {
+        (n, k): providers.packed_linear_shape(provider, n, k, torch.bfloat16)
+        for n in range(1, 97)
+        for k in range(1, 97)
+    }
+    assert len(set(shapes.values())) == len(shapes)
 
 
 ERROR_CASES_NATIVE_ENTRY = {
@@ -958,8 +971,32 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params, act):
             ),
             r"amxopt\.conv2d: activation must be one of .*got 'relu'",
         ),
+        (  # a stride > 1 must not round a window that hangs off x up to one output
+            lambda p: ops.conv2d(
+                torch.randn(1, 1, 5, 5), torch.randn(4, 1, 6, 6), None, [2, 2], [0, 0], [1, 1], 1, provider=p
+            ),
+            r"amxopt\.conv2d: the kernel's window \(6 with dilation 1\) is larger than x's padded size 5 in dim 2",
+        ),
+        (
+            lambda p: ops.conv2d(
+                torch.randn(1, 1, 9, 5), torch.randn(4, 1, 3, 3), None, [3, 3], [0, 0], [3, 3], 1, provider=p
+            ),
+            r"amxopt\.conv2d: the kernel's window \(7 with dilation 3\) is larger than x's padded size 5 in dim 3",
+        ),
+        (
+            lambda p: ops.conv2d(
+                torch.randn(1, 1, 5, 5), torch.randn(4, 1, 1, 1), None, [0, 1], [0, 0], [1, 1], 1, provider=p
+            ),
+            r"amxopt\.conv2d: stride and dilation must be positive and padding not negative, got stride \[0, 1\]",
+        ),
+        (
+            lambda p: ops.conv2d(
+                torch.randn(1, 1, 5, 5), torch.randn(0, 1, 1, 1), None, [1, 1], [0, 0], [1, 1], 1, provider=p
+            ),
+            r"amxopt\.conv2d: weight \(0, 1, 1, 1\) has no output channels",
+        ),
     ],
-    ids=["3d-x", "channels", "bias", "activation"],
+    ids=["3d-x", "channels", "bias", "activation", "window", "dilated-window", "stride", "no-output-channels"],
 )
 def test_conv2d_bad_input_raises(provider, call, match):
     with pytest.raises(ValueError, match=match):
@@ -1090,6 +1127,5 @@ def test_zero_width_rows_normalize_and_zero_in_features_is_refused(provider):
     x = torch.randn(4, 0)
     assert ops.layer_norm(x, None, None, 1e-5, provider).shape == (4, 0)
     assert ops.rms_norm(x, None, 1e-5, provider).shape == (4, 0)
-    if provider == "native":
-        with pytest.raises(ValueError, match=r"amxopt.linear: x has shape \(4, 0\).*in_features > 0"):
-            ops.linear(x, ops.pack_linear_weight(torch.randn(8, 1), provider), torch.randn(8), "none", 8, provider)
+    with pytest.raises(ValueError, match=r"amxopt.linear: x has shape \(4, 0\).*in_features > 0"):
+        ops.linear(x, ops.pack_linear_weight(torch.randn(8, 1), provider), torch.randn(8), "none", 8, provider)

@@ -56,7 +56,8 @@ def test_unknown_or_unusable_provider_is_refused_with_reason(monkeypatch):
 def test_ops_callable_without_provider():
     x, w = torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)
     packed = torch.ops.amxopt.pack_linear_weight(w)
-    assert packed.shape == (32 * 9 - 5,)  # native bf16: one VNNI block of 32 x 8, 27 padding columns
+    # native bf16: one VNNI block of 32 x 8 (27 padding columns), shaped [N, K/2 + ceil(27 (K + 1) / 2N), 2]
+    assert packed.shape == (5, 4 + 25, 2)
     torch.testing.assert_close(torch.ops.amxopt.linear(x, packed, None, "none", 5), x @ w.T, atol=2e-2, rtol=2e-2)
     y = torch.randn(4, 8)
     torch.testing.assert_close(torch.ops.amxopt.rms_norm(y, None, 1e-6), torch.nn.functional.rms_norm(y, (8,)))

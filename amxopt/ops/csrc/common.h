@@ -26,11 +26,15 @@ using bf16 = at::BFloat16;
 enum class Act : int { None, Gelu, GeluTanh, Silu };
 
 // Packed bf16 Linear weight ("VNNI"): [ceil(N/kNB)][K/2][kNB][2], N zero padded to kNB, K even,
-// stored flat and followed by one zero per padding column: its length,
-// ceil(N/kNB) * kNB * (K + 1) - N, names N and K exactly, so a weight packed for another in- or
-// out-features is refused by the shape check. Odd K keeps the plain [N, K] layout.
+// followed by zeros. Its shape, [N, K/2 + ceil(r (K + 1) / 2N), 2] with r = the padding columns,
+// names N and K exactly (the middle size grows with K at a given N), so a weight packed for another
+// in- or out-features is refused by the shape check; its three dims tell it from the plain [N, K]
+// layout, which odd K (and fp32) keep. The kernels read it flat, through its data pointer.
 constexpr int64_t kNB = 32;
-inline int64_t vnni_length(int64_t n, int64_t k) { return (n + kNB - 1) / kNB * kNB * (k + 1) - n; }
+inline std::vector<int64_t> vnni_shape(int64_t n, int64_t k) {
+  const int64_t r = (n + kNB - 1) / kNB * kNB - n;
+  return {n, k / 2 + (r * (k + 1) + 2 * n - 1) / (2 * n), 2};
+}
 
 // Uninitialised scratch of n elements of a trivial type, aligned to a cache line. brgemm's AMX tile
 // rows (64 bytes) read from or written to a buffer that is only 16-byte aligned (std::vector, new[])

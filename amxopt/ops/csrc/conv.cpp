@@ -40,8 +40,10 @@ std::optional<std::array<int64_t, 2>> output_size(const at::Tensor& x, const at:
   std::array<int64_t, 2> o;
   for (int d = 0; d < 2; ++d) {
     if (stride[d] < 1 || padding[d] < 0 || dilation[d] < 1) return std::nullopt;
-    o[d] = (x.size(2 + d) + 2 * padding[d] - dilation[d] * (w.size(2 + d) - 1) - 1) / stride[d] + 1;
-    if (o[d] <= 0) return std::nullopt;
+    // A window larger than the padded input makes this negative, which '/' would round up to 0.
+    const int64_t room = x.size(2 + d) + 2 * padding[d] - dilation[d] * (w.size(2 + d) - 1) - 1;
+    if (room < 0) return std::nullopt;
+    o[d] = room / stride[d] + 1;
   }
   if (x.size(0) == 0) return std::nullopt;
   return o;

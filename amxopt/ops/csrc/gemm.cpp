@@ -539,7 +539,7 @@ void gemm_bf16(const bf16* A, int64_t lda, const bf16* Wp, const Epilogue<bf16>&
 at::Tensor pack_vnni(const at::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1), pairs = K / 2;
   auto src = w.contiguous();
-  auto out = at::zeros({vnni_length(N, K)}, w.options());
+  auto out = at::zeros(vnni_shape(N, K), w.options());
   const uint32_t* s = reinterpret_cast<const uint32_t*>(src.data_ptr<bf16>());
   uint32_t* d = reinterpret_cast<uint32_t*>(out.data_ptr<bf16>());
   // A row's k pairs are adjacent in [N, K]: each moves as one uint32 to column n of its block.

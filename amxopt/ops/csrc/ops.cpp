@@ -107,7 +107,7 @@ void check_float(const char* op, const char* name, const at::Tensor& t) {
 }
 
 std::vector<int64_t> packed_shape(int64_t n, int64_t k, at::ScalarType dtype) {
-  if (dtype == at::kBFloat16 && k % 2 == 0 && k > 0) return {vnni_length(n, k)};
+  if (dtype == at::kBFloat16 && k % 2 == 0 && k > 0 && n > 0) return vnni_shape(n, k);
   return {n, k};
 }
 
@@ -143,7 +143,7 @@ at::Tensor pack_linear_weight(const at::Tensor& w, c10::string_view provider) {
     return python_op<at::Tensor(const at::Tensor&)>(*impl).call(w);
   AMX_CHECK(w.dim() == 2, op, "weight must be [N, K], got ", shape(w.sizes()));
   check_float(op, "weight", w);
-  if (packed_shape(w.size(0), w.size(1), w.scalar_type()).size() == 1) return pack_vnni(w.detach());
+  if (packed_shape(w.size(0), w.size(1), w.scalar_type()).size() == 3) return pack_vnni(w.detach());
   return w.detach().contiguous().clone();
 }
 
@@ -234,6 +234,15 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<
   AMX_CHECK(stride.size() == 2 && padding.size() == 2 && dilation.size() == 2, op,
             "stride, padding and dilation need 2 entries each, got ", list(stride.vec()), ", ", list(padding.vec()),
             ", ", list(dilation.vec()));
+  AMX_CHECK(w.size(0) > 0, op, "weight ", shape(w.sizes()), " has no output channels");
+  for (int d = 0; d < 2; ++d) {
+    AMX_CHECK(stride[d] > 0 && padding[d] >= 0 && dilation[d] > 0, op,
+              "stride and dilation must be positive and padding not negative, got stride ", list(stride.vec()),
+              ", padding ", list(padding.vec()), ", dilation ", list(dilation.vec()));
+    const int64_t window = dilation[d] * (w.size(2 + d) - 1) + 1, room = x.size(2 + d) + 2 * padding[d];
+    AMX_CHECK(window <= room, op, "the kernel's window (", window, " with dilation ", dilation[d],
+              ") is larger than x's padded size ", room, " in dim ", 2 + d, " of x ", shape(x.sizes()));
+  }
   if (bias.has_value())
     AMX_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0) &&
                   (bias->scalar_type() == x.scalar_type() || bias->scalar_type() == at::kFloat),
