@@ -10,7 +10,6 @@ the graphs themselves hold only packed weights.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import logging
 import weakref
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.utils.hooks import RemovableHandle
 
 from amxopt.capture import Adapter, CaptureError, export, split_inputs
 from amxopt.config import AmxConfig
@@ -196,6 +196,59 @@ def _merged_since(captured: tuple[list[nn.Module], list[tuple]] | None) -> list[
     return [m for m, before, now in zip(layers, state, _adapter_state(layers), strict=True) if before[2] != now[2]]
 
 
+class _ForwardHooks:
+    """The forward and forward-pre hooks on a source's modules when its graphs were captured, by
+    handle id. torch.export traced them into the graphs: what they compute is in
+    the graphs, and they are not called when the graphs run. One added or removed since makes the
+    graphs stale. ``changed()`` costs a counter and a few lengths a call: a hook registered anywhere
+    moves torch's handle counter, a removal shortens a hook dict that was not empty; only then are
+    the modules scanned again. Not counted: amxopt's own guard on a released source, and the
+    libraries' own hooks (transformers installs output-recording hooks, idle unless a call asks
+    for hidden states, the first time an eager call does)."""
+
+    def __init__(self, source: nn.Module) -> None:
+        self.next_id = RemovableHandle.next_id
+        self.ids, self.dicts = _forward_hooks(source)
+        self.lengths = [len(d) for d in self.dicts]
+
+    def changed(self, source: nn.Module) -> bool:
+        if RemovableHandle.next_id == self.next_id and all(len(d) == n for d, n in zip(self.dicts, self.lengths)):
+            return False
+        now = _ForwardHooks(source)
+        if now.ids != self.ids:
+            return True
+        self.__dict__.update(now.__dict__)
+        return False
+
+
+def _forward_hooks(source: nn.Module) -> tuple[tuple[int, ...], list[dict]]:
+    """The ids of the counted forward (pre-)hooks on ``source``'s modules (see :class:`_ForwardHooks`),
+    and the hook dicts that hold any. torch's global module hooks are left out: they run on the
+    optimized module's own call too."""
+    dicts = [d for m in source.modules() for d in (m._forward_pre_hooks, m._forward_hooks) if d]
+    return tuple(k for d in dicts for k in _counted(d, source)), dicts
+
+
+def _counted(hooks: dict, source: nn.Module) -> list[int]:
+    guard = source.__dict__.get("_amxopt_guard")
+    return [
+        k
+        for k, hook in hooks.items()
+        if (guard is None or k != guard.id) and not getattr(hook, "__module__", "").startswith(_LIBRARIES)
+    ]
+
+
+_LIBRARIES = ("transformers.", "diffusers.")
+
+
+def _hooked_modules(source: nn.Module) -> list[str]:
+    return [
+        name or type(source).__name__
+        for name, m in source.named_modules()
+        if _counted(m._forward_pre_hooks, source) or _counted(m._forward_hooks, source)
+    ]
+
+
 def _forget_packings(modules: list[nn.Module]) -> None:
     for p in (p for m in modules for p in m.parameters()):
         packed.forget_all(p)
@@ -248,6 +301,7 @@ class OptimizedModule(nn.Module):
         # Kept source weights the graphs read packed, with their version and data pointer at packing:
         # an in-place write (``w.mul_(2)``, ``copy_``) makes the next call capture and pack again.
         self._packed_versions: list[tuple[torch.Tensor, int, int]] = []
+        self._traced_hooks: _ForwardHooks | None = None  # the source's forward hooks the graphs traced
         self.train(model.training)
         self._watch_loads(model)
         self.register_load_state_dict_post_hook(OptimizedModule._skip_graph_keys)
@@ -385,6 +439,7 @@ class OptimizedModule(nn.Module):
         if self._adapters is not None and "_dropped_adapters" not in self.__dict__:
             self.__dict__["_dropped_adapters"] = self._adapters
         self._entries, self._pending, self._adapters, self._packed_versions = [], [], None, []
+        self._traced_hooks = None
 
     def _settle_merges(self) -> None:
         """Before a capture: the adapter layers merged (or unmerged) since the last one wrote their
@@ -408,6 +463,8 @@ class OptimizedModule(nn.Module):
         if self._adapters is not None and self._adapters[0]:
             self._check_adapters()
         if any(p._version != v or p.data_ptr() != d for p, v, d in self._packed_versions):
+            self._drop_graphs()
+        elif self._traced_hooks is not None and self._traced_hooks.changed(self.__dict__["_source"]):
             self._drop_graphs()
 
     def _check_adapters(self) -> None:
@@ -443,6 +500,17 @@ class OptimizedModule(nn.Module):
             modules = self._watch_loads(self.__dict__["_source"])  # and modules added since (LoRA layers)
             layers = _adapter_layers(modules)
             self._adapters = (layers, _adapter_state(layers))
+        if self._traced_hooks is None:
+            self._traced_hooks = _ForwardHooks(self.__dict__["_source"])
+            if self._traced_hooks.ids:
+                hooked = _hooked_modules(self.__dict__["_source"])
+                logger.warning(
+                    "amxopt: %s: the forward hooks on %s are traced into its graph: what they compute is kept, "
+                    "but they are not called when it runs (a hook that records outputs records nothing); one "
+                    "added or removed later makes the next call capture again",
+                    self.adapter.model_name,
+                    ", ".join(hooked[:5]) + (f" and {len(hooked) - 5} more" if len(hooked) > 5 else ""),
+                )
         if self.amx_config.keep_source:
             self._packed_versions = [
                 (p, p._version, p.data_ptr())
@@ -549,6 +617,24 @@ class OptimizedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.eager_reason is not None:
             return self.__dict__["_source"](*args, **kwargs)
+        if torch.is_autocast_enabled("cpu"):
+            # The graphs compute in the dtypes they were captured in, on weights packed for them:
+            # autocast would hand their ATen nodes other dtypes than their amxopt ops take.
+            if not self.__dict__.get("_told_autocast"):
+                self.__dict__["_told_autocast"] = True
+                logger.warning(
+                    "amxopt: %s runs in %s as optimized, not in torch.autocast's %s (its weights are packed for "
+                    "%s): for bf16 speed, cast the model to bf16 before amxopt.optimize",
+                    self.adapter.model_name,
+                    self._dtype(),
+                    torch.get_autocast_dtype("cpu"),
+                    self._dtype(),
+                )
+            with torch.autocast("cpu", enabled=False):
+                return self._run(args, kwargs)
+        return self._run(args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
         self._check_source()
         call = self.adapter.bind(args, kwargs)
         options = self.adapter.output_options(call)
@@ -626,9 +712,10 @@ class OptimizedModule(nn.Module):
                 "Load adapters before amxopt.optimize, or optimize with AmxConfig(keep_source=True)"
             )
         logger.info("amxopt: re-capturing %s for inputs %s", self.adapter.model_name, shapes)
-        # The first capture is dynamic when the config says so; later ones cover what it could not.
-        config = self.amx_config if not self._graphs else dataclasses.replace(self.amx_config, dynamic=False)
-        graph = build_graph(model, self.adapter, graph_inputs, config)
+        # Dynamic where the config says so, as the first: a call the first graph cannot take is often
+        # one of many like it (a batch-1 example's graph fixes the batch at 1: the next graph takes
+        # every larger batch). Export falls back to a static capture where a dynamic one fails.
+        graph = build_graph(model, self.adapter, graph_inputs, self.amx_config)
         self._add(graph)
         return graph
 

@@ -8,6 +8,7 @@ Each model is checked at two or more input sizes (dynamic shapes or transparent 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -188,6 +189,27 @@ def test_clip_vision_tower_through_the_generic_passes(provider):
     counts = dict(linear=12, attention=2, patch_embed=1, layer_norm=6)
     opt = check_rewrite(model, (torch.randn(2, 3, 64, 64),), counts, provider=provider)
     assert opt.report.adapter == "plain"
+
+
+def test_a_tower_optimized_on_one_image_takes_any_batch_in_two_graphs():
+    model = _vision("CLIPVision")
+    opt = amxopt.optimize(model, (torch.randn(1, 3, 64, 64),), dataclasses.replace(CONFIG, max_recaptures=3))
+    with torch.no_grad():
+        for batch in range(1, 11):  # the first graph fixes the batch at 1 (export specializes a size of 1)
+            x = torch.randn(batch, 3, 64, 64)
+            torch.testing.assert_close(opt(x).last_hidden_state, model(x).last_hidden_state)
+    assert len(opt.graphs) == 2
+
+
+def test_transformers_own_output_hooks_are_not_taken_for_a_users(caplog):
+    model, x = _vision("CLIPVision"), torch.randn(2, 3, 64, 64)
+    opt = amxopt.optimize(model, (x,), CONFIG)
+    with torch.no_grad():
+        model(x, output_hidden_states=True)  # transformers installs its output-recording hooks now
+        assert any(m._forward_hooks for m in model.modules())
+        with caplog.at_level(logging.INFO, logger="amxopt"):
+            torch.testing.assert_close(opt(x).last_hidden_state, model(x).last_hidden_state)
+    assert "captured anew" not in caplog.text and "forward hooks" not in caplog.text
 
 
 def test_siglip_vision_tower_reports_what_it_leaves():

@@ -129,3 +129,30 @@ def test_a_module_or_weight_assigned_in_the_source_is_used_by_the_next_call(tmp_
     assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
     model.proj_out.bias = torch.nn.Parameter(torch.randn_like(model.proj_out.bias))  # a parameter replaced
     assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
+
+
+def test_forward_hooks_are_traced_and_one_added_or_removed_later_is_followed(tmp_path, caplog):
+    model, inputs = _wan(0)
+    seen = []
+    model.blocks[0].register_forward_hook(lambda module, args, out: seen.append(out.shape))  # records, changes nothing
+    doubling = model.blocks[0].register_forward_hook(lambda module, args, out: out * 2.0)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    assert "forward hooks on blocks.0 are traced into its graph" in caplog.text  # the recorder will not run
+    seen.clear()
+    assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0 and len(seen) == 1  # eager's call alone
+    doubling.remove()
+    assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
+    model.blocks[1].register_forward_pre_hook(lambda module, args: (args[0] * 0.5, *args[1:]))
+    assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
+    assert len(opt.graphs) == 1
+
+
+def test_an_fp32_model_under_autocast_runs_as_optimized(tmp_path, caplog):
+    model, inputs = _wan(0)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    expected = _run(opt, inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _run(opt, inputs)
+        assert max_abs_error(_run(model, inputs), expected) > 1e-4  # eager under autocast computes in bf16
+    assert max_abs_error(got, expected) == 0.0
+    assert "runs in torch.float32 as optimized, not in torch.autocast's torch.bfloat16" in caplog.text
