@@ -182,17 +182,20 @@ def _value(v: Any, depth: int) -> Any:
 def tracing(module: nn.Module, stacks: list[Stack]):
     """While exporting ``module``: the first call of each stack's blocks is traced between markers,
     later calls become ``block_call`` nodes."""
-    patched = []
+    patched = []  # (block, the forward set on the instance before, if any: a diffusers or accelerate hook's)
     try:
         for stack in stacks:
             _TRACING[stack.path] = stack
             for index, block in enumerate(module.get_submodule(stack.path)):
+                patched.append((block, block.__dict__.get("forward")))
                 block.forward = _call(stack, index, block.forward)
-                patched.append(block)
         yield
     finally:
-        for block in patched:
-            del block.forward
+        for block, before in patched:
+            if before is None:
+                del block.forward
+            else:
+                block.forward = before
         for stack in stacks:
             _TRACING.pop(stack.path, None)
 

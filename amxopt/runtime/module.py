@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -84,7 +85,7 @@ def _capture_and_rewrite(
         passes=[(r.name, r.modified) for r in records],
         notes=notes,
     )
-    dtypes = {k: v.dtype for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    dtypes = {k: v.dtype for k, v in graph_inputs.items() if isinstance(v, torch.Tensor)}
     return GraphEntry(captured, dtypes, _signature(graph_inputs), report, records)
 
 
@@ -196,33 +197,70 @@ def _merged_since(captured: tuple[list[nn.Module], list[tuple]] | None) -> list[
     return [m for m, before, now in zip(layers, state, _adapter_state(layers), strict=True) if before[2] != now[2]]
 
 
-class _ForwardHooks:
-    """The forward and forward-pre hooks on a source's modules when its graphs were captured, by
-    handle id. torch.export traced them into the graphs: what they compute is in
-    the graphs, and they are not called when the graphs run. One added or removed since makes the
-    graphs stale. ``changed()`` costs a counter and a few lengths a call: a hook registered anywhere
-    moves torch's handle counter, a removal shortens a hook dict that was not empty; only then are
-    the modules scanned again. Not counted: amxopt's own guard on a released source, and the
-    libraries' own hooks (transformers installs output-recording hooks, idle unless a call asks
-    for hidden states, the first time an eager call does)."""
+class _Traced:
+    """What torch.export traced into a source's graphs beyond its modules, parameters and buffers
+    (the registration hooks watch those), as it was at the capture:
+
+    - forward hooks and pre-hooks on its modules, by handle id. Not counted: amxopt's own guard on
+      a released source, and the libraries' own hooks (transformers installs output-recording
+      hooks, idle unless a call asks for hidden states, the first time an eager call does);
+    - attention processors, which diffusers keeps as plain attributes (``set_attn_processor``);
+    - forwards replaced on an instance (diffusers' hooks, e.g. ``enable_cache``; accelerate's).
+
+    What they compute is in the graphs; they are not called when the graphs run. One changed since
+    makes the graphs stale. ``changed()`` costs one dict lookup per module (43 us a call for Wan
+    1.3B's 858 modules) and a counter: hooks are scanned again only when torch's handle counter
+    moved (a hook registered anywhere) or a hook dict that was not empty shrank (one removed)."""
 
     def __init__(self, source: nn.Module) -> None:
         self.next_id = RemovableHandle.next_id
         self.ids, self.dicts = _forward_hooks(source)
         self.lengths = [len(d) for d in self.dicts]
+        self.attrs = [m.__dict__ for m in source.modules()]
+        self.forwards = _values(self.attrs, "forward")
+        self.with_processor = [d for d in self.attrs if "processor" in d]
+        self.processors = _values(self.with_processor, "processor")
 
     def changed(self, source: nn.Module) -> bool:
+        if _values(self.attrs, "forward") != self.forwards:
+            return True
+        if _values(self.with_processor, "processor") != self.processors:
+            return True
         if RemovableHandle.next_id == self.next_id and all(len(d) == n for d, n in zip(self.dicts, self.lengths)):
             return False
-        now = _ForwardHooks(source)
-        if now.ids != self.ids:
+        ids, dicts = _forward_hooks(source)
+        if ids != self.ids:
             return True
-        self.__dict__.update(now.__dict__)
+        self.next_id, self.dicts, self.lengths = RemovableHandle.next_id, dicts, [len(d) for d in dicts]
         return False
+
+    def warn(self, source: nn.Module, model_name: str) -> None:
+        """Say, at a capture, what of this the graphs hold as it ran then."""
+        hooked = _hooked_modules(source)
+        replaced = [name or model_name for name, m in source.named_modules() if "forward" in m.__dict__]
+        what = [f"the forward hooks on {_some(hooked)}"] if hooked else []
+        what += [f"the forwards replaced on {_some(replaced)} (diffusers' or accelerate's hooks)"] if replaced else []
+        if what:
+            logger.warning(
+                "amxopt: %s: %s are traced into its graph as they ran at this capture: what they compute is kept, "
+                "but they are not called when it runs (a hook that records outputs records nothing; a cache, such "
+                "as diffusers' enable_cache, is not used); one added or removed later makes the next call capture "
+                "again",
+                model_name,
+                " and ".join(what),
+            )
+
+
+def _values(dicts: list[dict], key: str) -> list:
+    return list(map(dict.get, dicts, itertools.repeat(key)))
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _forward_hooks(source: nn.Module) -> tuple[tuple[int, ...], list[dict]]:
-    """The ids of the counted forward (pre-)hooks on ``source``'s modules (see :class:`_ForwardHooks`),
+    """The ids of the counted forward (pre-)hooks on ``source``'s modules (see :class:`_Traced`),
     and the hook dicts that hold any. torch's global module hooks are left out: they run on the
     optimized module's own call too."""
     dicts = [d for m in source.modules() for d in (m._forward_pre_hooks, m._forward_hooks) if d]
@@ -301,7 +339,7 @@ class OptimizedModule(nn.Module):
         # Kept source weights the graphs read packed, with their version and data pointer at packing:
         # an in-place write (``w.mul_(2)``, ``copy_``) makes the next call capture and pack again.
         self._packed_versions: list[tuple[torch.Tensor, int, int]] = []
-        self._traced_hooks: _ForwardHooks | None = None  # the source's forward hooks the graphs traced
+        self._traced: _Traced | None = None  # the source's hooks and processors the graphs traced
         self.train(model.training)
         self._watch_loads(model)
         self.register_load_state_dict_post_hook(OptimizedModule._skip_graph_keys)
@@ -419,6 +457,8 @@ class OptimizedModule(nn.Module):
                 memo[id(p)] = p
         new.__setstate__(copy.deepcopy(self.__dict__, memo))
         new._watch_loads(new.__dict__["_source"])
+        if new._traced is not None:  # the copy's modules' own attribute dicts, not copies of the originals'
+            new._traced = _Traced(new.__dict__["_source"])
         return new
 
     def _refuse_at_tp(self) -> None:
@@ -439,7 +479,7 @@ class OptimizedModule(nn.Module):
         if self._adapters is not None and "_dropped_adapters" not in self.__dict__:
             self.__dict__["_dropped_adapters"] = self._adapters
         self._entries, self._pending, self._adapters, self._packed_versions = [], [], None, []
-        self._traced_hooks = None
+        self._traced = None
 
     def _settle_merges(self) -> None:
         """Before a capture: the adapter layers merged (or unmerged) since the last one wrote their
@@ -464,7 +504,7 @@ class OptimizedModule(nn.Module):
             self._check_adapters()
         if any(p._version != v or p.data_ptr() != d for p, v, d in self._packed_versions):
             self._drop_graphs()
-        elif self._traced_hooks is not None and self._traced_hooks.changed(self.__dict__["_source"]):
+        elif self._traced is not None and self._traced.changed(self.__dict__["_source"]):
             self._drop_graphs()
 
     def _check_adapters(self) -> None:
@@ -500,17 +540,9 @@ class OptimizedModule(nn.Module):
             modules = self._watch_loads(self.__dict__["_source"])  # and modules added since (LoRA layers)
             layers = _adapter_layers(modules)
             self._adapters = (layers, _adapter_state(layers))
-        if self._traced_hooks is None:
-            self._traced_hooks = _ForwardHooks(self.__dict__["_source"])
-            if self._traced_hooks.ids:
-                hooked = _hooked_modules(self.__dict__["_source"])
-                logger.warning(
-                    "amxopt: %s: the forward hooks on %s are traced into its graph: what they compute is kept, "
-                    "but they are not called when it runs (a hook that records outputs records nothing); one "
-                    "added or removed later makes the next call capture again",
-                    self.adapter.model_name,
-                    ", ".join(hooked[:5]) + (f" and {len(hooked) - 5} more" if len(hooked) > 5 else ""),
-                )
+        if self._traced is None:
+            self._traced = _Traced(self.__dict__["_source"])
+            self._traced.warn(self.__dict__["_source"], self.adapter.model_name)
         if self.amx_config.keep_source:
             self._packed_versions = [
                 (p, p._version, p.data_ptr())
@@ -620,15 +652,17 @@ class OptimizedModule(nn.Module):
         if torch.is_autocast_enabled("cpu"):
             # The graphs compute in the dtypes they were captured in, on weights packed for them:
             # autocast would hand their ATen nodes other dtypes than their amxopt ops take.
-            if not self.__dict__.get("_told_autocast"):
+            asked, own = torch.get_autocast_dtype("cpu"), self._dtype()
+            if asked != own and not self.__dict__.get("_told_autocast"):
                 self.__dict__["_told_autocast"] = True
                 logger.warning(
                     "amxopt: %s runs in %s as optimized, not in torch.autocast's %s (its weights are packed for "
-                    "%s): for bf16 speed, cast the model to bf16 before amxopt.optimize",
+                    "%s): to run in %s, cast the model to it before amxopt.optimize",
                     self.adapter.model_name,
-                    self._dtype(),
-                    torch.get_autocast_dtype("cpu"),
-                    self._dtype(),
+                    own,
+                    asked,
+                    own,
+                    asked,
                 )
             with torch.autocast("cpu", enabled=False):
                 return self._run(args, kwargs)
@@ -683,14 +717,21 @@ class OptimizedModule(nn.Module):
     def _check_dtypes(self, graph_inputs: dict) -> None:
         if not self._graphs:
             return
+        # A floating input in another floating dtype than the model's (fp32 pixels into a bf16 model);
+        # another kind (a scheduler's integer timestep where a float one was captured) is captured
+        # again, as eager takes it.
         expected = self._graphs[0].dtypes
         for name, dtype in expected.items():
             got = graph_inputs.get(name)
-            if isinstance(got, torch.Tensor) and got.dtype != dtype:
-                other_model = f", or optimize a {got.dtype} model" if got.is_floating_point() else ""
+            if (
+                isinstance(got, torch.Tensor)
+                and got.is_floating_point()
+                and dtype.is_floating_point
+                and got.dtype != dtype
+            ):
                 raise TypeError(
                     f"amxopt: {self.adapter.model_name} was optimized for {name} in {dtype}, got {got.dtype}; "
-                    f"cast {name} to {dtype}{other_model}"
+                    f"cast {name} to {dtype}, or optimize a {got.dtype} model"
                 )
 
     def _recapture(self, graph_inputs: dict) -> GraphEntry:
@@ -705,11 +746,17 @@ class OptimizedModule(nn.Module):
         on_meta = next(
             (n for n, p in model.named_parameters() if p.device.type == "meta" and not packed.is_released(p)), None
         )
-        if on_meta is not None:
+        if on_meta is not None and _released(model):
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}: {on_meta} is on the meta device, with no values to capture: "
                 "built beside weights amxopt.optimize packed and released (a LoRA adapter loaded after optimize?). "
                 "Load adapters before amxopt.optimize, or optimize with AmxConfig(keep_source=True)"
+            )
+        if on_meta is not None:
+            raise RuntimeError(
+                f"amxopt: {self.adapter.model_name}: {on_meta} is on the meta device, with no values to capture (a "
+                "model built under init_empty_weights, or offloaded by accelerate, keeps its weights elsewhere): "
+                "load its weights, or remove the offload hooks, before amxopt.optimize"
             )
         logger.info("amxopt: re-capturing %s for inputs %s", self.adapter.model_name, shapes)
         # Dynamic where the config says so, as the first: a call the first graph cannot take is often
@@ -722,6 +769,9 @@ class OptimizedModule(nn.Module):
 
 def _accepts(graph: GraphEntry, graph_inputs: dict) -> bool:
     if _signature(graph_inputs) != graph.signature:
+        return False
+    # export's guards check sizes, not dtypes: a graph traced on a float timestep is not one for an int
+    if any(isinstance(v, torch.Tensor) and graph.dtypes.get(k, v.dtype) != v.dtype for k, v in graph_inputs.items()):
         return False
     try:
         graph.captured.check(graph_inputs)

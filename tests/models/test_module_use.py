@@ -88,8 +88,10 @@ def test_copies_casts_moves_and_grads(tmp_path):
     for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("meta")):
         with pytest.raises(RuntimeError, match=r"packed for torch.float32 on the CPU and cannot be moved or cast"):
             cast(opt)
-    with pytest.raises(TypeError, match=r"timestep in torch.float32, got torch.int64; cast timestep to torch.float32$"):
-        opt(**{**inputs, "timestep": inputs["timestep"].long()})
+    with pytest.raises(
+        TypeError, match=r"timestep in torch.float32, got torch.bfloat16; cast timestep to torch.float32"
+    ):
+        opt(**{**inputs, "timestep": inputs["timestep"].bfloat16()})
     wants_grad = {**inputs, "hidden_states": inputs["hidden_states"].clone().requires_grad_()}
     with pytest.raises(RuntimeError, match=r"runs inference only, and hidden_states requires grad"):
         opt(**wants_grad)
@@ -156,3 +158,57 @@ def test_an_fp32_model_under_autocast_runs_as_optimized(tmp_path, caplog):
         assert max_abs_error(_run(model, inputs), expected) > 1e-4  # eager under autocast computes in bf16
     assert max_abs_error(got, expected) == 0.0
     assert "runs in torch.float32 as optimized, not in torch.autocast's torch.bfloat16" in caplog.text
+
+
+class _HalfAttention:
+    """An attention processor of one's own: Wan's, its output halved."""
+
+    def __init__(self):
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+        self.inner = WanAttnProcessor()
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs) * 0.5
+
+
+def test_an_attention_processor_set_after_a_call_is_used_by_the_next(tmp_path):
+    model, inputs = _wan(0)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    before = _run(opt, inputs)
+    opt.set_attn_processor(_HalfAttention())  # diffusers keeps it as a plain attribute of each attention
+    assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
+    assert max_abs_error(_run(opt, inputs), before) > 1e-4
+
+
+def test_a_cache_hook_of_diffusers_is_warned_about_at_capture(tmp_path, caplog):
+    from diffusers import FirstBlockCacheConfig
+
+    model, inputs = _wan(0)
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.9))  # replaces the blocks' forwards on the instances
+    opt = amxopt.optimize(model, None, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    with opt.cache_context("cond"):  # as a pipeline calls it
+        _run(opt, inputs)
+    assert "the forwards replaced on blocks.0, blocks.1" in caplog.text and "enable_cache, is not used" in caplog.text
+    model.disable_cache()
+    assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0  # captured again without the hooks
+
+
+def test_an_integer_timestep_after_a_float_one_is_captured_again(tmp_path):
+    """A scheduler with integer timesteps (UniPC) after one with float ones (flow matching)."""
+    model, inputs = _wan(0)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    as_int = {**inputs, "timestep": torch.full_like(inputs["timestep"], 500, dtype=torch.int64)}
+    assert max_abs_error(_run(opt, as_int), _run(model, as_int)) == 0.0
+    assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
+    assert len(opt.graphs) == 2
+    with pytest.raises(TypeError, match=r"optimized for hidden_states in torch.float32, got torch.bfloat16"):
+        opt(**{**inputs, "hidden_states": inputs["hidden_states"].bfloat16()})
+
+
+def test_weights_left_on_the_meta_device_are_named_with_their_cause(tmp_path):
+    model, inputs = _wan(0)
+    model.proj_out.weight = torch.nn.Parameter(torch.empty_like(model.proj_out.weight, device="meta"))  # offloaded
+    opt = amxopt.optimize(model, None, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    with pytest.raises(RuntimeError, match=r"proj_out.weight is on the meta device.*init_empty_weights, or offloaded"):
+        _run(opt, inputs)
