@@ -20,6 +20,7 @@ from torch import nn
 
 from amxopt.capture import Adapter, find_adapter
 from amxopt.config import AmxConfig
+from amxopt.ops import packed
 from amxopt.runtime.module import OptimizedModule
 
 # Pipeline components optimized through the generic passes (plus the Wan adapter for transformers).
@@ -146,11 +147,36 @@ def _route_lora_calls(pipe: Any) -> None:
         mixins = [c for c in cls.__mro__ if c.__module__.startswith("diffusers.loaders") and "Lora" in c.__name__]
         names = {n for c in mixins for n, f in vars(c).items() if inspect.isfunction(f) and not n.startswith("_")}
         methods = {n: _with_sources(getattr(cls, n)) for n in sorted(names)}
+        methods["save_pretrained"] = _saving_sources(cls.save_pretrained)
         identity = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
         copies = {"__reduce_ex__": _refuse_pickle, "__copy__": _copy, "__deepcopy__": _deepcopy}
         routed = type(cls.__name__, (cls,), {**identity, **copies, **methods})
         _ROUTED[cls] = _ROUTED[routed] = routed
     pipe.__class__ = _ROUTED[cls]
+
+
+def _saving_sources(save: Callable) -> Callable:
+    """diffusers' ``save_pretrained`` picks each part's saver by its class, which an
+    :class:`OptimizedModule` is not: it would skip the optimized parts and write them as absent in
+    ``model_index.json`` (and in the live pipeline's config). They are saved as their source
+    models, which must still hold their weights."""
+
+    @functools.wraps(save)
+    def call(pipe: Any, *args: Any, **kwargs: Any) -> Any:
+        released = [
+            n
+            for n, v in pipe.__dict__.items()
+            if isinstance(v, OptimizedModule) and any(packed.is_released(p) for p in v.__dict__["_source"].parameters())
+        ]
+        if released:
+            raise RuntimeError(
+                f"amxopt: {type(pipe).__name__}.save_pretrained: amxopt.optimize packed the weights of {released} "
+                "and released their unpacked copies (one copy in memory), which diffusers would save: save the "
+                "pipeline before amxopt.optimize, or optimize it with AmxConfig(keep_source=True)"
+            )
+        return _with_sources(save)(pipe, *args, **kwargs)
+
+    return call
 
 
 def _refuse_pickle(pipe: Any, protocol: int) -> Any:

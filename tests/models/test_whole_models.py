@@ -195,3 +195,21 @@ def test_a_part_loaded_packed_that_cannot_be_captured_says_how_to_run_it():
     pipe = amxopt.optimize(_Pipeline(source), config=CONFIG)
     with torch.no_grad(), pytest.raises(amxopt.CaptureError, match="packed as they were loaded"):
         pipe.text_encoder(torch.randn(3, 8))
+
+
+def test_an_optimized_pipeline_saves_its_parts_as_their_source_models(tmp_path):
+    from diffusers import WanPipeline
+
+    pipe = pipelines.build_wan_pipeline("tiny-wan", torch.float32)
+    expected = _frames(pipe)
+    amxopt.optimize(pipe, config=CONFIG)  # keep_source: the weights diffusers saves are still there
+    pipe.save_pretrained(tmp_path / "kept")
+    assert pipe.config.transformer == ("diffusers", "WanTransformer3DModel")  # the live config is untouched
+    torch.testing.assert_close(_frames(WanPipeline.from_pretrained(tmp_path / "kept")), expected)
+
+    released = pipelines.build_wan_pipeline("tiny-wan", torch.float32)
+    amxopt.optimize(released, config=dataclasses.replace(CONFIG, keep_source=False))
+    _frames(released)  # captured: the weights are packed and released
+    with pytest.raises(RuntimeError, match=r"packed the weights of \['text_encoder', 'transformer'\].*before amxopt"):
+        released.save_pretrained(tmp_path / "released")
+    assert not (tmp_path / "released").exists()
