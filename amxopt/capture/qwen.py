@@ -9,6 +9,7 @@ eagerly with transformers' own helpers, validate the call, and route attention t
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -16,6 +17,9 @@ from torch import nn
 
 from amxopt.capture.attention import routed_attention
 from amxopt.capture.base import Adapter
+
+logger = logging.getLogger(__name__)
+_LAYER_OUTPUTS = ("output_hidden_states", "output_attentions")
 
 
 class _QwenAdapter(Adapter):
@@ -43,6 +47,17 @@ class _QwenAdapter(Adapter):
         return {k: {d: auto for d in self.dynamic_dims.get(k, ())} for k in graph_inputs}
 
     def _reject_extras(self, call: dict[str, Any], allowed: set[str]) -> None:
+        # A whole model's call passes its own output_hidden_states / output_attentions on to the tower
+        # (transformers' get_image_features), whose output it does not return: the graph computes
+        # the tower's outputs, without its per-layer states (they stay None), and says so once.
+        asked = [k for k in _LAYER_OUTPUTS if call.pop(k, None)]
+        if asked and not getattr(self, "_told_layer_outputs", False):
+            self._told_layer_outputs = True
+            logger.warning(
+                "amxopt: %s computes its outputs without per-layer states: %s ignored (their fields are None)",
+                self.model_name,
+                " and ".join(asked),
+            )
         extra = {k for k, v in call.items() if v is not None and k not in allowed}
         if extra:
             raise ValueError(f"amxopt: {self.model_name} is optimized without these arguments: {sorted(extra)}")

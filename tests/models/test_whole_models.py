@@ -213,3 +213,19 @@ def test_an_optimized_pipeline_saves_its_parts_as_their_source_models(tmp_path):
     with pytest.raises(RuntimeError, match=r"packed the weights of \['text_encoder', 'transformer'\].*before amxopt"):
         released.save_pretrained(tmp_path / "released")
     assert not (tmp_path / "released").exists()
+
+
+def test_a_whole_model_call_asking_for_hidden_states_runs_its_tower_without_them(qwen3_vl, caplog):
+    """transformers passes the call's output_hidden_states on to the vision tower and returns the
+    language model's: the tower's graph has none to give and says so."""
+    model = pipelines.build_qwen3_vl("tiny", torch.float32)
+    inputs = pipelines.qwen3_vl_prompt(model, images=[(64, 96)])
+    amxopt.optimize(model, config=CONFIG)
+    with torch.no_grad():
+        got = model(**inputs, output_hidden_states=True)
+        expected = qwen3_vl(**inputs, output_hidden_states=True)
+        tower = model.model.visual(inputs["pixel_values"], inputs["image_grid_thw"], output_hidden_states=True)
+    torch.testing.assert_close(got.logits, expected.logits)
+    assert len(got.hidden_states) == len(expected.hidden_states)
+    assert tower.hidden_states is None
+    assert "computes its outputs without per-layer states: output_hidden_states ignored" in caplog.text
