@@ -184,15 +184,20 @@ def sdpa_replacement(q, k, v, *, scale: float | None, causal: bool, provider: st
     return out.reshape(b, s, h, v.shape[3]).transpose(1, 2)
 
 
-def patch_embed_replacement(x, weight, bias, *, provider: str):
+def patch_embed_replacement(x, weight, bias, *, provider: str, crop: bool = False):
+    """``crop``: cut each spatial size down to a multiple of the kernel (what a convolution with
+    stride == kernel reads), for sizes not known to be one."""
     out_channels, kernel = weight.shape[0], list(weight.shape[2:])
+    if crop:
+        x = x[(..., *(slice(0, size // k * k) for size, k in zip(x.shape[2:], kernel)))]
     packed = amx.pack_linear_weight(weight.reshape(out_channels, -1), provider)
     return amx.patch_embed(x, packed, bias, kernel, out_channels, provider)
 
 
-def patch_embed_2d_replacement(x, weight, bias, *, provider: str):
+def patch_embed_2d_replacement(x, weight, bias, *, provider: str, crop: bool = False):
     """Conv2d patch embedding (CLIP, SigLIP) as the Conv3d one over a time axis of one."""
-    return patch_embed_replacement(x.unsqueeze(2), weight.unsqueeze(2), bias, provider=provider).squeeze(2)
+    x, weight = x.unsqueeze(2), weight.unsqueeze(2)
+    return patch_embed_replacement(x, weight, bias, provider=provider, crop=crop).squeeze(2)
 
 
 def conv2d_replacement(x, weight, bias, *, stride, padding, dilation, groups, activation: str, provider: str):

@@ -4,8 +4,8 @@ following gelu / gelu_tanh / silu fused into it where that is the conv's only us
 ``AmxConfig.fuse_activation``; the Qwen3-Omni audio encoder's three conv + gelu pairs).
 
 One rule per (op overload, replacement) from one table. A patch embedding refuses a weight computed
-in the graph, dtypes without a kernel, stride != kernel, padding, dilation or groups, and an input
-whose spatial sizes are not provably multiples of the kernel. ``amxopt.conv2d`` refuses computed
+in the graph, dtypes without a kernel, stride != kernel, padding, dilation or groups; an input whose
+spatial sizes are not provably multiples of the kernel is cropped to them, as the convolution does. ``amxopt.conv2d`` refuses computed
 weights, dtypes without a kernel, string padding and inputs that are not ``[B, C, H, W]``.
 """
 
@@ -72,9 +72,15 @@ def _patch_refusal(dims: int, match: Match) -> str | None:
     xv = val(match["x"])
     if xv.dim() != dims + 2:
         return f"input is {xv.dim()}-D, expected {'[B, C, T, H, W]' if dims == 3 else '[B, C, H, W]'}"
-    if not all(statically_known_true(d % k == 0) for d, k in zip(xv.shape[2:], kernel)):
-        return f"input {tuple(xv.shape)} is not provably divisible by kernel {kernel}"
     return None
+
+
+def _patch_options(match: Match, config) -> dict:
+    """An input size not provably a multiple of the kernel (a dynamic SigLIP image) is cropped to
+    one first, as the convolution leaves the remainder out."""
+    xv, kernel = val(match["x"]), val(match["weight"]).shape[2:]
+    divisible = all(statically_known_true(d % k == 0) for d, k in zip(xv.shape[2:], kernel))
+    return {"provider": config.provider, "crop": not divisible}
 
 
 def _patch_timing(conv, match: Match, fn, config) -> _autotune.Timing | None:
@@ -118,7 +124,7 @@ def patch_embed_rules() -> tuple[Rule, ...]:
             pattern=_conv_pattern(target),
             replacement=replacement,
             inputs=("x", "weight", "bias"),
-            options=lambda match, config: {"provider": config.provider},
+            options=_patch_options,
             guard=functools.partial(_patch_refusal, dims),
             timing=functools.partial(_patch_timing, conv),
         )

@@ -212,9 +212,10 @@ def test_transformers_own_output_hooks_are_not_taken_for_a_users(caplog):
     assert "captured anew" not in caplog.text and "forward hooks" not in caplog.text
 
 
-def test_siglip_vision_tower_reports_what_it_leaves():
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_siglip_vision_tower_reports_what_it_leaves(dynamic):
     model = _vision("SiglipVision")
-    opt = amxopt.optimize(model, (torch.randn(1, 3, 64, 64),), dataclasses.replace(CONFIG, dynamic=False))
+    opt = amxopt.optimize(model, (torch.randn(1, 3, 64, 64),), dataclasses.replace(CONFIG, dynamic=dynamic))
     counts = opt.report.counts()
     assert counts["patch_embed"] == 1 and counts["attention"] == 2 and counts["linear"] == 15
     # The pooling head's nn.MultiheadAttention slices its in-projection weight inside the graph.

@@ -359,11 +359,18 @@ def test_replace_patch_embed_leaves_other_convs(kwargs, reason):
     assert reason in left_reasons(gm, aten.conv3d.default)[0]
 
 
-def test_replace_patch_embed_leaves_indivisible_input():
-    # Conv3d drops the remainder of a 7-wide input; a patch GEMM would not: refuse, don't miscompile.
-    gm, _ = captured(Patchify((1, 2, 2)).eval(), {"x": torch.randn(1, 4, 2, 7, 8)}, dynamic=False)
-    assert not run(replace_patch_embed, gm)
-    assert "divisible" in left_reasons(gm, aten.conv3d.default)[0]
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_replace_patch_embed_crops_an_indivisible_input_as_the_conv_does(dynamic):
+    # Conv3d leaves out the remainder of a 7-wide input, and so does the patch GEMM after a crop; under a
+    # dynamic capture no size is known to be a multiple of the kernel (SigLIP's images).
+    model = Patchify((1, 2, 2)).eval()
+    gm, gi = captured(model, {"x": torch.randn(1, 4, 2, 7, 8)}, dynamic=dynamic)
+    assert run(replace_patch_embed, gm)
+    assert count(gm, aten.conv3d.default) == 0 and count(gm, amx.patch_embed.default) == 1
+    assert_same(gm, gi, model)
+    if dynamic:
+        other = {"x": torch.randn(2, 4, 3, 10, 9)}
+        assert_same(gm, other, model)
 
 
 @pytest.mark.parametrize("padding", [0, "valid"])
