@@ -189,9 +189,14 @@ def patch_embed_replacement(x, weight, bias, *, provider: str, crop: bool = Fals
     stride == kernel reads), for sizes not known to be one."""
     out_channels, kernel = weight.shape[0], list(weight.shape[2:])
     if crop:
-        x = x[(..., *(slice(0, size // k * k) for size, k in zip(x.shape[2:], kernel)))]
+        x = crop_to_kernel(x, kernel)
     packed = amx.pack_linear_weight(weight.reshape(out_channels, -1), provider)
     return amx.patch_embed(x, packed, bias, kernel, out_channels, provider)
+
+
+def crop_to_kernel(x, kernel: list):
+    """``x``'s last ``len(kernel)`` sizes cut down to multiples of ``kernel`` (a view)."""
+    return x[(..., *(slice(0, size // k * k) for size, k in zip(x.shape[-len(kernel) :], kernel)))]
 
 
 def patch_embed_2d_replacement(x, weight, bias, *, provider: str, crop: bool = False):

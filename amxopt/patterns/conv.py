@@ -26,6 +26,7 @@ from amxopt.patterns import (
     Match,
     Rule,
     conv2d_replacement,
+    crop_to_kernel,
     patch_embed_2d_replacement,
     patch_embed_replacement,
 )
@@ -94,6 +95,7 @@ def _patch_timing(conv, match: Match, fn, config) -> _autotune.Timing | None:
     kernel = [1, *w.shape[2:]] if w.dim() == 4 else list(w.shape[2:])
 
     def run(x):
+        x = crop_to_kernel(x, list(w.shape[2:]))  # as the replacement does where sizes are not multiples
         x5 = x.unsqueeze(2) if w.dim() == 4 else x
         y = torch.ops.amxopt.patch_embed(x5, packed, b, kernel, out_channels, config.provider)
         return y.squeeze(2) if w.dim() == 4 else y

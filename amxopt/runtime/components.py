@@ -147,7 +147,8 @@ def _route_lora_calls(pipe: Any) -> None:
         mixins = [c for c in cls.__mro__ if c.__module__.startswith("diffusers.loaders") and "Lora" in c.__name__]
         names = {n for c in mixins for n, f in vars(c).items() if inspect.isfunction(f) and not n.startswith("_")}
         methods = {n: _with_sources(getattr(cls, n)) for n in sorted(names)}
-        methods["save_pretrained"] = _saving_sources(cls.save_pretrained)
+        if hasattr(cls, "save_pretrained"):
+            methods["save_pretrained"] = _saving_sources(cls.save_pretrained)
         identity = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
         copies = {"__reduce_ex__": _refuse_pickle, "__copy__": _copy, "__deepcopy__": _deepcopy}
         routed = type(cls.__name__, (cls,), {**identity, **copies, **methods})

@@ -36,7 +36,7 @@ import pathlib
 import sys
 import sysconfig
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -903,21 +903,22 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def read_cache(key: str, module: nn.Module, config: AmxConfig) -> GraphEntry | None:
-    """The cached graph under ``key`` restored on ``module``, or ``None`` (absent or unusable: logged)."""
+def read_cache(key: str, module: nn.Module, config: AmxConfig) -> Iterator[GraphEntry]:
+    """The cached graphs under ``key``, each restored on ``module`` as it is asked for; an unusable
+    one is logged and skipped. A key holds several: one model and call structure may need a graph
+    per input region (a batch-1 example's graph fixes the batch at 1, the next takes the others)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = config.cache_dir() / "graphs" / f"{key}.json"
-    if not path.exists():
-        return None
-    try:
-        entry = json.loads(path.read_text())
-        tensors = load_file(str(path.with_suffix(".safetensors"))) if entry.get("has_tensors") else {}
-        return restore(entry, module, config.provider, tensors, f"the graph cache ({path})")
-    except (OSError, ValueError, KeyError, GraphStoreError, SafetensorError) as e:
-        logger.warning("amxopt: cached graph %s is unusable (%s); capturing again", path, e)
-        return None
+    for path in sorted((config.cache_dir() / "graphs").glob(f"{key}.*.json")):
+        try:
+            entry = json.loads(path.read_text())
+            tensors = load_file(str(path.with_suffix(".safetensors"))) if entry.get("has_tensors") else {}
+            graph = restore(entry, module, config.provider, tensors, f"the graph cache ({path})")
+        except (OSError, ValueError, KeyError, GraphStoreError, SafetensorError) as e:
+            logger.warning("amxopt: cached graph %s is unusable (%s); capturing again", path, e)
+            continue
+        yield graph
 
 
 def write_cache(key: str, graph: GraphEntry, module: nn.Module, config: AmxConfig) -> None:
@@ -930,15 +931,19 @@ def write_cache(key: str, graph: GraphEntry, module: nn.Module, config: AmxConfi
         logger.info("amxopt: the graph of %s is not cached: %s", type(module).__name__, e)
         return
     entry["has_tensors"] = bool(tensors)
+    # One file per input region under the key: named by the graph's guards and input dtypes, so
+    # that the same graph captured again replaces its file and another one is kept beside it.
+    region = json.dumps([entry["guards"], entry["dtypes"], entry["dynamic"]], sort_keys=True)
+    stem = f"{key}.{hashlib.sha256(region.encode()).hexdigest()[:12]}"
     directory = config.cache_dir() / "graphs"
     try:
         directory.mkdir(parents=True, exist_ok=True)
         # Another process may be reading (or have memory-mapped) the entry this one replaces, or be
         # writing the same key.
         if tensors:
-            with replacing(directory / f"{key}.safetensors") as staged:
+            with replacing(directory / f"{stem}.safetensors") as staged:
                 save_file(tensors, str(staged))
-        with replacing(directory / f"{key}.json") as staged:
+        with replacing(directory / f"{stem}.json") as staged:
             staged.write_text(json.dumps(entry))
     except OSError as e:
         logger.warning("amxopt: could not write the graph cache in %s: %s", directory, e)

@@ -50,8 +50,8 @@ def build_graph(
     if config.graph_cache and not keep_text and config.tp == 1:
         key = graph_store.cache_key(module, adapter.name, graph_inputs, config)
     if key is not None:
-        restored = graph_store.read_cache(key, module, config)
-        if restored is not None and _accepts(restored, graph_inputs):
+        restored = next((g for g in graph_store.read_cache(key, module, config) if _accepts(g, graph_inputs)), None)
+        if restored is not None:
             logger.info("amxopt: %s restored from the graph cache (%s)", adapter.model_name, key)
             return restored
     if isolated.usable(config, keep_text):
@@ -202,8 +202,8 @@ class _Traced:
     (the registration hooks watch those), as it was at the capture:
 
     - forward hooks and pre-hooks on its modules, by handle id. Not counted: amxopt's own guard on
-      a released source, and the libraries' own hooks (transformers installs output-recording
-      hooks, idle unless a call asks for hidden states, the first time an eager call does);
+      a released source, and transformers' output-recording hooks (installed the first time an
+      eager call asks for hidden states, idle otherwise);
     - attention processors, which diffusers keeps as plain attributes (``set_attn_processor``);
     - forwards replaced on an instance (diffusers' hooks, e.g. ``enable_cache``; accelerate's).
 
@@ -237,7 +237,7 @@ class _Traced:
     def warn(self, source: nn.Module, model_name: str) -> None:
         """Say, at a capture, what of this the graphs hold as it ran then."""
         hooked = _hooked_modules(source)
-        replaced = [name or model_name for name, m in source.named_modules() if "forward" in m.__dict__]
+        replaced = [name or model_name for name, m in source.named_modules() if _forward_replaced(m)]
         what = [f"the forward hooks on {_some(hooked)}"] if hooked else []
         what += [f"the forwards replaced on {_some(replaced)} (diffusers' or accelerate's hooks)"] if replaced else []
         if what:
@@ -264,27 +264,34 @@ def _forward_hooks(source: nn.Module) -> tuple[tuple[int, ...], list[dict]]:
     and the hook dicts that hold any. torch's global module hooks are left out: they run on the
     optimized module's own call too."""
     dicts = [d for m in source.modules() for d in (m._forward_pre_hooks, m._forward_hooks) if d]
-    return tuple(k for d in dicts for k in _counted(d, source)), dicts
+    return tuple(k for d in dicts for k in _counted(d)), dicts
 
 
-def _counted(hooks: dict, source: nn.Module) -> list[int]:
-    guard = source.__dict__.get("_amxopt_guard")
+def _counted(hooks: dict) -> list[int]:
     return [
         k
         for k, hook in hooks.items()
-        if (guard is None or k != guard.id) and not getattr(hook, "__module__", "").startswith(_LIBRARIES)
+        if not getattr(hook, "amxopt_own", False) and getattr(hook, "__module__", "") != _OUTPUT_RECORDING
     ]
 
 
-_LIBRARIES = ("transformers.", "diffusers.")
+_OUTPUT_RECORDING = "transformers.utils.output_capturing"  # where transformers defines its recording hooks
 
 
 def _hooked_modules(source: nn.Module) -> list[str]:
     return [
         name or type(source).__name__
         for name, m in source.named_modules()
-        if _counted(m._forward_pre_hooks, source) or _counted(m._forward_hooks, source)
+        if _counted(m._forward_pre_hooks) or _counted(m._forward_hooks)
     ]
+
+
+def _forward_replaced(module: nn.Module) -> bool:
+    """A forward set on the instance other than its class's own (diffusers' ``remove_hook`` puts
+    that one back as an instance attribute)."""
+    forward = module.__dict__.get("forward")
+    own = getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward
+    return forward is not None and not own
 
 
 def _forget_packings(modules: list[nn.Module]) -> None:
@@ -455,10 +462,13 @@ class OptimizedModule(nn.Module):
         for p in self.__dict__["_source"].parameters():
             if packed.is_released(p):  # meta, shared: a copy would lose its packings and tag
                 memo[id(p)] = p
+        stale = self._traced is not None and self._traced.changed(self.__dict__["_source"])
         new.__setstate__(copy.deepcopy(self.__dict__, memo))
         new._watch_loads(new.__dict__["_source"])
-        if new._traced is not None:  # the copy's modules' own attribute dicts, not copies of the originals'
+        if new._traced is not None:  # of the copy's modules' own attribute dicts, not of copies of the originals'
             new._traced = _Traced(new.__dict__["_source"])
+            if stale:  # a change the original has not been called since: the copy's graphs are as stale
+                new._drop_graphs()
         return new
 
     def _refuse_at_tp(self) -> None:
@@ -531,7 +541,15 @@ class OptimizedModule(nn.Module):
 
     def defer(self, restore: Callable[[], GraphEntry]) -> None:
         """Add a stored graph that ``restore`` rebuilds at its first use (a call, ``report``, ``graphs``)."""
+        self._snapshot()  # now, as the stored graph was made: a hook added before its first use is a change
         self._pending.append(restore)
+
+    def _snapshot(self) -> None:
+        """Note the source's hooks, processors and forwards (:class:`_Traced`) as a capture sees them,
+        warning about those it traces; kept until the graphs are dropped."""
+        if self._traced is None:
+            self._traced = _Traced(self.__dict__["_source"])
+            self._traced.warn(self.__dict__["_source"], self.adapter.model_name)
 
     def _add(self, graph: GraphEntry) -> None:
         if not self._entries:
@@ -540,9 +558,7 @@ class OptimizedModule(nn.Module):
             modules = self._watch_loads(self.__dict__["_source"])  # and modules added since (LoRA layers)
             layers = _adapter_layers(modules)
             self._adapters = (layers, _adapter_state(layers))
-        if self._traced is None:
-            self._traced = _Traced(self.__dict__["_source"])
-            self._traced.warn(self.__dict__["_source"], self.adapter.model_name)
+        self._snapshot()  # (optimize()'s first capture; a recapture took it before capturing)
         if self.amx_config.keep_source:
             self._packed_versions = [
                 (p, p._version, p.data_ptr())
@@ -759,6 +775,7 @@ class OptimizedModule(nn.Module):
                 "load its weights, or remove the offload hooks, before amxopt.optimize"
             )
         logger.info("amxopt: re-capturing %s for inputs %s", self.adapter.model_name, shapes)
+        self._snapshot()
         # Dynamic where the config says so, as the first: a call the first graph cannot take is often
         # one of many like it (a batch-1 example's graph fixes the batch at 1: the next graph takes
         # every larger batch). Export falls back to a static capture where a dynamic one fails.

@@ -453,3 +453,18 @@ def test_load_restores_the_saved_graph_without_capturing(tmp_path, monkeypatch):
     assert any("the artifact" in n for n in loaded.report.notes)
     with torch.no_grad():
         assert _equal(loaded(**inputs), want)
+
+
+def test_graphs_of_two_input_regions_are_both_kept_in_the_cache(tmp_path, caplog):
+    """A batch-1 example's graph fixes the batch at 1 and the next takes the others: both under
+    one key (same model, call structure and options), neither replacing the other."""
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path))
+    inputs = models.example_inputs("tiny-wan", torch.float32)
+    two = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    for run in range(2):
+        opt = amxopt.optimize(models.build_model("tiny-wan", torch.float32), None, config)
+        with torch.no_grad(), caplog.at_level(logging.INFO, logger="amxopt"):
+            caplog.clear()
+            opt(**inputs), opt(**two)
+        assert caplog.text.count("restored from the graph cache") == 2 * run
+    assert len(list((tmp_path / "graphs").glob("*.json"))) == 2

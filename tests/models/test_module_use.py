@@ -190,8 +190,10 @@ def test_a_cache_hook_of_diffusers_is_warned_about_at_capture(tmp_path, caplog):
     with opt.cache_context("cond"):  # as a pipeline calls it
         _run(opt, inputs)
     assert "the forwards replaced on blocks.0, blocks.1" in caplog.text and "enable_cache, is not used" in caplog.text
-    model.disable_cache()
+    model.disable_cache()  # puts the blocks' own bound forwards back on the instances: no hook left
+    caplog.clear()
     assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0  # captured again without the hooks
+    assert "forwards replaced" not in caplog.text
 
 
 def test_an_integer_timestep_after_a_float_one_is_captured_again(tmp_path):
@@ -212,3 +214,26 @@ def test_weights_left_on_the_meta_device_are_named_with_their_cause(tmp_path):
     opt = amxopt.optimize(model, None, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
     with pytest.raises(RuntimeError, match=r"proj_out.weight is on the meta device.*init_empty_weights, or offloaded"):
         _run(opt, inputs)
+
+
+def test_a_hook_added_before_a_loaded_graph_first_runs_is_followed(tmp_path):
+    model, inputs = _wan(0)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, keep_source=False))
+    opt.save(tmp_path / "artifact")
+    loaded = amxopt.load(tmp_path / "artifact", dataclasses.replace(CONFIG, keep_source=False))
+    source = loaded.__dict__["_source"]
+    expected = _run(loaded, inputs).sample * 2.0
+    again = amxopt.load(tmp_path / "artifact", dataclasses.replace(CONFIG, keep_source=False))
+    again.__dict__["_source"].proj_out.register_forward_hook(lambda module, args, out: out * 2.0)
+    assert max_abs_error(_run(again, inputs).sample, expected) < 1e-5
+    assert source is not again.__dict__["_source"]
+
+
+def test_a_copy_made_after_a_change_runs_the_change(tmp_path):
+    model, inputs = _wan(0)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, keep_source=False))
+    before = _run(opt, inputs).sample
+    model.proj_out.register_forward_hook(lambda module, args, out: out * 3.0)
+    copied = copy.deepcopy(opt)
+    assert max_abs_error(_run(copied, inputs).sample, before * 3.0) < 1e-5
+    assert max_abs_error(_run(opt, inputs).sample, before * 3.0) < 1e-5

@@ -373,6 +373,14 @@ def test_replace_patch_embed_crops_an_indivisible_input_as_the_conv_does(dynamic
         assert_same(gm, other, model)
 
 
+def test_autotune_times_a_cropped_patch_embedding_as_it_runs(tmp_path):
+    model = nn.Conv2d(3, 16, 4, stride=4).to(torch.bfloat16).eval()
+    gm, gi = captured(model, {"input": torch.randn(1, 3, 10, 10, dtype=torch.bfloat16)}, dynamic=False)
+    config = dataclasses.replace(CONFIG, provider="native", autotune=True, autotune_cache=str(tmp_path))
+    replace_patch_embed(gm, config)  # timed on the 8 x 8 it reads, not refused by the op for the 10 x 10
+    assert count(gm, amx.patch_embed.default) + count(gm, aten.conv2d.default) == 1
+
+
 @pytest.mark.parametrize("padding", [0, "valid"])
 def test_replace_patch_embed_conv2d(padding):
     # CLIP / SigLIP: Conv2d with kernel == stride; "valid" is SigLIP's spelling of no padding.
