@@ -5,8 +5,9 @@ following gelu / gelu_tanh / silu fused into it where that is the conv's only us
 
 One rule per (op overload, replacement) from one table. A patch embedding refuses a weight computed
 in the graph, dtypes without a kernel, stride != kernel, padding, dilation or groups; an input whose
-spatial sizes are not provably multiples of the kernel is cropped to them, as the convolution does. ``amxopt.conv2d`` refuses computed
-weights, dtypes without a kernel, string padding and inputs that are not ``[B, C, H, W]``.
+spatial sizes are not provably multiples of the kernel is cropped to them, as the convolution reads
+it. ``amxopt.conv2d`` refuses computed weights, dtypes without a kernel, string padding and inputs
+that are not ``[B, C, H, W]``.
 """
 
 from __future__ import annotations

@@ -208,8 +208,8 @@ class _Traced:
     - forwards replaced on an instance (diffusers' hooks, e.g. ``enable_cache``; accelerate's).
 
     What they compute is in the graphs; they are not called when the graphs run. One changed since
-    makes the graphs stale. ``changed()`` costs one dict lookup per module (43 us a call for Wan
-    1.3B's 858 modules) and a counter: hooks are scanned again only when torch's handle counter
+    makes the graphs stale. ``changed()`` costs one dict lookup per module (on a Zen 4: 36 us a call
+    for Wan 1.3B's 858 modules, 12 us for Qwen3-VL-2B vision's 267) and a counter: hooks are scanned again only when torch's handle counter
     moved (a hook registered anywhere) or a hook dict that was not empty shrank (one removed)."""
 
     def __init__(self, source: nn.Module) -> None:
