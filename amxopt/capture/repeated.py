@@ -136,16 +136,31 @@ def _layout(block: nn.Module) -> tuple:
 MODULE_INTERNALS = frozenset(vars(nn.Module()))  # what every module has (training among them)
 
 
-def hooked(module: nn.Module) -> list[str]:
+def hooked(module: nn.Module, recorders: bool = True) -> list[str]:
     """Where forward hooks would run inside ``module``: the paths of its submodules that have one
-    (``"*"`` for a global hook), except amxopt's own (marked ``amxopt_own``)."""
+    (``"*"`` for a global hook), except amxopt's own; see :func:`user_hooks` for ``recorders``."""
     from torch.nn.modules import module as m
 
     def users(*dicts) -> bool:
-        return any(not getattr(h, "amxopt_own", False) for d in dicts for h in d.values())
+        return any(user_hooks(d, recorders) for d in dicts)
 
     found = ["*"] if users(m._global_forward_hooks, m._global_forward_pre_hooks) else []
     return found + [path for path, sub in module.named_modules() if users(sub._forward_hooks, sub._forward_pre_hooks)]
+
+
+def user_hooks(hooks: dict, recorders: bool = True) -> list[int]:
+    """The ids of the hooks in ``hooks`` (a module's hook dict) that are not amxopt's own (marked
+    ``amxopt_own``); without ``recorders``, not transformers' output-recording hooks either
+    (installed the first time an eager call asks for hidden states, idle otherwise)."""
+    return [
+        k
+        for k, hook in hooks.items()
+        if not getattr(hook, "amxopt_own", False)
+        and (recorders or getattr(hook, "__module__", "") != _OUTPUT_RECORDING)
+    ]
+
+
+_OUTPUT_RECORDING = "transformers.utils.output_capturing"  # where transformers defines its recording hooks
 
 
 def _settings(block: nn.Module) -> tuple:

@@ -20,7 +20,7 @@ from torch import nn
 
 from amxopt.capture import Adapter, find_adapter
 from amxopt.config import AmxConfig
-from amxopt.ops import packed
+from amxopt.runtime import weights
 from amxopt.runtime.module import OptimizedModule
 
 # Pipeline components optimized through the generic passes (plus the Wan adapter for transformers).
@@ -167,7 +167,7 @@ def _saving_sources(save: Callable) -> Callable:
         released = [
             n
             for n, v in pipe.__dict__.items()
-            if isinstance(v, OptimizedModule) and any(packed.is_released(p) for p in v.__dict__["_source"].parameters())
+            if isinstance(v, OptimizedModule) and weights.has_released(v.__dict__["_source"])
         ]
         if released:
             raise RuntimeError(

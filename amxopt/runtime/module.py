@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.utils.hooks import RemovableHandle
 
-from amxopt.capture import Adapter, CaptureError, export, split_inputs
+from amxopt.capture import Adapter, CaptureError, export, repeated, split_inputs
 from amxopt.config import AmxConfig
 from amxopt.ops import packed
 from amxopt.passes import run_passes
@@ -185,10 +185,6 @@ HOTSWAP_LOADERS = ("load_lora_adapter", "load_adapter")
 _LOST_MERGE_ADVICE = "fuse adapters before amxopt.optimize, or optimize with AmxConfig(keep_source=True)"
 
 
-def _released(module: nn.Module) -> bool:
-    return any(packed.is_released(p) for p in module.parameters())
-
-
 def _merged_since(captured: tuple[list[nn.Module], list[tuple]] | None) -> list[nn.Module]:
     """The adapter layers whose merges differ from ``captured`` (layers and their _adapter_state)."""
     if not captured:
@@ -209,8 +205,9 @@ class _Traced:
 
     What they compute is in the graphs; they are not called when the graphs run. One changed since
     makes the graphs stale. ``changed()`` costs one dict lookup per module (on a Zen 4: 36 us a call
-    for Wan 1.3B's 858 modules, 12 us for Qwen3-VL-2B vision's 267) and a counter: hooks are scanned again only when torch's handle counter
-    moved (a hook registered anywhere) or a hook dict that was not empty shrank (one removed)."""
+    for Wan 1.3B's 858 modules, 12 us for Qwen3-VL-2B vision's 267) and a counter: hooks are scanned
+    again only when torch's handle counter moved (a hook registered anywhere) or a hook dict that
+    was not empty shrank (one removed)."""
 
     def __init__(self, source: nn.Module) -> None:
         self.next_id = RemovableHandle.next_id
@@ -236,7 +233,7 @@ class _Traced:
 
     def warn(self, source: nn.Module, model_name: str) -> None:
         """Say, at a capture, what of this the graphs hold as it ran then."""
-        hooked = _hooked_modules(source)
+        hooked = [path or model_name for path in repeated.hooked(source, recorders=False) if path != "*"]
         replaced = [name or model_name for name, m in source.named_modules() if _forward_replaced(m)]
         what = [f"the forward hooks on {_some(hooked)}"] if hooked else []
         what += [f"the forwards replaced on {_some(replaced)} (diffusers' or accelerate's hooks)"] if replaced else []
@@ -264,26 +261,7 @@ def _forward_hooks(source: nn.Module) -> tuple[tuple[int, ...], list[dict]]:
     and the hook dicts that hold any. torch's global module hooks are left out: they run on the
     optimized module's own call too."""
     dicts = [d for m in source.modules() for d in (m._forward_pre_hooks, m._forward_hooks) if d]
-    return tuple(k for d in dicts for k in _counted(d)), dicts
-
-
-def _counted(hooks: dict) -> list[int]:
-    return [
-        k
-        for k, hook in hooks.items()
-        if not getattr(hook, "amxopt_own", False) and getattr(hook, "__module__", "") != _OUTPUT_RECORDING
-    ]
-
-
-_OUTPUT_RECORDING = "transformers.utils.output_capturing"  # where transformers defines its recording hooks
-
-
-def _hooked_modules(source: nn.Module) -> list[str]:
-    return [
-        name or type(source).__name__
-        for name, m in source.named_modules()
-        if _counted(m._forward_pre_hooks) or _counted(m._forward_hooks)
-    ]
+    return tuple(k for d in dicts for k in repeated.user_hooks(d, recorders=False)), dicts
 
 
 def _forward_replaced(module: nn.Module) -> bool:
@@ -399,7 +377,7 @@ class OptimizedModule(nn.Module):
         """The source model's state dict, under its own names (a whole model saved after optimize
         saves its towers as they were); refused when optimize released packed source weights."""
         source = self.__dict__["_source"]
-        if _released(source):
+        if weights.has_released(source):
             save = "" if self.amx_config.tp != 1 else "save the optimized model with opt.save(directory), "
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}'s packed weights were released by amxopt.optimize, so it has no "
@@ -497,7 +475,7 @@ class OptimizedModule(nn.Module):
         again; where those weights were released the merge changed nothing, and the module refuses
         from then on."""
         merged = _merged_since(self.__dict__.pop("_dropped_adapters", None))
-        if any(_released(layer) for layer in merged):
+        if any(weights.has_released(layer) for layer in merged):
             self.__dict__["_lost_merge"] = (
                 f"amxopt: {self.adapter.model_name}: a LoRA adapter was merged into weights amxopt.optimize packed "
                 f"and released, which changed nothing, and the model changed since: {_LOST_MERGE_ADVICE}"
@@ -525,7 +503,7 @@ class OptimizedModule(nn.Module):
         if _adapter_state(self._adapters[0]) == self._adapters[1]:
             return
         self._refuse_at_tp()
-        if any(_released(layer) for layer in _merged_since(self._adapters)):
+        if any(weights.has_released(layer) for layer in _merged_since(self._adapters)):
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}: a LoRA adapter was merged into (or unmerged from) weights "
                 f"amxopt.optimize packed and released, which changed nothing: undo it (unfuse_lora / fuse_lora). "
@@ -638,7 +616,7 @@ class OptimizedModule(nn.Module):
             return load(*args, **kwargs)
         self._refuse_at_tp()
         layers = _adapter_layers(self.__dict__["_source"].modules())
-        if any(_released(layer) for layer in layers):
+        if any(weights.has_released(layer) for layer in layers):
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}: a hotswap writes the adapter's weights in place, and "
                 f"amxopt.optimize packed and released them: {_LOST_MERGE_ADVICE}"
@@ -699,7 +677,7 @@ class OptimizedModule(nn.Module):
                     if not self.eager_fallback or self._graphs:
                         raise
                     source = self.__dict__["_source"]
-                    if _released(source):
+                    if weights.has_released(source):
                         # from_pretrained / load packed its weights as they were read: no eager copy
                         raise CaptureError(
                             f"{e}; it cannot run as eager PyTorch either: its weights were packed as they were "
@@ -762,7 +740,7 @@ class OptimizedModule(nn.Module):
         on_meta = next(
             (n for n, p in model.named_parameters() if p.device.type == "meta" and not packed.is_released(p)), None
         )
-        if on_meta is not None and _released(model):
+        if on_meta is not None and weights.has_released(model):
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}: {on_meta} is on the meta device, with no values to capture: "
                 "built beside weights amxopt.optimize packed and released (a LoRA adapter loaded after optimize?). "

@@ -111,6 +111,11 @@ def release(model: nn.Module, keep: set[int]) -> int:
     return freed
 
 
+def has_released(module: nn.Module) -> bool:
+    """Whether any of ``module``'s weights is a released placeholder (its values exist only packed)."""
+    return any(is_released(p) for p in module.parameters())
+
+
 def placeholder(like: torch.Tensor, packed: dict[str, torch.Tensor]) -> nn.Parameter:
     """A released weight: meta, ``like``'s shape and dtype, carrying its packings by provider."""
     p = nn.Parameter(torch.empty(like.shape, dtype=like.dtype, device="meta"), requires_grad=False)
