@@ -85,12 +85,16 @@ def _check_float(op: str, name: str, t: torch.Tensor) -> None:
     _check(t.dtype in DTYPES, op, f"{name} must be float32 or bfloat16, got {t.dtype}")
 
 
-def resolve_provider(provider: str) -> str:
-    """``auto`` -> ``native`` where amxopt's C++ kernels are loaded, else ``reference``."""
+def resolve_provider(provider: str, op: str = "") -> str:
+    """``auto`` -> ``native`` where amxopt's C++ kernels are loaded, else ``reference``.
+
+    ``op`` names the op in the error, as the C++ kernels' check does.
+    """
     if provider == "auto":
         return "native" if native.available()[0] else "reference"
     if provider not in ("native", "reference", "sgl_kernel"):
-        raise AmxOpError(f"amxopt: unknown provider {provider!r}; known: auto, native, reference, sgl_kernel")
+        where = f"amxopt.{op}" if op else "amxopt"
+        raise AmxOpError(f"{where}: unknown provider {provider!r}; known: auto, native, reference, sgl_kernel")
     return provider
 
 
@@ -551,12 +555,13 @@ for _name, _fn in _REFERENCE.items():
 
 def _python_kernel(fn):
     arity = fn.__code__.co_argcount  # the op's arguments before ``provider``
+    op = fn.__name__.removeprefix("_ref_")
 
     def run(*args, **kwargs):
         provider = args[arity] if len(args) > arity else kwargs.pop("provider", "auto")
-        resolve_provider(provider)  # an unknown provider is an error even here
+        resolve_provider(provider, op)  # an unknown provider is an error even here
         if "amx_schedule" in kwargs:  # linear's: the reference has no tile GEMM to order
-            _check_schedule(fn.__name__.removeprefix("_ref_"), kwargs.pop("amx_schedule"))
+            _check_schedule(op, kwargs.pop("amx_schedule"))
         return fn(*args[:arity], **kwargs)
 
     return run

@@ -55,8 +55,9 @@ def apply_rules(gm: fx.GraphModule, rules: list[Rule], config: AmxConfig) -> int
             if root in settled:
                 continue
             # A wildcard may have bound the output of a match this rule already replaced.
-            values = [_current(v, renamed) for v in found.placeholder_nodes]
-            match = Match(dict(zip(names, values)), root, out)
+            values = dict(zip(names, (_current(v, renamed) for v in found.placeholder_nodes)))
+            values.update((name, values[same_as]) for name, same_as in rule.aliases)
+            match = Match(values, root, out)
             if not rule.applies(match, config):
                 continue
             written = written_inside(inner, out)

@@ -56,6 +56,10 @@ class Rule:
         when: name of a boolean ``AmxConfig`` field that must be set for the rule to apply.
         root: the aten ops of the pattern that mark its root, for kinds with no aten op of their own
             (the glue's ``add``, ``empty_like``); default: the kind's ``KIND_TARGETS``.
+        aliases: ``(name, same_as)`` pairs: a name the guard, options and inputs read, bound to the
+            same value as the pattern parameter ``same_as`` (a variant of a pattern that takes one
+            tensor twice, such as ``sdpa(x, x, x)``: torch.fx's matcher binds distinct wildcards
+            to distinct nodes only).
     """
 
     name: str
@@ -69,6 +73,7 @@ class Rule:
     timing: Callable | None = None
     when: str | None = None
     root: tuple = ()
+    aliases: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,33 @@ def _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     )
 
 
+# One tensor passed twice or thrice (sdpa(x, x, x)), as the matcher needs it spelled: each with
+# the aliases that name the parameters it stands for.
+def _sdpa_qkv_one(q, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    return _sdpa(q, q, q, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _sdpa_kv_one(q, k, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    return _sdpa(q, k, k, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _sdpa_qk_one(q, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    return _sdpa(q, q, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _sdpa_qv_one(q, k, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    return _sdpa(q, k, q, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+_SDPA_PATTERNS = (
+    (_sdpa, ()),
+    (_sdpa_qkv_one, (("k", "q"), ("v", "q"))),
+    (_sdpa_kv_one, (("v", "k"),)),
+    (_sdpa_qk_one, (("k", "q"),)),
+    (_sdpa_qv_one, (("v", "q"),)),
+)
+
+
 def _sdpa_refusal(match: Match) -> str | None:
     q, k, v = (val(match[n]) for n in ("q", "k", "v"))
     if match["attn_mask"] is not None:
@@ -82,10 +109,9 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, provider):
     return amx.varlen_attention.default(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, provider)
 
 
-def _varlen_self(q, k, v, cu, max_q, max_k, scale, causal, provider):
-    # Self-attention passes one bounds tensor twice; torch.fx's SubgraphMatcher binds two wildcards
-    # to two distinct nodes only, so _varlen never matches it.
-    return amx.varlen_attention.default(q, k, v, cu, cu, max_q, max_k, scale, causal, provider)
+def _varlen_self(q, k, v, cu_q, max_q, max_k, scale, causal, provider):
+    # Self-attention passes one bounds tensor twice (the rule aliases cu_k to it).
+    return amx.varlen_attention.default(q, k, v, cu_q, cu_q, max_q, max_k, scale, causal, provider)
 
 
 def _retarget(q, k, v, cu_q, cu_k, *, max_q, max_k, scale, causal, provider):
@@ -95,13 +121,14 @@ def _retarget(q, k, v, cu_q, cu_k, *, max_q, max_k, scale, causal, provider):
 @functools.cache
 def rules() -> tuple[Rule, ...]:
     # Adapter-routed attention replaces the model's per-segment Python loop: nothing to time.
-    def retarget(pattern, inputs):
+    def retarget(pattern, aliases):
         return Rule(
             name=ADAPTER_ROUTED,
             kind="attention",
             pattern=pattern,
             replacement=_retarget,
-            inputs=inputs,
+            inputs=("q", "k", "v", "cu_q", "cu_k"),
+            aliases=aliases,
             options=lambda match, config: {
                 "max_q": match["max_q"],
                 "max_k": match["max_k"],
@@ -112,22 +139,25 @@ def rules() -> tuple[Rule, ...]:
             applies=lambda match, config: match["provider"] != config.provider,
         )
 
-    sdpa = Rule(
-        name="aten.scaled_dot_product_attention",
-        kind="attention",
-        pattern=_sdpa,
-        replacement=sdpa_replacement,
-        inputs=("q", "k", "v"),
-        options=lambda match, config: {
-            "scale": match["scale"],
-            "causal": bool(match["is_causal"]),
-            "provider": config.provider,
-        },
-        guard=_sdpa_refusal,
-        timing=_sdpa_timing,
-    )
+    def sdpa(pattern, aliases):
+        return Rule(
+            name="aten.scaled_dot_product_attention",
+            kind="attention",
+            pattern=pattern,
+            replacement=sdpa_replacement,
+            inputs=("q", "k", "v"),
+            options=lambda match, config: {
+                "scale": match["scale"],
+                "causal": bool(match["is_causal"]),
+                "provider": config.provider,
+            },
+            guard=_sdpa_refusal,
+            timing=_sdpa_timing,
+            aliases=aliases,
+        )
+
     return (
-        retarget(_varlen_self, ("q", "k", "v", "cu", "cu")),
-        retarget(_varlen, ("q", "k", "v", "cu_q", "cu_k")),
-        sdpa,
+        retarget(_varlen_self, (("cu_k", "cu_q"),)),
+        retarget(_varlen, ()),
+        *(sdpa(pattern, aliases) for pattern, aliases in _SDPA_PATTERNS),
     )

@@ -216,5 +216,11 @@ def test_without_the_native_library_every_op_runs_the_reference():
         "    assert 'activation must be one of' in str(e)\n"
         "else:\n"
         "    raise AssertionError('relu accepted')\n"
+        "try:\n"
+        "    torch.ops.amxopt.rms_norm(torch.randn(2, 4), None, 1e-6, 'fast')\n"
+        "except ValueError as e:\n"
+        "    assert \"amxopt.rms_norm: unknown provider 'fast'\" in str(e), str(e)\n"
+        "else:\n"
+        "    raise AssertionError('provider fast accepted')\n"
     )
     _run_in_fresh_process(code, AMXOPT_NATIVE="0")

@@ -327,6 +327,30 @@ def test_replace_attention_leaves_sdpa_shapes_the_op_does_not_take(shapes, reaso
     assert_same(gm, gi, SDPA())
 
 
+class SharedSDPA(nn.Module):
+    """SDPA given one tensor in two or three places: ``uses`` picks q, k, v from ``(a, b)``."""
+
+    def __init__(self, uses, causal=False):
+        super().__init__()
+        self.uses, self.causal = uses, causal
+
+    def forward(self, a, b):
+        q, k, v = ({"a": a, "b": b}[name] for name in self.uses)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+
+@pytest.mark.parametrize("uses", ["aaa", "abb", "aab", "aba"])
+def test_replace_attention_sdpa_of_one_tensor_in_several_places(uses):
+    # torch.fx's matcher binds distinct wildcards to distinct nodes: each sharing has its own rule.
+    model = SharedSDPA(uses, causal=uses == "aaa")
+    inputs = {"a": torch.randn(2, 4, 7, 16), "b": torch.randn(2, 4, 7, 16)}
+    gm, gi = captured(model, inputs, dynamic=uses != "aaa")
+    assert run(replace_attention, gm)
+    assert count(gm, aten.scaled_dot_product_attention.default) == 0
+    assert count(gm, amx.varlen_attention.default) == 1
+    assert_same(gm, gi, model)
+
+
 # --- replace_patch_embed -----------------------------------------------------------------------
 
 
