@@ -93,12 +93,18 @@ class GraphEntry:
 # --------------------------------------------------------------------------------------------------
 
 
-def dump(graph: GraphEntry, module: nn.Module, for_cache: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+def dump(
+    graph: GraphEntry, module: nn.Module, for_cache: bool, live: bool
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """The JSON entry of ``graph`` and the tensors it needs besides ``module``'s.
 
     ``module`` is the module that was exported (the adapter's ``export_module``): its tensors, and
     the packings they carry, are referred to by name. ``for_cache`` refuses a packing of a
-    transformed weight (see the module doc).
+    transformed weight (see the module doc). ``live``: the graph is restored onto this module or
+    one built alike in code (the graph cache, an isolated capture's parent), so a plain tensor
+    attribute (``self.table = torch.randn(n)``, neither parameter nor buffer) is referred to by
+    name too, read where the graph is restored: another model's value, or this one's as it is
+    changed in place. Otherwise (an artifact, whose model is built anew) its value is stored.
 
     Raises:
         GraphStoreError: a node, value or guard outside what a stored graph can express.
@@ -108,7 +114,7 @@ def dump(graph: GraphEntry, module: nn.Module, for_cache: bool) -> tuple[dict, d
         raise GraphStoreError("export's input guards could not be read")
     for code in graph.captured.guard_code:
         _parse_guard(code)
-    names, packings = _tensor_names(module)
+    names, packings = _tensor_names(module, attributes=live)
     attrs: dict[str, dict] = {}
     tensors: dict[str, torch.Tensor] = {}
     nodes = []
@@ -157,11 +163,19 @@ def dump(graph: GraphEntry, module: nn.Module, for_cache: bool) -> tuple[dict, d
     return entry, tensors
 
 
-def _tensor_names(module: nn.Module) -> tuple[dict[int, str], dict[int, tuple[str, str]]]:
-    """``module``'s tensors by identity, and the packings they carry: ``id -> (name, provider)``."""
+def _tensor_names(module: nn.Module, attributes: bool) -> tuple[dict[int, str], dict[int, tuple[str, str]]]:
+    """``module``'s tensors by identity (with ``attributes``: its plain tensor attributes too), and
+    the packings they carry: ``id -> (name, provider)``."""
     names: dict[int, str] = {}
     packings: dict[int, tuple[str, str]] = {}
     named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    if attributes:
+        named += [
+            (f"{path}.{k}" if path else k, v)
+            for path, sub in module.named_modules(remove_duplicate=False)
+            for k, v in vars(sub).items()
+            if isinstance(v, torch.Tensor)
+        ]
     for name, t in named:
         names.setdefault(id(t), name)
         for provider, p in packed.packings(t).items():
@@ -497,6 +511,7 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         "settings": described,
         "model_code": code,
         "tensors": [(n, list(t.shape), str(t.dtype)) for n, t in module.state_dict(keep_vars=True).items()],
+        "tied": _tied(module),  # the graph reads a tied weight by one of its names
         "inputs": [
             str(spec),
             [[str(x.dtype), x.dim()] if isinstance(x, torch.Tensor) else repr(x) for x in leaves],
@@ -504,6 +519,14 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         "options": {k: v for k, v in dataclasses.asdict(config).items() if k not in ("autotune_cache", "graph_cache")},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _tied(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter or buffer that ``module`` holds under more than one."""
+    groups: dict[int, list[str]] = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(t), []).append(name)
+    return sorted(names for names in groups.values() if len(names) > 1)
 
 
 # Where a model or config came from, or what it has logged, not what it computes: a model loaded
@@ -621,8 +644,43 @@ def _model_code(module: nn.Module) -> dict[str, str]:
         digest.update(packages[top].encode())
         closures = [v for _, v in sorted(vars(cls).items()) if isinstance(v, types.FunctionType) and v.__closure__]
         digest.update(json.dumps(_described(closures, "closures", {}), default=str).encode())
+        digest.update(json.dumps(_globals_read([f for _, f in methods]), default=str).encode())
         digests[_qualified(cls)] = digest.hexdigest()
     return digests
+
+
+def _globals_read(functions: list[types.FunctionType]) -> list:
+    """The module globals that ``functions`` read, and the user functions they call read, by value
+    (``SCALE = float(sys.argv[1])`` is in no file's bytes; a tensor global by its data, which
+    export stores in the graph)."""
+    found: dict[tuple[str, str], Any] = {}
+    todo, seen = list(functions), set()
+    while todo and len(seen) < 256:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for name in _names(f.__code__):
+            key = (str(f.__module__), name)
+            if name not in f.__globals__ or key in found:
+                continue
+            v = f.__globals__[name]
+            if isinstance(v, types.FunctionType) and str(v.__module__).split(".")[0] not in _LIBRARIES:
+                todo.append(v)
+            if isinstance(v, torch.Tensor) and v.device.type != "meta":
+                v = ["tensor", list(v.shape), str(v.dtype), hashlib.sha256(_tensor_bytes(v)).hexdigest()]
+            found[key] = _described(v, name, {})
+    return [[*key, found[key]] for key in sorted(found)]
+
+
+def _names(code: types.CodeType) -> list[str]:
+    """The global (and attribute) names ``code`` and the functions defined in it read."""
+    nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return [*code.co_names, *(n for c in nested for n in _names(c))]
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _patches(cls: type, memo: dict[type, list]) -> list:
@@ -926,7 +984,7 @@ def write_cache(key: str, graph: GraphEntry, module: nn.Module, config: AmxConfi
     from safetensors.torch import save_file
 
     try:
-        entry, tensors = dump(graph, module, for_cache=True)
+        entry, tensors = dump(graph, module, for_cache=True, live=True)
     except GraphStoreError as e:
         logger.info("amxopt: the graph of %s is not cached: %s", type(module).__name__, e)
         return

@@ -174,7 +174,7 @@ def _child(conn, run: Run, module: nn.Module, config: AmxConfig) -> None:
     try:
         weights.plan_packings(module, config.provider)
         graph = run()
-        entry, tensors = graph_store.dump(graph, module, for_cache=False)
+        entry, tensors = graph_store.dump(graph, module, for_cache=False, live=True)
         reply: dict = {"entry": entry}
         if tensors:
             from safetensors.torch import save_file

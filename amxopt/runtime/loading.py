@@ -573,7 +573,7 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
     module = opt.adapter.export_module(source)
     try:
         for i, graph in enumerate(opt._graphs):
-            entry, extra = graph_store.dump(graph, module, for_cache=False)
+            entry, extra = graph_store.dump(graph, module, for_cache=False, live=False)
             entry["attrs"] = {
                 t: {**a, "stored": f"{_GRAPH_PREFIX}{i}::{a['stored']}"} if "stored" in a else a
                 for t, a in entry["attrs"].items()
@@ -679,7 +679,9 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
     if graphs and manifest.get("graph_origin") != _graph_origin(config):
         # Made by other amxopt code or under other options: the weights serve, the graphs are captured again.
         logger.warning(
-            "amxopt: %s: its graphs were rewritten by other amxopt code or options; they are captured again", directory
+            "amxopt: %s: its graphs were rewritten by other amxopt code or options, or autotuned on another CPU; "
+            "they are captured again",
+            directory,
         )
         graphs = []
     for i, entry in enumerate(graphs):
@@ -692,13 +694,15 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
 
 
 # The options that change what the passes make of a model (the provider is checked on its own).
-_GRAPH_OPTIONS = ("passes", "dynamic", "stamp_blocks", "fuse_activation", "fuse_residual", "fuse_rotary")
+_GRAPH_OPTIONS = ("passes", "dynamic", "stamp_blocks", "fuse_activation", "fuse_residual", "fuse_rotary", "autotune")
 
 
 def _graph_origin(config: AmxConfig) -> dict:
-    """What a saved graph was rewritten by: amxopt's code and the options that shape graphs."""
+    """What a saved graph was rewritten by: amxopt's code, the options that shape graphs, and the
+    CPU that autotune's decisions (kept ATen, an AMX schedule) were timed on."""
     options = {k: getattr(config, k) for k in _GRAPH_OPTIONS}
-    return json.loads(json.dumps({"code": graph_store.code_hash(), "options": options}, default=str))
+    cpu = native.cpu_model() if config.autotune and config.provider == "native" else None
+    return json.loads(json.dumps({"code": graph_store.code_hash(), "options": options, "cpu": cpu}, default=str))
 
 
 def _restore(entry: dict, module: nn.Module, provider: str, tensors: dict, directory: pathlib.Path, i: int) -> Any:

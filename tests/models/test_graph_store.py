@@ -433,6 +433,72 @@ def test_a_model_with_another_setting_is_not_served_the_first_ones_graph(tmp_pat
             torch.testing.assert_close(opt(x), model(x))
 
 
+class _Table(torch.nn.Module):
+    """A tensor the forward reads from a plain attribute: neither parameter nor buffer, and too
+    large for the key to hold its values."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.fc, self.table = torch.nn.Linear(128, 128), torch.randn(128, generator=torch.Generator().manual_seed(seed))
+
+    def forward(self, x):
+        return self.fc(x) + self.table
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_a_plain_tensor_attribute_is_read_from_the_model_a_graph_serves(tmp_path, isolate):
+    # Cached by name, not by value: the second model's own table, and changes made in place after.
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), isolate_capture=isolate)
+    x = torch.randn(4, 128)
+    for seed in (0, 1):
+        model = _Table(seed).eval()
+        opt = amxopt.optimize(model, (x,), config)
+        assert any(RESTORED in n for n in opt.report.notes) == (seed == 1)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+            model.table.mul_(3)
+            torch.testing.assert_close(opt(x), model(x))
+
+
+def test_cache_key_follows_tied_weights():
+    graph_inputs = {"x": torch.randn(2, 8)}
+    untied, tied = _Scaled(2.0), _Scaled(2.0)
+    untied.fc2 = torch.nn.Linear(8, 8)
+    tied.fc2 = torch.nn.Linear(8, 8)
+    tied.fc2.weight = tied.fc.weight
+    assert graph_store.cache_key(untied, "plain", graph_inputs, CONFIG) != graph_store.cache_key(
+        tied, "plain", graph_inputs, CONFIG
+    )
+
+
+_GLOBALS = """
+import sys, torch
+SCALE = float(sys.argv[1])
+TABLE = torch.full((100,), SCALE)
+def shift(x):
+    return x + TABLE
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.fc = torch.nn.Linear(100, 100)
+    def forward(self, x):
+        return shift(self.fc(x)) * SCALE
+"""
+
+
+def test_cache_key_follows_the_globals_a_forward_reads(tmp_path, monkeypatch):
+    # Set at run time (from argv, a notebook cell): in no file's bytes. A helper's global counts too.
+    (tmp_path / "globals_net.py").write_text(_GLOBALS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    keys = set()
+    for scale in ("1.0", "3.0"):
+        monkeypatch.setattr(sys, "argv", ["net", scale])
+        sys.modules.pop("globals_net", None)
+        net = importlib.import_module("globals_net").Net()
+        keys.add(graph_store.cache_key(net, "plain", {"x": torch.randn(2, 100)}, CONFIG))
+    sys.modules.pop("globals_net", None)
+    assert len(keys) == 2
+
+
 def test_load_restores_the_saved_graph_without_capturing(tmp_path, monkeypatch):
     name = "tiny-wan"
     config = dataclasses.replace(CONFIG, keep_source=False, graph_cache=False)

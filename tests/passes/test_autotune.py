@@ -6,6 +6,7 @@ one); the real timer runs in the first test, on shapes small enough to be quick.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -246,3 +247,22 @@ def test_timed_inputs_have_the_layout_of_the_graph():
         assert real.float().std() > 0.5  # random values, not the storage's leftovers
         assert _autotune.describe(fake) != _autotune.describe(torch.empty(fake.shape)), fake.stride()
     assert _autotune.describe(contiguous) == "2x6x4x5:float32"
+
+
+def test_an_artifact_loaded_without_autotune_drops_the_saved_decisions(tmp_path, monkeypatch):
+    # Saved where ATen won every timing; AmxConfig(autotune=False) asks for every kernel amxopt has.
+    from amxopt import models
+
+    inputs = models.example_inputs("tiny-wan", torch.float32)
+    monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: (3.0, 1.0))
+    tuned = amxopt.AmxConfig(provider="native", autotune_cache=str(tmp_path), graph_cache=False)
+    opt = amxopt.optimize(models.build_model("tiny-wan", torch.float32), inputs, tuned)
+    assert any("ATen is faster" in left.detail for left in opt.report.left), str(opt.report)
+    opt.save(tmp_path / "artifact")
+    off = dataclasses.replace(tuned, autotune=False)
+    loaded = amxopt.load(tmp_path / "artifact", off)
+    with torch.no_grad():
+        loaded(**inputs)
+    fresh = amxopt.optimize(models.build_model("tiny-wan", torch.float32), inputs, off)
+    assert loaded.report.counts() == fresh.report.counts() and sum(fresh.report.counts().values()) > 0
+    assert not any("ATen is faster" in left.detail for left in loaded.report.left), str(loaded.report)
