@@ -93,9 +93,7 @@ class GraphEntry:
 # --------------------------------------------------------------------------------------------------
 
 
-def dump(
-    graph: GraphEntry, module: nn.Module, for_cache: bool, live: bool
-) -> tuple[dict, dict[str, torch.Tensor]]:
+def dump(graph: GraphEntry, module: nn.Module, for_cache: bool, live: bool) -> tuple[dict, dict[str, torch.Tensor]]:
     """The JSON entry of ``graph`` and the tensors it needs besides ``module``'s.
 
     ``module`` is the module that was exported (the adapter's ``export_module``): its tensors, and
