@@ -269,7 +269,29 @@ def _units(gm: fx.GraphModule) -> tuple[list[_Unit], list[tuple[fx.Node, str]], 
         if not is_constant(_weight(row)):
             continue
         units.append(_Unit(sorted(cols, key=order.get), sorted(inside, key=order.get), row))
-    return units, left, why_not
+    # A Linear that ends one unit and starts another (a LoRA adapter's B on q: A -> B is an MLP of
+    # rank r, and B's output joins q's heads) is a column of the second: the first stays replicated.
+    columns = {col for unit in units for col in unit.columns}
+    return [unit for unit in units if unit.row not in columns], left, why_not
+
+
+def _unfuse_column_residuals(gm: fx.GraphModule, units: list[_Unit]) -> bool:
+    """Un-fuse the residual of each column Linear (q + a LoRA adapter's output, fused by
+    ``fuse_residual``): the add after it is sharded with its output, where the kwarg would add a
+    whole-width tensor to a rank's heads. Returns whether any was un-fused (the units change)."""
+    changed = False
+    for col in (col for unit in units for col in unit.columns):
+        residual = col.kwargs.get("residual") if col.target == _LINEAR else None
+        if residual is None:
+            continue
+        col.kwargs = {k: v for k, v in col.kwargs.items() if k != "residual"}
+        with gm.graph.inserting_after(col):
+            added = gm.graph.call_function(aten.add.Tensor, (col, residual))
+        added.meta["val"] = val(col)
+        _copy_source(col, added)
+        col.replace_all_uses_with(added, delete_user_cb=lambda user: user is not added)
+        changed = True
+    return changed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -654,6 +676,8 @@ def shard_tensor_parallel(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
     if not 0 <= rank < tp:
         raise ValueError(f"amxopt: shard_tensor_parallel: tp_rank {rank} is not a rank of tp {tp} (0..{tp - 1})")
     units, left, why_not = _units(gm)
+    if _unfuse_column_residuals(gm, units):
+        units, left, why_not = _units(gm)
     for node, reason in left:
         leave(node, f"replicated across tp ranks: {reason}")
     n_sharded, covered, sliced = 0, set(), set()

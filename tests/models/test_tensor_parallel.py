@@ -92,6 +92,28 @@ def test_bf16_shards_within_eager_error(case):
         sharded.close()
 
 
+@pytest.mark.parametrize("fuse_residual", [True, False])
+def test_lora_adapters_on_column_linears_are_sharded_with_them(fuse_residual):
+    # B of an unmerged adapter on to_q ends the A -> B pair and joins q's heads: a column of the
+    # attention, sliced once; fused as to_q's residual, the add is un-fused and sharded alike.
+    peft = pytest.importorskip("peft")
+    name, overrides, per_block = FAMILIES["wan-5-heads"]
+    model = _model("wan-5-heads", torch.float32)
+    targets = ["to_q", "to_k", "to_v", "net.0.proj"]
+    model = peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False), model)
+    inputs = models.example_inputs(name, torch.float32)
+    config = dataclasses.replace(CONFIG, tp=2, fuse_residual=fuse_residual)
+    sharded = amxopt.optimize(model.eval(), inputs, config)
+    try:
+        with torch.no_grad():
+            want, got = model(**inputs), sharded(**inputs)
+        torch.testing.assert_close(got.sample, want.sample)
+        note = f"tensor parallel (tp 2, rank 0): {per_block * _blocks(model)} attention/MLP units sharded"
+        assert any(note in n for n in sharded.report.notes), sharded.report.notes
+    finally:
+        sharded.close()
+
+
 @given(heads=st.integers(1, 64), tp_size=st.integers(1, 8), unit=st.integers(1, 4), outer=st.integers(1, 3))
 def test_padded_heads_cover_every_head_once_and_pad_with_zeros(heads, tp_size, unit, outer):
     shards = [_shard.owned_heads(heads, tp_size, r) for r in range(tp_size)]
