@@ -98,6 +98,9 @@ def optimize(model: Any, example_inputs: Any = None, config: AmxConfig | None = 
         return optimize_components(model, config)
     if example_inputs is None:
         return OptimizedModule(model, find_adapter(model)(model), None, config)
-    adapter, graph_inputs = prepare(model, example_inputs)
-    first = build_graph(model, adapter, graph_inputs, config)
+    # Captured as the module runs (OptimizedModule): in its own dtype, whatever autocast the caller
+    # is under (autocast is per thread, so an isolated capture's would not see it anyway).
+    with torch.autocast("cpu", enabled=False):
+        adapter, graph_inputs = prepare(model, example_inputs)
+        first = build_graph(model, adapter, graph_inputs, config)
     return OptimizedModule(model, adapter, first, config)

@@ -88,25 +88,27 @@ def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> 
             os._exit(0)
     theirs.close()
     early: list[nn.Parameter] = []  # weights packed here while the child captures
-    graph = None
+    graph, lost = None, None
     try:
         try:
             _pack_meanwhile(module, config.provider, early, ours.poll)
             reply = json.loads(ours.recv_bytes())
         except (EOFError, OSError) as e:
-            reply = {"error": f"the capture process ended without a graph ({type(e).__name__})"}
+            reply, lost = {}, type(e).__name__
         except BaseException:  # KeyboardInterrupt: the child must not outlive the call
             os.kill(pid, signal.SIGKILL)
             raise
         finally:
             ours.close()
-            _, status = os.waitpid(pid, 0)
+            ended = _reap(pid)
+        if lost is not None:  # an OOM kill, a crash in native code: the exit says which
+            reply["error"] = f"the capture process ended without a graph ({lost}; {ended})"
         _autotune.reload()  # the child may have stored new decisions
         if "capture_error" in reply:  # export's verdict: the same here, so it is not run twice
             raise CaptureError(reply["capture_error"])
         graph = _restore(reply, module, config) if "entry" in reply else None
         if graph is None:
-            reason = reply.get("error") or f"exit status {status}"
+            reason = reply.get("error") or ended
             logger.info(
                 "amxopt: %s: capturing in a child process failed (%s); capturing in this process", model_name, reason
             )
@@ -116,9 +118,25 @@ def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> 
     return graph
 
 
+def _reap(pid: int) -> str:
+    """Wait for the child; how it ended, as the log says it."""
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:  # reaped already: SIGCHLD ignored, or a handler of the caller's waited
+        return "exit status unknown"
+    code = os.waitstatus_to_exitcode(status)
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
 def _pack_meanwhile(module: nn.Module, provider: str, done: list[nn.Parameter], replied: Callable[[], bool]) -> None:
     """Pack ``module``'s packable weights here while the child captures (appending each to
-    ``done``), on every thread but one: the child's trace is Python on one core. Restoring the
+    ``done``), on every thread but one where no other thread could see the lowered count (below):
+    the child's trace is Python on one core. Restoring the
     graph then finds them packed. Packing stops once the child has ``replied``: restore packs the
     rest on every thread, and a capture that failed early wastes no more.
 
@@ -128,8 +146,12 @@ def _pack_meanwhile(module: nn.Module, provider: str, done: list[nn.Parameter], 
     todo = weights.unpacked(module, provider)
     if not todo:  # a re-capture, or weights packed at load: the thread pool is left as it is
         return
+    # torch's thread count is the process's: a thread that ran its first parallel op while it was
+    # lowered would keep the lowered count, so a process with other threads keeps its count.
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads - 1))
+    lowered = threading.active_count() == 1 and threads > 1
+    if lowered:
+        torch.set_num_threads(threads - 1)
     try:
         for p in todo:
             if replied():
@@ -139,7 +161,8 @@ def _pack_meanwhile(module: nn.Module, provider: str, done: list[nn.Parameter], 
     except RuntimeError as e:  # restore packs what is left, or says why it cannot
         logger.info("amxopt: packing while the capture runs stopped (%s); the rest is packed on restore", e)
     finally:
-        torch.set_num_threads(threads)
+        if lowered:
+            torch.set_num_threads(threads)
 
 
 def _forget_unread(early: list[nn.Parameter], graph: GraphEntry | None, provider: str) -> None:

@@ -8,8 +8,10 @@ import gc
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -153,9 +155,43 @@ def test_a_child_that_dies_falls_back_to_a_capture_here(tmp_path, monkeypatch, c
     inputs = models.example_inputs(name, torch.float32)
     with caplog.at_level(logging.INFO, logger="amxopt.runtime.isolated"):
         opt = amxopt.optimize(models.build_model(name, torch.float32), inputs, _config(tmp_path))
-    assert "capturing in this process" in caplog.text and "ended without a graph" in caplog.text
+    assert "capturing in this process" in caplog.text and "ended without a graph (EOFError; exit status 3)" in caplog.text
     assert not any(CHILD in n for n in opt.report.notes)
     assert opt.report.counts()["linear"] > 0
+
+
+def test_a_child_reaped_by_the_callers_sigchld_setting_still_serves_its_graph(tmp_path):
+    # A daemon that ignores SIGCHLD: the kernel reaps the child, and waitpid finds none.
+    name = "tiny-qwen3-omni-audio"
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        opt = amxopt.optimize(
+            models.build_model(name, torch.float32), models.example_inputs(name, torch.float32), _config(tmp_path)
+        )
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert any(CHILD in n for n in opt.report.notes), opt.report.notes
+
+
+def test_a_process_with_other_threads_keeps_its_thread_count_while_packing(tmp_path, monkeypatch):
+    # Lowered, a thread running its first parallel op meanwhile would keep the lowered count.
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)
+    other.start()
+    try:
+        name = "tiny-qwen3-vl-vision"
+        opt = amxopt.optimize(
+            models.build_model(name, torch.bfloat16),
+            models.example_inputs(name, torch.bfloat16),
+            _config(tmp_path, provider="native"),
+        )
+    finally:
+        done.set()
+        other.join()
+    assert any(CHILD in n for n in opt.report.notes)
+    assert set_to == []
 
 
 def test_a_failed_fork_captures_here(tmp_path, monkeypatch):

@@ -160,6 +160,18 @@ def test_an_fp32_model_under_autocast_runs_as_optimized(tmp_path, caplog):
     assert "runs in torch.float32 as optimized, not in torch.autocast's torch.bfloat16" in caplog.text
 
 
+@pytest.mark.parametrize("isolate", [True, False])
+def test_optimize_under_autocast_captures_the_model_as_it_runs(tmp_path, isolate):
+    # The same graph inside torch.autocast as outside: every Linear replaced, none left in mixed dtypes.
+    model, inputs = _wan(0)
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), graph_cache=False, isolate_capture=isolate)
+    plain = amxopt.optimize(model, inputs, config)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = amxopt.optimize(model, inputs, config)
+    assert under.report.counts() == plain.report.counts() and not under.report.left, str(under.report)
+    assert max_abs_error(_run(under, inputs), _run(plain, inputs)) == 0.0
+
+
 class _HalfAttention:
     """An attention processor of one's own: Wan's, its output halved."""
 
