@@ -155,7 +155,9 @@ def test_a_child_that_dies_falls_back_to_a_capture_here(tmp_path, monkeypatch, c
     inputs = models.example_inputs(name, torch.float32)
     with caplog.at_level(logging.INFO, logger="amxopt.runtime.isolated"):
         opt = amxopt.optimize(models.build_model(name, torch.float32), inputs, _config(tmp_path))
-    assert "capturing in this process" in caplog.text and "ended without a graph (EOFError; exit status 3)" in caplog.text
+    assert (
+        "capturing in this process" in caplog.text and "ended without a graph (EOFError; exit status 3)" in caplog.text
+    )
     assert not any(CHILD in n for n in opt.report.notes)
     assert opt.report.counts()["linear"] > 0
 
