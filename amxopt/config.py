@@ -104,7 +104,8 @@ class AmxConfig:
 
     def cache_dir(self) -> pathlib.Path:
         """Root of the on-disk caches (``autotune_cache``, else the XDG cache directory)."""
-        root = self.autotune_cache or os.path.join(
-            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "amxopt"
-        )
-        return pathlib.Path(root)
+        if self.autotune_cache:
+            return pathlib.Path(os.path.expanduser(self.autotune_cache))
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        # The XDG spec: an empty or relative XDG_CACHE_HOME is ignored (not the working directory).
+        return pathlib.Path(xdg if os.path.isabs(xdg) else os.path.expanduser("~/.cache"), "amxopt")

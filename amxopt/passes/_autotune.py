@@ -40,9 +40,11 @@ shard different graphs, and their collectives would no longer pair up.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import json
 import logging
+import os
 import pathlib
 import time
 from collections.abc import Callable
@@ -165,14 +167,21 @@ def describe(*tensors) -> str:
     )
 
 
+# Settings read once per process that change which code either side runs: the ISA of amxopt's
+# epilogues and ATen's kernels, and oneDNN's (under ATen's GEMMs and amxopt's brgemm).
+_ISA_SETTINGS = ("AMXOPT_VEC_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
 @functools.cache
 def _build_context() -> str:
     path = build.library_path()
     tiles = "|software AMX tiles" if native.amx_emulated() else ""  # their timings say nothing of AMX's
-    return f"{native.cpu_model()}|torch {torch.__version__}|kernels {path.parent.name}{tiles}"
+    settings = "".join(f"|{name}={os.environ[name]}" for name in _ISA_SETTINGS if os.environ.get(name))
+    return f"{native.cpu_model()}|torch {torch.__version__}|kernels {path.parent.name}{tiles}{settings}"
 
 
-def _context() -> str:
+def context() -> str:
+    """What a decision holds for: the CPU, the code of both sides, and the thread count."""
     # Both sides split their work between the threads: a lead at 2 threads says little of 56. Read
     # per lookup: the process may change it between two optimize() calls.
     return f"{_build_context()}|{torch.get_num_threads()} threads"
@@ -184,10 +193,22 @@ def _cache_file(config: AmxConfig) -> pathlib.Path:
 
 @functools.cache
 def _load(path: pathlib.Path) -> dict:
+    return _read(path)
+
+
+def _read(path: pathlib.Path) -> dict:
+    """The decisions in ``path``: each a pair of positive timings; anything else is dropped."""
     try:
-        return json.loads(path.read_text())
+        table = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    if not isinstance(table, dict):
+        return {}
+    return {
+        k: v
+        for k, v in table.items()
+        if isinstance(v, list) and len(v) == 2 and all(isinstance(t, (int, float)) and t > 0 for t in v)
+    }
 
 
 def reload() -> None:
@@ -195,11 +216,18 @@ def reload() -> None:
     _load.cache_clear()
 
 
-def _store(path: pathlib.Path, table: dict) -> None:
+def _store(path: pathlib.Path, key: str, value: list[float]) -> None:
+    """Add one decision to ``path``, merged under a lock with what other processes stored since
+    this one read it."""
+    _load(path)[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(path) as staged:
-            staged.write_text(json.dumps(table, indent=0, sort_keys=True))
+        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            table = _read(path)
+            table[key] = value
+            with replacing(path) as staged:
+                staged.write_text(json.dumps(table, indent=0, sort_keys=True))
     except OSError as e:  # a read-only home is no reason to fail optimize()
         logger.warning("amxopt: could not save kernel choices to %s: %s", path, e)
 
@@ -278,15 +306,14 @@ def _compare(
     table = _load(path)
     process = native.amx_schedule()  # where a call does not choose; settable: read per lookup
     order = "" if process == "groups" else f"|AMX {process} schedule"  # the default keeps its keys
-    key = f"{_context()}{order}|{_POLICY}|{native.active_tier()}|{op}"
+    key = f"{context()}{order}|{_POLICY}|{native.active_tier()}|{op}"
     if key in table:
         amx_ms, aten_ms = table[key]
         return Timing(op, amx_ms, aten_ms, cached=True, schedule=schedule)
     amx_ms, aten_ms = _time(run_amxopt, run_aten)
     if not Timing(op, amx_ms, aten_ms).amxopt_wins and amx_ms < _FAR * aten_ms:  # confirm ATen's lead
         amx_ms, aten_ms = max((amx_ms, aten_ms), _time(run_amxopt, run_aten), key=lambda t: t[1] / t[0])
-    table[key] = [amx_ms, aten_ms]
-    _store(path, table)
+    _store(path, key, [amx_ms, aten_ms])
     timing = Timing(op, amx_ms, aten_ms, schedule=schedule)
     logger.info("amxopt: timed %s", timing)
     return timing
@@ -314,7 +341,7 @@ def amx_schedule(
 def _amx_schedule(op: str, config: AmxConfig, run: Callable[[str], Callable[[], object]]) -> ScheduleTiming | None:
     path = _cache_file(config)
     table = _load(path)
-    key = f"{_context()}|AMX schedules|{op}"
+    key = f"{context()}|AMX schedules|{op}"
     if key in table:
         return ScheduleTiming(*table[key], cached=True)
     groups_ms, rows_ms = _time(run("groups"), run("rows"))
@@ -322,8 +349,7 @@ def _amx_schedule(op: str, config: AmxConfig, run: Callable[[str], Callable[[], 
         again_rows, again_groups = _time(run("rows"), run("groups"))
         if again_groups / again_rows < groups_ms / rows_ms:
             groups_ms, rows_ms = again_groups, again_rows
-    table[key] = [groups_ms, rows_ms]
-    _store(path, table)
-    timing = ScheduleTiming(*table[key])
+    _store(path, key, [groups_ms, rows_ms])
+    timing = ScheduleTiming(groups_ms, rows_ms)
     logger.info("amxopt: timed %s: %s", op, timing)
     return timing

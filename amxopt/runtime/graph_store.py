@@ -49,7 +49,7 @@ from amxopt.capture.repeated import MODULE_INTERNALS, hooked
 from amxopt.config import AmxConfig
 from amxopt.files import replacing
 from amxopt.ops import native, packed
-from amxopt.passes import PassRecord
+from amxopt.passes import PassRecord, _autotune
 from amxopt.passes._graph import fetch
 from amxopt.passes.pack_weights import PACKED_PREFIX
 from amxopt.runtime import weights
@@ -497,8 +497,8 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         "tier": native.active_tier() if config.provider == "native" else config.provider,
         # autotune picks each linear's AMX schedule unless the process pins one for all
         "amx_schedule": native.amx_schedule_pinned() and native.amx_schedule() if config.provider == "native" else None,
-        # autotune's decisions hold for the thread count they were timed at (its cache keys it too)
-        "threads": torch.get_num_threads() if config.autotune else None,
+        # autotune's decisions hold where they were timed: thread count, ISA settings (as its own cache's)
+        "timed": _autotune.context() if _autotune.enabled(config) else None,
         "class": f"{type(module).__module__}.{type(module).__qualname__}",
         "adapter": adapter_name,
         "structure": repr(module),
@@ -971,7 +971,8 @@ def read_cache(key: str, module: nn.Module, config: AmxConfig) -> Iterator[Graph
             entry = json.loads(path.read_text())
             tensors = load_file(str(path.with_suffix(".safetensors"))) if entry.get("has_tensors") else {}
             graph = restore(entry, module, config.provider, tensors, f"the graph cache ({path})")
-        except (OSError, ValueError, KeyError, GraphStoreError, SafetensorError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, GraphStoreError, SafetensorError) as e:
+            # TypeError, AttributeError: valid JSON of another shape (a damaged or foreign file)
             logger.warning("amxopt: cached graph %s is unusable (%s); capturing again", path, e)
             continue
         yield graph

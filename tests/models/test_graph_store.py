@@ -135,6 +135,16 @@ def test_a_stored_graph_naming_a_foreign_function_is_refused_and_recaptured(tmp_
         )
 
 
+@pytest.mark.parametrize("content", ["[]", "null", '{"nodes": 3}'])
+def test_a_cached_graph_of_valid_json_and_another_shape_is_captured_again(tmp_path, content, caplog):
+    model, inputs, config, path = _cache_entry(tmp_path)
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING):
+        opt = amxopt.optimize(model, inputs, config)
+    assert "unusable" in caplog.text
+    assert not any(RESTORED in n for n in opt.report.notes)
+
+
 def test_a_stored_graph_on_a_model_of_another_shape_is_refused(tmp_path):
     model, inputs, _, path = _cache_entry(tmp_path)
     entry = json.loads(path.read_text())

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import pathlib
 import time
 
 import pytest
@@ -49,7 +51,7 @@ def test_every_decision_is_reported_with_both_timings_and_cached(tmp_path, monke
 
 
 def test_decisions_are_timed_again_at_another_thread_count(tmp_path, monkeypatch):
-    _autotune._context()  # as after any earlier optimize() in this process: the count is read per lookup
+    _autotune.context()  # as after any earlier optimize() in this process: the count is read per lookup
     _optimize(_model(), tmp_path)
     # (The capture runs in a forked child: the stub's timings show in the report, not in a list here.)
     monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: (1.0, 3.0))
@@ -266,3 +268,44 @@ def test_an_artifact_loaded_without_autotune_drops_the_saved_decisions(tmp_path,
     fresh = amxopt.optimize(models.build_model("tiny-wan", torch.float32), inputs, off)
     assert loaded.report.counts() == fresh.report.counts() and sum(fresh.report.counts().values()) > 0
     assert not any("ATen is faster" in left.detail for left in loaded.report.left), str(loaded.report)
+
+
+@pytest.mark.parametrize("content", ["[]", "null", '{"k": [1.0]}', '{"k": "fast"}'])
+def test_a_damaged_decision_file_is_timed_again(tmp_path, content):
+    (tmp_path / "kernel_choices.json").write_text(content)
+    _autotune.reload()
+    opt, _ = _optimize(_model(), tmp_path)
+    assert len(opt.report.choices) == 6 and not any("[cached]" in t for _, t in opt.report.choices)
+
+
+def test_decisions_of_two_processes_are_merged_not_lost(tmp_path):
+    # This process read the file; another stored a decision since; this one's store keeps both.
+    path = tmp_path / "kernel_choices.json"
+    _autotune.reload()
+    _autotune._store(path, "mine-1", [1.0, 2.0])
+    others = json.loads(path.read_text()) | {"theirs": [3.0, 4.0]}
+    path.write_text(json.dumps(others))
+    _autotune._store(path, "mine-2", [5.0, 6.0])
+    assert set(json.loads(path.read_text())) == {"mine-1", "theirs", "mine-2"}
+    _autotune.reload()
+
+
+def test_decisions_hold_for_the_isa_settings_they_were_timed_under(monkeypatch):
+    before = _autotune.context()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    _autotune._build_context.cache_clear()
+    try:
+        assert _autotune.context() != before and "ONEDNN_MAX_CPU_ISA=AVX2" in _autotune.context()
+    finally:
+        monkeypatch.undo()
+        _autotune._build_context.cache_clear()
+    assert _autotune.context() == before
+
+
+@pytest.mark.parametrize("xdg", ["", "relative/cache"])
+def test_the_cache_is_never_under_the_working_directory(monkeypatch, xdg):
+    # The XDG spec ignores an empty or relative XDG_CACHE_HOME; "~" in autotune_cache is the home.
+    monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert amxopt.AmxConfig().cache_dir() == pathlib.Path("/home/someone/.cache/amxopt")
+    assert amxopt.AmxConfig(autotune_cache="~/mine").cache_dir() == pathlib.Path("/home/someone/mine")
