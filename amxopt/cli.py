@@ -212,15 +212,26 @@ def main(argv: list[str] | None = None) -> int:
             args.size = _parse_size(args.size)
         except ValueError as e:
             parser.error(f"--size {args.size!r}: {e}")
-    if getattr(args, "tp", 1) > 1 and not 0 <= args.rank < args.tp:
+    if args.command == "dump" and args.tp > 1 and not 0 <= args.rank < args.tp:
         parser.error(f"--rank {args.rank} is not a rank of --tp {args.tp} (0..{args.tp - 1})")
+    if args.command == "dump" and (args.tp < 1 or (args.tp == 1 and args.rank != 0)):
+        parser.error(f"--tp {args.tp} --rank {args.rank}: --tp is a rank count >= 2, --rank one of its ranks")
+    if args.command == "dump" and args.out and pathlib.Path(args.out).exists() and not pathlib.Path(args.out).is_dir():
+        parser.error(f"--out {args.out}: a file is there, not a directory")
+    if args.command == "profile" and args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
+    if args.command == "profile" and args.json and not pathlib.Path(args.json).resolve().parent.is_dir():
+        parser.error(f"--json {args.json}: its directory does not exist")
+    if args.command == "info" and (args.threads < 0 or args.tp < 0):
+        parser.error("--threads and --tp are counts (>= 0)")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.fn(args)
-    except (ValueError, TypeError, RuntimeError) as e:  # amxopt's own errors say what is wrong
+    except (ValueError, TypeError, RuntimeError, KeyError, MemoryError, OSError) as e:  # they say what is wrong
         if args.verbose:
             raise
-        print(f"amxopt {args.command}: {e}\n(-v shows the traceback)", file=sys.stderr)
+        message = str(e.args[0] if isinstance(e, KeyError) and e.args else e)  # str(KeyError) quotes it
+        print(f"amxopt {args.command}: {message.removeprefix('amxopt: ')}\n(-v shows the traceback)", file=sys.stderr)
         return 2
 
 

@@ -115,12 +115,52 @@ def test_dump_of_a_bad_factory_says_what_is_wrong(spec, error, capsys):
         (["--size", "abc"], "sizes are positive numbers"),
         (["--size", "-64"], "sizes must be positive"),
         (["--tp", "2", "--rank", "5"], "--rank 5 is not a rank of --tp 2"),
+        (["--tp", "0"], "--tp is a rank count >= 2"),
+        (["--rank", "1"], "--tp is a rank count >= 2"),
+        (["--out", __file__], "a file is there, not a directory"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_built(args, error, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["dump", "tiny-qwen3-vl-vision", *args])
     assert exit_.value.code == 2 and error in capsys.readouterr().err
+
+
+def test_info_prints_the_cores_of_tp_ranks(capsys):
+    assert cli.main(["info", "--tp", "2"]) == 0
+    assert "provider reference" in capsys.readouterr().out
+
+
+def test_a_factorys_model_is_cast_to_the_dtype_asked_for(tmp_path):
+    args = ["dump", "tests.test_cli:build_tiny", "--out", str(tmp_path), "--no-autotune"]
+    assert cli.main([*args, "--dtype", "bf16"]) == 0
+    assert 'x: "bf16[s77, 16]"' in (tmp_path / "01_remove_dropout.before.txt").read_text()
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["dump", "no-such-model"], "amxopt dump: unknown model 'no-such-model'; valid names"),
+        (["dump", "tests.test_cli:build_tiny", "--size", "32"], "amxopt dump: --size applies to zoo models"),
+    ],
+)
+def test_a_bad_model_is_named_in_one_line(args, error, capsys):
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err.startswith(error)
+
+
+def test_dump_draws_every_edge_downward():
+    # An input feeding another input (a value computed outside the drawn layer) goes above it.
+    import networkx as nx
+
+    from amxopt.runtime import dump
+
+    g = nx.DiGraph()
+    g.add_nodes_from(["a", "b"], kind="input")
+    g.add_nodes_from(["c", "d"], kind="aten")
+    g.add_edges_from([("a", "b"), ("b", "c"), ("a", "d"), ("c", "d")])
+    row = {n: i for i, names in enumerate(dump._rows(g)) for n in names}
+    assert all(row[u] < row[v] for u, v in g.edges), row
 
 
 def build_wrong():

@@ -21,3 +21,19 @@ def test_outputs_of_other_shapes_are_refused_not_broadcast():
     with pytest.raises(ValueError, match=r"output 0 has shape \(3, 4\), expected \(1, 4\)"):
         max_abs_error(torch.zeros(3, 4), torch.zeros(1, 4))
     assert max_abs_error(torch.zeros(0, 4), torch.zeros(0, 4)) == 0.0
+
+
+def test_equal_infinities_differ_by_nothing_and_others_by_inf():
+    inf = float("inf")
+    e = torch.tensor([inf, -inf, 1.0])
+    assert max_abs_error(e.clone(), e) == 0.0
+    assert max_abs_error(torch.tensor([-inf, -inf, 1.0]), e) == inf
+    assert max_abs_error(torch.tensor([inf, -inf, 2.0]), e) == 1.0
+
+
+def test_leaves_that_are_not_tensors_are_compared_too():
+    assert max_abs_error((torch.zeros(2), 3), (torch.zeros(2), 4)) == 1.0
+    with pytest.raises(ValueError, match="output 1 is 'a', expected 'b'"):
+        max_abs_error((torch.zeros(2), "a"), (torch.zeros(2), "b"))
+    with pytest.raises(ValueError, match=r"output 1 is 2.0, expected a tensor \(\)"):
+        max_abs_error((torch.zeros(2), 2.0), (torch.zeros(2), torch.tensor(2.0)))

@@ -9,18 +9,19 @@ import torch.utils._pytree as pytree
 
 
 def max_abs_error(actual, expected) -> float:
-    """Max abs difference over every tensor of two outputs of the same structure, in fp32.
+    """Max abs difference over every leaf of two outputs of the same structure, in fp32.
 
     Args:
         actual: a model output (tensor, tuple, ``ModelOutput``, ...).
         expected: an output of the same structure.
 
     Returns:
-        The largest ``|actual - expected|`` over all tensor leaves; NaN when any leaf has a NaN
-        difference (a NaN in either output, or infinities that differ).
+        The largest ``|actual - expected|`` over all tensor and number leaves (an infinity equal to
+        its counterpart differs by 0, one that is not by inf); NaN when either output has a NaN.
 
     Raises:
-        ValueError: the structures, or the shapes of two leaves, differ.
+        ValueError: the structures, the shapes of two leaves, or two other leaves (a string, a
+            tensor where the other has a number) differ.
 
     Example::
 
@@ -30,13 +31,27 @@ def max_abs_error(actual, expected) -> float:
     e_leaves, e_spec = pytree.tree_flatten(expected)
     if a_spec != e_spec:
         raise ValueError(f"amxopt: outputs differ in structure: {a_spec} vs {e_spec}")
-    pairs = [(a, e) for a, e in zip(a_leaves, e_leaves) if isinstance(a, torch.Tensor)]
-    if not pairs:
+    errors, tensors = [], 0
+    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+        if isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor):
+            tensors += 1
+            if a.shape != e.shape:
+                raise ValueError(f"amxopt: output {i} has shape {tuple(a.shape)}, expected {tuple(e.shape)}")
+            if a.numel():
+                a, e = a.float(), e.float()
+                errors.append(float(torch.where(a == e, 0.0, (a - e).abs()).max()))  # NaN where either is
+        elif _number(a) and _number(e):
+            errors.append(0.0 if a == e else abs(float(a) - float(e)))
+        elif isinstance(a, torch.Tensor) or isinstance(e, torch.Tensor) or a != e:
+            raise ValueError(f"amxopt: output {i} is {_short(a)}, expected {_short(e)}")
+    if not tensors:
         raise ValueError("amxopt: no tensor outputs to compare")
-    errors = []
-    for i, (a, e) in enumerate(pairs):
-        if a.shape != e.shape:
-            raise ValueError(f"amxopt: output {i} has shape {tuple(a.shape)}, expected {tuple(e.shape)}")
-        if a.numel():
-            errors.append(float((a.float() - e.float()).abs().max()))  # NaN when any difference is
     return math.nan if any(math.isnan(x) for x in errors) else max(errors, default=0.0)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _short(x) -> str:
+    return f"a tensor {tuple(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)[:60]

@@ -13,12 +13,15 @@ from __future__ import annotations
 import difflib
 import html
 import importlib
+import os
 import pathlib
 import re
+import sys
 from typing import Any
 
 import networkx as nx
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 # Node kinds, in the legend's order: fill colour and meaning.
@@ -34,12 +37,18 @@ _BLOCK = re.compile(r"^(.+)\.0$")
 
 
 def load_target(spec: str, dtype: torch.dtype, size: Any = None) -> tuple[nn.Module, Any]:
-    """``(model, inputs)`` for a zoo name or a ``package.module:factory`` spec."""
+    """``(model, inputs)`` for a zoo name or a ``package.module:factory`` spec: a factory's model
+    and floating inputs are cast to ``dtype``; its inputs are its own (``size`` is refused). The
+    factory's module is found from the working directory too, as ``python -c`` would."""
     if ":" not in spec:
         from amxopt import models
 
         return models.build_model(spec, dtype), models.example_inputs(spec, dtype, size=size)
+    if size is not None:
+        raise ValueError(f"amxopt: --size applies to zoo models; {spec}() builds its own inputs")
     module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # a console script's path starts at its bin/
+        sys.path.append(os.getcwd())
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
@@ -47,7 +56,12 @@ def load_target(spec: str, dtype: torch.dtype, size: Any = None) -> tuple[nn.Mod
     result = factory()
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
         raise ValueError(f"amxopt: {spec}() must return (model, inputs), got {type(result).__name__}")
-    return result
+    model, inputs = result
+
+    def cast(x):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    return model.to(dtype), pytree.tree_map(cast, inputs)
 
 
 def layer(g: nx.DiGraph) -> tuple[nx.DiGraph, str]:
@@ -124,13 +138,14 @@ def _rows(g: nx.DiGraph) -> list[list[str]]:
     consumer rather than all of them in the first row."""
     ops = g.subgraph(n for n, kind in g.nodes(data="kind") if kind != "input")
     row = {n: r for r, gen in enumerate(nx.topological_generations(ops)) for n in gen}
-    shift = 1 if any(kind == "input" for _, kind in g.nodes(data="kind")) else 0
-    row = {n: r + shift for n, r in row.items()}
-    for n, kind in g.nodes(data="kind"):
-        if kind == "input":
-            row[n] = min((row[s] for s in g.successors(n) if s in row), default=1) - 1
+    order = list(nx.topological_sort(g))
+    for n in reversed(order):  # an input that feeds another input goes above that one
+        if g.nodes[n].get("kind") == "input":
+            row[n] = min((row[s] for s in g.successors(n)), default=1) - 1
+    top = min(row.values(), default=0)
+    row = {n: r - top for n, r in row.items()}
     rows: list[list[str]] = [[] for _ in range(max(row.values(), default=-1) + 1)]
-    for n in nx.topological_sort(g):
+    for n in order:
         rows[row[n]].append(n)
     return rows
 

@@ -71,13 +71,16 @@ class Report:
         replaced, left, notes = [], [], list(notes)
         other: collections.Counter = collections.Counter()
         sharded: collections.Counter = collections.Counter()
-        choices: dict[str, tuple[str, str]] = {}
+        choices: dict = {}  # op -> (winner, Timing)
         for node in gm.graph.nodes:
             if TIMED in node.meta:
                 timing = node.meta[TIMED]
-                # The first node of a shape: later ones read the decision it just cached, and would
-                # label a timing made in this very optimize() "[cached]".
-                choices.setdefault(timing.op, ("amxopt" if node.target in AMX_KINDS else "ATen", str(timing)))
+                # The node of a shape that was timed: the others read the decision it cached, and
+                # would label a timing made in this very optimize() "[cached]". (Passes time in their
+                # own order, not the graph's.)
+                known = choices.get(timing.op)
+                if known is None or (known[1].cached and not timing.cached):
+                    choices[timing.op] = ("amxopt" if node.target in AMX_KINDS else "ATen", timing)
             if node.op == "get_attr" and LEFT in node.meta:
                 notes.append(f"{node.target}: {node.meta[LEFT]}")
             if node.op != "call_function":
@@ -105,7 +108,16 @@ class Report:
             for shard, n in sharded.items()
         ]
         return cls(
-            model, adapter, provider, dynamic, passes, replaced, left, dict(other), notes, list(choices.values())
+            model,
+            adapter,
+            provider,
+            dynamic,
+            passes,
+            replaced,
+            left,
+            dict(other),
+            notes,
+            [(w, str(t)) for w, t in choices.values()],
         )
 
     def counts(self) -> dict[str, int]:
