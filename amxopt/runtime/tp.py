@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import pathlib
+import pickle
 import signal
 import socket
 import time
@@ -213,7 +214,7 @@ def _worker(rank: int, world: int, port: int, cores, model, example_inputs, conf
             _wait_for_call(store, call)
             message = [None]
             dist.broadcast_object_list(message, src=0)
-            kind, args, kwargs = message[0]
+            kind, args, kwargs = pickle.loads(message[0])
             if kind == "stop":
                 break
             try:
@@ -252,7 +253,19 @@ def _wait_for_call(store: dist.TCPStore, call: int) -> None:
                 raise
 
 
-def _send(store: dist.TCPStore, state: dict, message: tuple) -> int:
+def _pickled(message: tuple) -> bytes:
+    """A call's message as the ranks receive it; an argument that cannot be sent is refused here,
+    before any rank is told of the call."""
+    try:
+        return pickle.dumps(message)
+    except Exception as e:  # noqa: BLE001 - pickling raises any type (a lock's TypeError, a lambda's PicklingError)
+        raise TypeError(
+            f"amxopt: a tensor-parallel call sends its arguments to every rank, and one of them cannot be "
+            f"pickled ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _send(store: dist.TCPStore, state: dict, message: bytes) -> int:
     """Rank 0: announce the next call (or the stop) and broadcast it; returns its number."""
     state["calls"] += 1
     call = state["calls"]
@@ -288,7 +301,9 @@ class TPModule(nn.Module):
         previous = (os.sched_getaffinity(0), torch.get_num_threads())
         # Shared with the finalizer (which must not hold the module): calls sent, and whether this
         # module's process group is the one initialized.
-        self._state = {"calls": 0, "group": False, "in_step": True}
+        # Not in step until every rank has optimized: a worker may be waiting for an autotune decision
+        # of rank 0's, which a stop message would answer.
+        self._state = {"calls": 0, "group": False, "in_step": False}
         port = _free_port()
         timeout = datetime.timedelta(seconds=config.tp_timeout_s)
         self._store = dist.TCPStore("127.0.0.1", port, tp, is_master=True, timeout=timeout, wait_for_workers=False)
@@ -302,10 +317,10 @@ class TPModule(nn.Module):
             )
             for rank in range(1, tp)
         ]
-        for w in self._workers:
-            w.start()
         self._finalizer = weakref.finalize(self, _shut_down, self._workers, self._store, self._state, previous)
         try:
+            for w in self._workers:
+                _start(w)
             start_s = max(config.tp_timeout_s, _START_TIMEOUT_S)
             self._wait_for(_READY, "start", start_s)
             _bind(plan[0])
@@ -316,6 +331,20 @@ class TPModule(nn.Module):
             # A worker's optimize can end later than this one's (capture on fewer cores): the first
             # call's broadcast would count that against tp_timeout_s.
             self._wait_for(_OPTIMIZED, "optimize the model", start_s)
+            self._state["in_step"] = True
+        except Exception as e:
+            # A worker that failed (its capture, say) makes rank 0 fail in a collective with it:
+            # the worker's error is the one that says why.
+            deadline = time.monotonic() + (2.0 if _collective_failure(e) else 0.2)  # its exit code settles
+            while time.monotonic() < deadline and all(w.exitcode is None for w in self._workers if w.pid):
+                time.sleep(0.05)
+            try:
+                self._check_workers()
+            except RuntimeError as worker_failed:
+                self.close()
+                raise worker_failed from e
+            self.close()
+            raise
         except BaseException:
             self.close()
             raise
@@ -389,9 +418,10 @@ class TPModule(nn.Module):
         if not self._finalizer.alive:
             raise RuntimeError("amxopt: this TPModule is closed (a rank failed, or close() was called)")
         self.module.check_inputs(*args, **kwargs)  # before any rank runs the call
+        message = _pickled(("call", args, kwargs))
         try:
             self._check_workers()
-            call = _send(self._store, self._state, ("call", args, kwargs))
+            call = _send(self._store, self._state, message)
         except Exception as e:  # the workers may have seen the call announced and not received it
             raise self._failed(e) from e
         except BaseException:  # KeyboardInterrupt: as above, and raised as it is
@@ -446,7 +476,7 @@ def _shut_down(workers: list, store: dist.TCPStore, state: dict, previous: tuple
         state["group"] = False
         if state["in_step"] and all(w.is_alive() for w in workers):
             try:
-                _send(store, state, ("stop", (), {}))
+                _send(store, state, _pickled(("stop", (), {})))
             except RuntimeError:
                 pass
         if dist.is_initialized():
@@ -457,8 +487,24 @@ def _shut_down(workers: list, store: dist.TCPStore, state: dict, previous: tuple
     torch.set_num_threads(threads)
 
 
+def _start(worker) -> None:
+    """Start a spawned worker; its arguments (the model) travel through shared memory."""
+    try:
+        worker.start()
+    except RuntimeError as e:
+        if "shared memory" not in str(e) and "No space left" not in str(e):
+            raise
+        raise RuntimeError(
+            f"amxopt: tp could not hand the model to its workers through shared memory ({e}); /dev/shm is too "
+            "small for it (a container's default is 64 MB: raise it, e.g. docker run --shm-size=...), or run "
+            "the ranks under torchrun with AmxConfig(tp='env'), each loading its own model"
+        ) from e
+
+
 def _stop(workers: list) -> None:
     for w in workers:
+        if w.pid is None:  # never started
+            continue
         w.join(timeout=5)
         if w.is_alive():
             w.terminate()

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -417,7 +418,7 @@ class _Blocks(torch.nn.Module):
         super().__init__()
         self.blocks = torch.nn.ModuleList(blocks)
 
-    def forward(self, x):
+    def forward(self, x, note=None):  # note: an argument a call may pass anything in
         for block in self.blocks:
             x = block(x)
         return x
@@ -534,6 +535,40 @@ def test_an_idle_module_and_a_failed_call_leave_it_usable(tmp_path):
             torch.testing.assert_close(a, b)
     finally:
         sharded.close()
+
+
+class _MLPBlock(torch.nn.Module):
+    """An MLP block whose capture fails in every process but ``fails_outside``'s: a worker's."""
+
+    def __init__(self, fails_outside: int | None = None):
+        super().__init__()
+        self.fc1, self.fc2, self.fails_outside = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32), fails_outside
+
+    def forward(self, x):
+        if self.fails_outside is not None and os.getpid() != self.fails_outside:
+            raise ValueError("this block cannot be captured in a worker")
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def test_an_argument_that_cannot_be_sent_is_refused_and_the_module_stays_usable():
+    model, x = _Blocks(_MLPBlock(), _MLPBlock()).eval(), torch.randn(4, 32)
+    sharded = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, tp=2))
+    try:
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            sharded(x, note=threading.Lock())
+        with torch.no_grad():
+            torch.testing.assert_close(sharded(x), model(x))
+    finally:
+        sharded.close()
+
+
+def test_a_worker_that_fails_to_optimize_is_the_error_autotune_or_not():
+    # With autotune, rank 0 waits for the worker in a collective: gloo's error would say only "closed".
+    model, x = _Blocks(_MLPBlock(os.getpid()), _MLPBlock(os.getpid())).eval(), torch.randn(4, 32)
+    config = dataclasses.replace(CONFIG, tp=2, provider="auto", autotune=True)
+    with pytest.raises(RuntimeError, match="tp rank 1 exited with code 1:(.|\n)*cannot be captured in a worker"):
+        amxopt.optimize(model, (x,), config)
+    assert not torch.distributed.is_initialized()
 
 
 def test_close_is_idempotent_and_collecting_a_module_leaves_nothing_behind():
