@@ -65,7 +65,10 @@ class WanAdapter(Adapter):
         # replace_patch_embed can prove it); text length varies freely; everything else is static.
         shapes: dict[str, Any] = {k: ({} if isinstance(v, torch.Tensor) else None) for k, v in graph_inputs.items()}
         latent = {}
+        example = graph_inputs["hidden_states"].shape
         for axis, (name, p) in enumerate(zip(("frames", "height", "width"), self.patch), start=2):
+            if example[axis] // p == 1:  # export fixes a size-1 example (one latent frame: an image): static
+                continue
             dim = torch.export.Dim(f"latent_{name}_patches", min=1, max=self.rope_len)
             latent[axis] = dim * p if p > 1 else dim
         shapes["hidden_states"] = latent

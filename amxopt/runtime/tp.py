@@ -183,8 +183,20 @@ def rank_config(config: AmxConfig) -> AmxConfig:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if config.cpu_bind != "none":
-        _bind(cpu_plan(local_world, config.cpu_bind)[local_rank])
+        own = sorted(os.sched_getaffinity(0))
+        every = [None] * world
+        dist.all_gather_object(every, own)
+        _bind(_rank_cores(own, every, local_world, local_rank, config.cpu_bind))
     return dataclasses.replace(config, tp=world, tp_rank=rank, tp_group=dist.group.WORLD.group_name)
+
+
+def _rank_cores(own: list[int], every: list, local_world: int, local_rank: int, cpu_bind: Any) -> tuple[int, ...]:
+    """A torchrun rank's cores: its part of the plan where every rank may use the same cores; its
+    own where a launcher pinned the ranks apart (numactl, mpirun, ``torch.backends.xeon.run_cpu``),
+    which the plan would split again."""
+    if cpu_bind is None and any(cores != own for cores in every):
+        return tuple(own)
+    return cpu_plan(local_world, cpu_bind)[local_rank]
 
 
 def _free_port() -> int:

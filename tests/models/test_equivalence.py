@@ -201,6 +201,17 @@ def test_a_tower_optimized_on_one_image_takes_any_batch_in_two_graphs():
     assert len(opt.graphs) == 2
 
 
+def test_wan_optimized_on_one_latent_frame_takes_other_resolutions_in_its_graph():
+    # An image's one latent frame is fixed (export fixes a size-1 example); height and width stay dynamic.
+    model = models.build_model("tiny-wan")
+    opt = amxopt.optimize(model, models.example_inputs("tiny-wan", size=(1, 8, 8)), CONFIG)
+    assert not any("shapes are static" in n for n in opt.report.notes), opt.report.notes
+    other = models.example_inputs("tiny-wan", size=(1, 6, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(**other).sample, model(**other).sample)
+    assert len(opt.graphs) == 1
+
+
 def test_transformers_own_output_hooks_are_not_taken_for_a_users(caplog):
     model, x = _vision("CLIPVision"), torch.randn(2, 3, 64, 64)
     opt = amxopt.optimize(model, (x,), CONFIG)
