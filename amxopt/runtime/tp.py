@@ -33,6 +33,7 @@ import signal
 import socket
 import time
 import traceback
+import warnings
 import weakref
 from typing import Any
 
@@ -181,22 +182,25 @@ def rank_config(config: AmxConfig) -> AmxConfig:
         dist.init_process_group(_backend(), timeout=datetime.timedelta(seconds=config.tp_timeout_s))
     world, rank = dist.get_world_size(), dist.get_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if config.cpu_bind != "none":
         own = sorted(os.sched_getaffinity(0))
         every = [None] * world
-        dist.all_gather_object(every, own)
-        _bind(_rank_cores(own, every, local_world, local_rank, config.cpu_bind))
+        dist.all_gather_object(every, (socket.gethostname(), own))
+        _bind(_rank_cores(own, [cores for host, cores in every if host == socket.gethostname()], local_rank, config))
     return dataclasses.replace(config, tp=world, tp_rank=rank, tp_group=dist.group.WORLD.group_name)
 
 
-def _rank_cores(own: list[int], every: list, local_world: int, local_rank: int, cpu_bind: Any) -> tuple[int, ...]:
-    """A torchrun rank's cores: its part of the plan where every rank may use the same cores; its
-    own where a launcher pinned the ranks apart (numactl, mpirun, ``torch.backends.xeon.run_cpu``),
-    which the plan would split again."""
-    if cpu_bind is None and any(cores != own for cores in every):
+def _rank_cores(own: list[int], local: list[list[int]], local_rank: int, config: AmxConfig) -> tuple[int, ...]:
+    """A torchrun rank's cores, given every rank's on this host (``local``): its own where a
+    launcher pinned them apart (disjoint sets: numactl, mpirun, ``torch.backends.xeon.run_cpu``),
+    which the plan would split again; else its part of the plan."""
+    if (
+        config.cpu_bind is None
+        and len(local) > 1
+        and len({c for cores in local for c in cores}) == sum(map(len, local))
+    ):
         return tuple(own)
-    return cpu_plan(local_world, cpu_bind)[local_rank]
+    return cpu_plan(len(local), config.cpu_bind)[local_rank]
 
 
 def _free_port() -> int:
@@ -224,9 +228,7 @@ def _worker(rank: int, world: int, port: int, cores, model, example_inputs, conf
         failed = False  # the last call raised: its error stays readable until one succeeds
         for call in itertools.count(1):
             _wait_for_call(store, call)
-            message = [None]
-            dist.broadcast_object_list(message, src=0)
-            kind, args, kwargs = pickle.loads(message[0])
+            kind, args, kwargs = pickle.loads(_received())
             if kind == "stop":
                 break
             try:
@@ -284,8 +286,21 @@ def _send(store: dist.TCPStore, state: dict, message: bytes) -> int:
     store.set(_CALL.format(call), "")
     if call > 1:  # every worker has passed it: it took part in that call's broadcast
         store.delete_key(_CALL.format(call - 1))
-    dist.broadcast_object_list([message], src=0)
+    # The pickled bytes as they are (broadcast_object_list would pickle them again: a copy of the inputs).
+    dist.broadcast(torch.tensor([len(message)], dtype=torch.int64), src=0)
+    with warnings.catch_warnings():  # read only: rank 0 sends the buffer, nothing writes it
+        warnings.simplefilter("ignore", UserWarning)
+        dist.broadcast(torch.frombuffer(message, dtype=torch.uint8), src=0)
     return call
+
+
+def _received() -> memoryview:
+    """A worker's side of :func:`_send`'s broadcast: the pickled message."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0)
+    return data.numpy().data
 
 
 class TPModule(nn.Module):

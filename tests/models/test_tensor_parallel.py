@@ -188,9 +188,10 @@ def test_bad_settings_are_named():
 def test_torchrun_ranks_a_launcher_pinned_apart_keep_their_cores():
     # Every rank may use the same cores: each binds its part. Pinned apart: each keeps its own.
     allowed = sorted(os.sched_getaffinity(0))
-    assert tp._rank_cores(allowed, [allowed, allowed], 2, 1, None) == tp.cpu_plan(2)[1]
-    assert tp._rank_cores([1], [[0], [1]], 2, 1, None) == (1,)
-    assert tp._rank_cores(allowed, [allowed, allowed[:1]], 2, 0, None) == tuple(allowed)
+    assert tp._rank_cores(allowed, [allowed, allowed], 1, CONFIG) == tp.cpu_plan(2)[1]
+    assert tp._rank_cores([1], [[0], [1]], 1, CONFIG) == (1,)
+    # Overlapping sets are not a launcher's pinning: the plan splits them.
+    assert tp._rank_cores(allowed, [allowed, allowed[:1]], 0, CONFIG) == tp.cpu_plan(2)[0]
     model, inputs = models.build_model("tiny-wan"), models.example_inputs("tiny-wan")
     amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, keep_source=False))
     with pytest.raises(ValueError, match="released by an earlier amxopt.optimize"):  # a worker got meta weights
