@@ -21,7 +21,9 @@ fake tensors for every node on load, which is the cost the cache exists to avoid
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
+import dis
 import functools
 import hashlib
 import importlib.metadata
@@ -648,9 +650,9 @@ def _model_code(module: nn.Module) -> dict[str, str]:
 
 
 def _globals_read(functions: list[types.FunctionType]) -> list:
-    """The module globals that ``functions`` read, and the user functions they call read, by value
-    (``SCALE = float(sys.argv[1])`` is in no file's bytes; a tensor global by its data, which
-    export stores in the graph)."""
+    """The module globals that ``functions`` read, and the user functions they call read: a plain
+    value (``SCALE = float(sys.argv[1])``, in no file's bytes) by value, a tensor by its data (export
+    stores it in the graph), anything else by its type (a logger's state is not what it computes)."""
     found: dict[tuple[str, str], Any] = {}
     todo, seen = list(functions), set()
     while todo and len(seen) < 256:
@@ -658,23 +660,41 @@ def _globals_read(functions: list[types.FunctionType]) -> list:
         if f in seen:
             continue
         seen.add(f)
-        for name in _names(f.__code__):
+        for name in _global_names(f.__code__):
             key = (str(f.__module__), name)
             if name not in f.__globals__ or key in found:
                 continue
             v = f.__globals__[name]
             if isinstance(v, types.FunctionType) and str(v.__module__).split(".")[0] not in _LIBRARIES:
                 todo.append(v)
-            if isinstance(v, torch.Tensor) and v.device.type != "meta":
-                v = ["tensor", list(v.shape), str(v.dtype), hashlib.sha256(_tensor_bytes(v)).hexdigest()]
-            found[key] = _described(v, name, {})
+            found[key] = _global_value(v)
     return [[*key, found[key]] for key in sorted(found)]
 
 
-def _names(code: types.CodeType) -> list[str]:
-    """The global (and attribute) names ``code`` and the functions defined in it read."""
+def _global_value(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        if v.device.type == "meta" or v.layout != torch.strided:
+            return ["tensor", list(v.shape), str(v.dtype)]
+        return ["tensor", list(v.shape), str(v.dtype), hashlib.sha256(_tensor_bytes(v)).hexdigest()]
+    if _plain(v):
+        return _described(v, "global", {})
+    if isinstance(v, (types.FunctionType, type, types.ModuleType, types.BuiltinFunctionType)):
+        return _described(v, "global", {})
+    return _qualified(type(v))
+
+
+def _plain(v: Any, depth: int = 0) -> bool:
+    """A number, string, dtype or a short tuple of them: a setting read as it is."""
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype)):
+        return True
+    return isinstance(v, tuple) and depth < 2 and len(v) <= 64 and all(_plain(x, depth + 1) for x in v)
+
+
+def _global_names(code: types.CodeType) -> list[str]:
+    """The global names ``code`` and the functions defined in it load (not attribute names)."""
+    names = [i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"]
     nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return [*code.co_names, *(n for c in nested for n in _names(c))]
+    return [*names, *(n for c in nested for n in _global_names(c))]
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -975,6 +995,8 @@ def read_cache(key: str, module: nn.Module, config: AmxConfig) -> Iterator[Graph
             # TypeError, AttributeError: valid JSON of another shape (a damaged or foreign file)
             logger.warning("amxopt: cached graph %s is unusable (%s); capturing again", path, e)
             continue
+        with contextlib.suppress(OSError):  # its time of last use, which pruning goes by
+            os.utime(path)
         yield graph
 
 
@@ -1002,5 +1024,37 @@ def write_cache(key: str, graph: GraphEntry, module: nn.Module, config: AmxConfi
                 save_file(tensors, str(staged))
         with replacing(directory / f"{stem}.json") as staged:
             staged.write_text(json.dumps(entry))
+        _prune(directory, stem, CACHE_LIMIT_BYTES)
     except OSError as e:
         logger.warning("amxopt: could not write the graph cache in %s: %s", directory, e)
+
+
+CACHE_LIMIT_BYTES = 1 << 30  # of the graph cache's directory; the least recently used entries go first
+
+
+def _prune(directory: pathlib.Path, keep: str, limit: int) -> None:
+    """Delete the least recently used entries (by their JSON's time of last use) until the
+    directory holds at most ``limit`` bytes; never ``keep``, the entry just written."""
+    entries: dict[str, list[pathlib.Path]] = {}
+    for path in directory.iterdir():
+        parts = path.name.split(".")
+        if len(parts) == 3 and parts[0]:  # {key}.{region}.json / .safetensors; not a file being written
+            entries.setdefault(f"{parts[0]}.{parts[1]}", []).append(path)
+    sizes, used = {}, {}
+    for stem, paths in entries.items():
+        try:
+            sizes[stem] = sum(p.stat().st_size for p in paths)
+            used[stem] = max(p.stat().st_mtime for p in paths)
+        except OSError:  # deleted meanwhile
+            continue
+    total = sum(sizes.values())
+    for stem in sorted(used, key=used.get):
+        if total <= limit:
+            break
+        if stem == keep:
+            continue
+        for path in entries[stem]:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        total -= sizes[stem]
+        logger.info("amxopt: graph cache over %d MB: dropped %s, the least recently used", limit >> 20, stem)

@@ -145,6 +145,17 @@ def test_a_cached_graph_of_valid_json_and_another_shape_is_captured_again(tmp_pa
     assert not any(RESTORED in n for n in opt.report.notes)
 
 
+def test_the_cache_drops_its_least_recently_used_entries_over_its_limit(tmp_path):
+    for i, stem in enumerate(["a.1", "b.1", "c.1"]):
+        (tmp_path / f"{stem}.json").write_bytes(b"x" * 100)
+        (tmp_path / f"{stem}.safetensors").write_bytes(b"x" * 400)
+        os.utime(tmp_path / f"{stem}.json", (1000 + i, 1000 + i))
+        os.utime(tmp_path / f"{stem}.safetensors", (1000 + i, 1000 + i))
+    os.utime(tmp_path / "a.1.json")  # a restored entry: used just now
+    graph_store._prune(tmp_path, keep="c.1", limit=1000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.1.json", "a.1.safetensors", "c.1.json", "c.1.safetensors"]
+
+
 def test_a_stored_graph_on_a_model_of_another_shape_is_refused(tmp_path):
     model, inputs, _, path = _cache_entry(tmp_path)
     entry = json.loads(path.read_text())
@@ -482,15 +493,18 @@ def test_cache_key_follows_tied_weights():
 
 
 _GLOBALS = """
-import sys, torch
+import logging, sys, torch
 SCALE = float(sys.argv[1])
 TABLE = torch.full((100,), SCALE)
+logger = logging.getLogger(__name__)
+fc = torch.randn(4)  # a global named like an attribute the forward reads: not read
 def shift(x):
     return x + TABLE
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__(); self.fc = torch.nn.Linear(100, 100)
     def forward(self, x):
+        logger.debug("forward")
         return shift(self.fc(x)) * SCALE
 """
 
@@ -507,6 +521,14 @@ def test_cache_key_follows_the_globals_a_forward_reads(tmp_path, monkeypatch):
         keys.add(graph_store.cache_key(net, "plain", {"x": torch.randn(2, 100)}, CONFIG))
     sys.modules.pop("globals_net", None)
     assert len(keys) == 2
+    # What the forward reads is what counts: not a logger's state, nor a global named like an attribute.
+    net = importlib.import_module("globals_net").Net()
+    key = graph_store.cache_key(net, "plain", {"x": torch.randn(2, 100)}, CONFIG)
+    logging.getLogger("another.logger").setLevel(logging.INFO)
+    net(torch.randn(2, 100))
+    sys.modules["globals_net"].fc = torch.randn(4)
+    assert graph_store.cache_key(net, "plain", {"x": torch.randn(2, 100)}, CONFIG) == key
+    sys.modules.pop("globals_net", None)
 
 
 def test_load_restores_the_saved_graph_without_capturing(tmp_path, monkeypatch):
