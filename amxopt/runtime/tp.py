@@ -360,16 +360,17 @@ class TPModule(nn.Module):
             self._wait_for(_OPTIMIZED, "optimize the model", start_s)
             self._state["in_step"] = True
         except Exception as e:
-            # A worker that failed (its capture, say) makes rank 0 fail in a collective with it:
-            # the worker's error is the one that says why.
-            deadline = time.monotonic() + (2.0 if _collective_failure(e) else 0.2)  # its exit code settles
-            while time.monotonic() < deadline and all(w.exitcode is None for w in self._workers if w.pid):
-                time.sleep(0.05)
-            try:
-                self._check_workers()
-            except RuntimeError as worker_failed:
-                self.close()
-                raise worker_failed from e
+            if _collective_failure(e):
+                # A worker that failed (its capture, say) while rank 0 waited for it in a collective
+                # (autotune's decision): the worker's error is the one that says why.
+                deadline = time.monotonic() + 2.0  # its exit code settles
+                while time.monotonic() < deadline and all(w.exitcode is None for w in self._workers if w.pid):
+                    time.sleep(0.05)
+                try:
+                    self._check_workers()
+                except RuntimeError as worker_failed:
+                    self.close()
+                    raise worker_failed from e
             self.close()
             raise
         except BaseException:
