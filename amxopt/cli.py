@@ -28,7 +28,8 @@ def _cmd_passes(args) -> int:
     from amxopt.passes import DEFAULT_PASSES
 
     for i, p in enumerate(DEFAULT_PASSES, 1):
-        summary = (p.__module__ and sys.modules[p.__module__].__doc__ or "").strip().splitlines()[0]
+        doc = (p.__module__ and sys.modules[p.__module__].__doc__ or "").strip()
+        summary = " ".join(doc.split("\n\n")[0].split())  # the first paragraph, which may wrap
         print(f"{i}. {summary}")
     return 0
 

@@ -16,6 +16,8 @@ def test_passes_lists_default_order(capsys):
     assert cli.main(["passes"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split(":")[0].split(". ")[1] for line in lines] == [p.__name__ for p in DEFAULT_PASSES]
+    # each summary is the docstring's whole first paragraph, not its first line (replace_glue's wraps)
+    assert lines[[p.__name__ for p in DEFAULT_PASSES].index("replace_glue")].endswith("``amxopt.rotary_embedding``.")
 
 
 def test_info_names_cpu_features_and_providers(capsys):
