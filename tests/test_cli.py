@@ -10,6 +10,7 @@ from torch import nn
 
 from amxopt import cli
 from amxopt.passes import DEFAULT_PASSES
+from amxopt.runtime import dump
 
 
 def test_passes_lists_default_order(capsys):
@@ -87,6 +88,13 @@ def build_tiny():
     return _Tiny().eval(), (torch.randn(4, 16),)
 
 
+def build_tiny_from_a_processor():
+    """A factory whose inputs are a processor's output (a ``BatchFeature``, which pytree takes as one leaf)."""
+    from transformers import BatchFeature
+
+    return _Tiny().eval(), BatchFeature({"x": torch.randn(4, 16)})
+
+
 def build_nothing():
     return "a model"
 
@@ -137,6 +145,11 @@ def test_a_factorys_model_is_cast_to_the_dtype_asked_for(tmp_path):
     args = ["dump", "tests.test_cli:build_tiny", "--out", str(tmp_path), "--no-autotune"]
     assert cli.main([*args, "--dtype", "bf16"]) == 0
     assert 'x: "bf16[s77, 16]"' in (tmp_path / "01_remove_dropout.before.txt").read_text()
+
+
+def test_a_factorys_processor_output_is_cast_to_the_dtype_asked_for():
+    model, inputs = dump.load_target("tests.test_cli:build_tiny_from_a_processor", torch.bfloat16)
+    assert model.fc.weight.dtype == torch.bfloat16 and inputs["x"].dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import os
 import pathlib
 import re
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import networkx as nx
@@ -61,6 +62,8 @@ def load_target(spec: str, dtype: torch.dtype, size: Any = None) -> tuple[nn.Mod
     def cast(x):
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
+    if isinstance(inputs, Mapping) and not isinstance(inputs, dict):  # a processor's BatchFeature: a leaf to pytree
+        inputs = dict(inputs)
     return model.to(dtype), pytree.tree_map(cast, inputs)
 
 
