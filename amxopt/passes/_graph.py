@@ -18,6 +18,7 @@ from amxopt.patterns import AMX_KINDS
 # node.meta keys written by the passes and read by the report.
 REPLACED = "amxopt_replaced"  # on a new amxopt node: the aten op it replaced
 LEFT = "amxopt_left"  # on an aten node a pass chose to keep: why
+LEFT_KIND = "amxopt_left_kind"  # on a kept glue chain's root (an add, an empty_like): the report's kind
 TIMED = "amxopt_timing"  # on a new amxopt node or a kept aten node: the autotune Timing that decided it
 SHARDED = "amxopt_sharded"  # on a row-parallel Linear: which tp shard the graph computes
 _KEEP_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node")

@@ -26,7 +26,7 @@ from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
 from amxopt.config import AmxConfig
 from amxopt.passes import _autotune
-from amxopt.passes._graph import insert_traced, kept_for_speed, leave, replace_node, written_inside
+from amxopt.passes._graph import LEFT_KIND, insert_traced, kept_for_speed, leave, replace_node, written_inside
 from amxopt.patterns import AMX_KINDS, KIND_TARGETS, Match, Rule
 
 
@@ -63,15 +63,18 @@ def apply_rules(gm: fx.GraphModule, rules: list[Rule], config: AmxConfig) -> int
             written = written_inside(inner, out)
             if written is not None:  # a shorter rule may still fit (a Linear before the write)
                 leave(root, f"{written.name} writes a tensor in place inside its {rule.name} match")
+                _mark_glue(root, rule)
                 continue
             reason = rule.guard(match)
             if reason:
                 leave(root, reason)
+                _mark_glue(root, rule)
                 settled.add(root)
                 continue
             fn = functools.partial(rule.replacement, **rule.options(match, config))
             timing = rule.timing(match, fn, config) if rule.timing and _autotune.enabled(config) else None
             if kept_for_speed(root, timing):
+                _mark_glue(root, rule)
                 settled.add(root)
                 continue
             if timing is not None and timing.options:  # what autotune chose for the kernel (an AMX schedule)
@@ -81,6 +84,12 @@ def apply_rules(gm: fx.GraphModule, rules: list[Rule], config: AmxConfig) -> int
             renamed[out] = new
             replaced += 1
     return replaced
+
+
+def _mark_glue(root: fx.Node, rule: Rule) -> None:
+    """A kept glue chain's root is an add or an empty_like: the report needs the kind it was left as."""
+    if not KIND_TARGETS[rule.kind]:
+        root.meta[LEFT_KIND] = rule.kind
 
 
 def _current(value, renamed: dict[fx.Node, fx.Node]):

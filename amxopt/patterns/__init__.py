@@ -104,7 +104,8 @@ KIND_TARGETS = {
     "layer_norm": (aten.layer_norm.default,),
     "rms_norm": (aten.rms_norm.default,),
     # Glue (amxopt/patterns/glue.py): chains of elementwise ops; none of their aten ops is one of
-    # these kinds by itself (an add is not a residual), so nothing is counted as left.
+    # these kinds by itself (an add is not a residual): a chain a rule matched and kept is counted as
+    # left by its root (the pass marks it).
     "modulate": (),
     "residual": (),
     "rotary": (),

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from amxopt.passes._graph import LEFT, REPLACED, SHARDED, TIMED, op_name
+from amxopt.passes._graph import LEFT, LEFT_KIND, REPLACED, SHARDED, TIMED, op_name
 from amxopt.patterns import AMX_KINDS, KIND_TARGETS
 
 aten = torch.ops.aten
@@ -87,9 +87,11 @@ class Report:
                 continue
             if SHARDED in node.meta:
                 sharded[node.meta[SHARDED]] += 1
-            if LEFT in node.meta and (node.target in AMX_KINDS or node.target not in _TARGET_KIND):
-                # an amxopt node with a note, or a glue chain's root (an add, an empty_like) left as ATen
-                notes.append(f"{node.name}: {node.meta[LEFT]}")
+            if LEFT_KIND in node.meta and LEFT in node.meta and node.target not in AMX_KINDS:
+                # a glue chain's root (an add, an empty_like) left as ATen: a chain of that kind left
+                left.append(Entry(node.meta[LEFT_KIND], node.name, op_name(node.target), node.meta[LEFT]))
+            elif LEFT in node.meta and (node.target in AMX_KINDS or node.target not in _TARGET_KIND):
+                notes.append(f"{node.name}: {node.meta[LEFT]}")  # an amxopt node with a note
             if node.target in AMX_KINDS:
                 detail = f"{op_name(node.target).removesuffix('.default')} [{node.args[-1]}]"
                 replaced.append(Entry(AMX_KINDS[node.target], node.name, node.meta.get(REPLACED, "?"), detail))

@@ -9,6 +9,7 @@ from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, Wan
 from torch import nn
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision, rotate_half
 
+import amxopt
 from amxopt.passes import DEFAULT_PASSES, replace_glue
 from amxopt.passes._graph import LEFT
 from tests.helpers import CONFIG, captured, count
@@ -82,6 +83,15 @@ def test_replace_glue_leaves_scalar_gate_with_reason():
     assert reasons and "gate" in reasons[0] and "does not broadcast along the last dim" in reasons[0], reasons
     with torch.no_grad():
         torch.testing.assert_close(gm(**gi), model(**inputs))
+
+
+def test_a_left_glue_chain_is_counted_as_left_in_the_report():
+    inputs = {"x": torch.randn(2, 6, 16), "y": torch.randn(2, 6, 16), "gate": torch.randn(2, 6, 1)}
+    report = amxopt.optimize(ChannelGate().eval(), inputs, config=CONFIG).report
+    assert [(e.kind, e.source) for e in report.left] == [("residual", "aten.add.Tensor")], str(report)
+    assert "does not broadcast along the last dim" in report.left[0].detail
+    row = next(line for line in str(report).splitlines() if line.strip().startswith("residual"))
+    assert row.split()[1:3] == ["0", "1"], row  # replaced, left
 
 
 def test_replace_glue_leaves_mixed_dtype_residual():
