@@ -197,6 +197,47 @@ def test_check_fails_when_the_optimized_model_differs(capsys):
     assert "FAILS" in capsys.readouterr().out
 
 
+class _Masked(nn.Module):
+    """Logits with a masked column (-inf), and a captured form off by ``offset`` where it is bf16."""
+
+    def __init__(self, offset_fp32: float = 0.0, offset_bf16: float = 0.0, extra: tuple = ()):
+        super().__init__()
+        self.fc, self.extra = nn.Linear(8, 8), extra
+        self.offsets = {torch.float32: offset_fp32, torch.bfloat16: offset_bf16}
+
+    def forward(self, x):
+        y = self.fc(x)
+        if torch.compiler.is_compiling():
+            y = y + self.offsets[y.dtype]
+        return (torch.cat([y, torch.full_like(y[:, :1], -torch.inf)], dim=1), *self.extra)
+
+
+def build_masked_wrong():
+    return _Masked(offset_fp32=1.0, offset_bf16=1.0).eval(), (torch.randn(3, 8),)
+
+
+def build_wrong_in_bf16():
+    return _Masked(offset_bf16=0.25).eval(), (torch.randn(3, 8),)
+
+
+def build_with_plain_outputs():
+    return _Masked(extra=(None, 3)).eval(), (torch.randn(3, 8),)
+
+
+@pytest.mark.parametrize(
+    "factory, fails",
+    [
+        ("build_masked_wrong", ["fp32", "bf16"]),  # an infinity in the output made the tolerance infinite
+        ("build_wrong_in_bf16", ["bf16"]),  # within 10% of the largest magnitude, the old bf16 bound
+        ("build_with_plain_outputs", []),  # None and a number beside the tensor: compared, not a crash
+    ],
+)
+def test_check_judges_each_output_as_the_tests_do(factory, fails, capsys):
+    assert cli.main(["check", f"tests.test_cli:{factory}", "--provider", "reference"]) == (1 if fails else 0)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines if "FAILS" in line] == fails, lines
+
+
 def test_dump_of_a_tp_shard_shows_the_collectives(tmp_path, capsys):
     args = ["dump", "tiny-qwen3-vl-vision", "--out", str(tmp_path), "--dtype", "fp32", "--no-autotune"]
     assert cli.main([*args, "--tp", "3", "--rank", "2"]) == 0

@@ -38,8 +38,7 @@ def max_abs_error(actual, expected) -> float:
             if a.shape != e.shape:
                 raise ValueError(f"amxopt: output {i} has shape {tuple(a.shape)}, expected {tuple(e.shape)}")
             if a.numel():
-                a, e = a.float(), e.float()
-                errors.append(float(torch.where(a == e, 0.0, (a - e).abs()).max()))  # NaN where either is
+                errors.append(_leaf_error(a, e))
         elif _number(a) and _number(e):
             errors.append(0.0 if a == e else abs(float(a) - float(e)))
         elif isinstance(a, torch.Tensor) or isinstance(e, torch.Tensor) or (_plain(a) and _plain(e) and a != e):
@@ -48,6 +47,31 @@ def max_abs_error(actual, expected) -> float:
     if not tensors:
         raise ValueError("amxopt: no tensor outputs to compare")
     return math.nan if any(math.isnan(x) for x in errors) else max(errors, default=0.0)
+
+
+def leaf_errors(actual, expected) -> list[tuple[float, float]]:
+    """Per tensor leaf: ``(max abs error, largest finite |expected|)``, for a tolerance per output.
+
+    The outputs are first compared whole by :func:`max_abs_error` (same structure and shapes, plain
+    leaves equal; raises ``ValueError`` otherwise). An empty leaf has error 0 and scale 0; a leaf
+    whose values are all infinite or NaN has scale 0 (its infinities count only when they differ).
+    """
+    max_abs_error(actual, expected)
+    pairs = zip(pytree.tree_leaves(actual), pytree.tree_leaves(expected))
+    return [(_leaf_error(a, e), _finite_max(e)) for a, e in pairs if isinstance(e, torch.Tensor)]
+
+
+def _leaf_error(a: torch.Tensor, e: torch.Tensor) -> float:
+    if not a.numel():
+        return 0.0
+    a, e = a.float(), e.float()
+    return float(torch.where(a == e, 0.0, (a - e).abs()).max())  # NaN where either is
+
+
+def _finite_max(t: torch.Tensor) -> float:
+    t = t.float().abs()
+    t = t[torch.isfinite(t)]
+    return float(t.max()) if t.numel() else 0.0
 
 
 def _number(x) -> bool:

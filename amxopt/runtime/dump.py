@@ -58,13 +58,18 @@ def load_target(spec: str, dtype: torch.dtype, size: Any = None) -> tuple[nn.Mod
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
         raise ValueError(f"amxopt: {spec}() must return (model, inputs), got {type(result).__name__}")
     model, inputs = result
+    return model.to(dtype), cast_inputs(inputs, dtype)
+
+
+def cast_inputs(inputs: Any, dtype: torch.dtype) -> Any:
+    """``inputs`` (a tuple, a dict, a processor's ``BatchFeature``) with floating tensors cast to ``dtype``."""
 
     def cast(x):
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
-    if isinstance(inputs, Mapping) and not isinstance(inputs, dict):  # a processor's BatchFeature: a leaf to pytree
+    if isinstance(inputs, Mapping) and not isinstance(inputs, dict):  # a BatchFeature: one leaf to pytree
         inputs = dict(inputs)
-    return model.to(dtype), pytree.tree_map(cast, inputs)
+    return pytree.tree_map(cast, inputs)
 
 
 def layer(g: nx.DiGraph) -> tuple[nx.DiGraph, str]:
