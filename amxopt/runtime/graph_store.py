@@ -284,7 +284,8 @@ def restore(
     report["replaced"] = [Entry(**e) for e in report["replaced"]]
     report["left"] = [Entry(**e) for e in report["left"]]
     report["passes"] = [tuple(p) for p in report["passes"]]
-    report["choices"] = [tuple(c) for c in report["choices"]]
+    # timed in the process that stored the graph, not in this one
+    report["choices"] = [(w, t if t.endswith(" [cached]") else f"{t} [cached]") for w, t in report["choices"]]
     report["notes"] = [*report["notes"], f"graph restored from {origin}: not captured or rewritten in this process"]
     spec, constants = entry["signature"]
     captured = Captured(gm, entry["dynamic"], GuardCheck(entry["guards"]), entry["note"], list(entry["guards"]))
