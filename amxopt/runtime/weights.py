@@ -126,9 +126,36 @@ def placeholder(like: torch.Tensor, packed: dict[str, torch.Tensor]) -> nn.Param
 
 
 def guard(model: nn.Module) -> None:
-    """Make eager calls of ``model``, whose packed weights are meta placeholders, fail with the reason."""
+    """Make eager calls of ``model``, whose packed weights are meta placeholders, fail with the
+    reason; and of each of its modules that holds one itself (:func:`_guard_holder`)."""
     if "_amxopt_guard" not in model.__dict__:
         model.__dict__["_amxopt_guard"] = model.register_forward_pre_hook(_refuse_eager_call)
+    for module in model.modules():
+        if any(p is not None and is_released(p) for p in module._parameters.values()):
+            _guard_holder(module)
+
+
+def _guard_holder(module: nn.Module) -> None:
+    """Make eager calls of a module that holds a placeholder itself fail: a submodule of the source
+    (``model.fc1``, ``opt.blocks[0].mlp`` through the optimized module) is callable on its own, and
+    ATen's CPU ``linear`` of a meta weight and a real bias returns uninitialized memory, no error."""
+    if "_amxopt_holder_guard" not in module.__dict__:
+        module.__dict__["_amxopt_holder_guard"] = module.register_forward_pre_hook(_refuse_placeholder_call)
+
+
+def _refuse_placeholder_call(module: nn.Module, args) -> None:
+    # While a capture traces, exportable() has put CPU stand-ins in the placeholders' place.
+    params = module._parameters.items()
+    released = [n for n, p in params if p is not None and is_released(p) and p.device.type == "meta"]
+    if released:
+        raise RuntimeError(
+            f"amxopt: {type(module).__name__}'s {', '.join(released)} was released by amxopt.optimize (its values "
+            "exist only packed, in the optimized graphs); call the optimized module, or optimize with "
+            "AmxConfig(keep_source=True) to keep the original's modules callable"
+        )
+
+
+_refuse_placeholder_call.amxopt_own = True  # not a user's hook (amxopt/capture/repeated.py: hooked)
 
 
 def _return_freed_heap() -> None:

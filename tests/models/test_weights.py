@@ -37,6 +37,12 @@ def test_optimize_releases_the_packed_source_weights():
         with pytest.raises(RuntimeError, match="weights were released"):  # not silently without weights
             model(**inputs)
     assert opt.device == torch.device("cpu") and opt.dtype == torch.float32
+    # A submodule holding a placeholder, called on its own or through the optimized module, is refused
+    # too: ATen's linear of a meta weight and a real bias returns uninitialized memory, no error.
+    h = torch.randn(4, model.config.hidden_size)
+    for mlp in (model.blocks[0].mlp, opt.blocks[0].mlp):
+        with torch.no_grad(), pytest.raises(RuntimeError, match="Linear's weight was released by amxopt.optimize"):
+            mlp(h)
 
 
 def test_release_gives_kept_tensors_their_own_storage_once():
