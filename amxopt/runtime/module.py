@@ -608,6 +608,31 @@ class OptimizedModule(nn.Module):
                 return functools.partial(self.hotswap_watched, value)
             return value
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Drop-in, as reads are: assigning what the source owns (``pipe.transformer.proj_out = ...``;
+        # peft putting a LoRA layer on a direct child of a tower) changes the source, where _LoadWatch
+        # sees it and the next call captures again. Kept here, it was read back but never run.
+        if self._source_owns(name):
+            setattr(self.__dict__["_source"], name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._source_owns(name):
+            delattr(self.__dict__["_source"], name)
+        else:
+            super().__delattr__(name)
+
+    def _source_owns(self, name: str) -> bool:
+        """Whether ``name`` is the source's (a submodule, parameter, buffer or attribute of its own)
+        and not this module's."""
+        source = self.__dict__.get("_source")
+        if source is None or name in self.__dict__ or hasattr(type(self), name):
+            return False
+        if name in self._modules or name in self._parameters or name in self._buffers:
+            return False
+        return any(name in d for d in (source.__dict__, source._modules, source._parameters, source._buffers))
+
     def hotswap_watched(self, load: Callable, *args: Any, **kwargs: Any) -> Any:
         """``load(*args, **kwargs)``, an adapter loader of the source; with ``hotswap=True`` peft writes
         the loaded adapter's weights in place through ``.data``, which no version counter or hook

@@ -133,6 +133,24 @@ def test_a_module_or_weight_assigned_in_the_source_is_used_by_the_next_call(tmp_
     assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
 
 
+def test_a_module_or_weight_assigned_on_the_optimized_module_goes_to_the_source(tmp_path):
+    # As attribute reads are forwarded to the source, so are writes of what it owns: kept on the
+    # optimized module, a new proj_out was read back but never run (2.1 off in a Wan pipeline).
+    model, inputs = _wan(0)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    _run(opt, inputs)
+    new = torch.nn.Linear(model.proj_out.in_features, model.proj_out.out_features)
+    opt.proj_out = new  # what peft does to a direct child of an optimized tower
+    assert model.proj_out is new and opt.proj_out is new and "proj_out" not in opt._modules
+    assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
+    opt.scale_shift_table = torch.nn.Parameter(torch.randn_like(model.scale_shift_table))  # was a KeyError
+    assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
+    opt.note = "mine"  # a name the source does not have stays on the optimized module
+    assert opt.__dict__["note"] == "mine" and not hasattr(model, "note")
+    opt.amx_config = opt.amx_config  # and its own attributes stay its own
+    assert "amx_config" not in model.__dict__
+
+
 def test_forward_hooks_are_traced_and_one_added_or_removed_later_is_followed(tmp_path, caplog):
     model, inputs = _wan(0)
     seen = []
