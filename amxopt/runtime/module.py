@@ -114,9 +114,10 @@ class _LoadWatch:
     refused before anything is written (a no-op on its meta placeholder: the graphs would mix old
     packed weights with new norms and biases).
 
-    A load pre-hook of each module of the source holding tensors, and an entry of ``_WATCHED`` for
-    each module (read by global registration hooks). The outermost module loaded checks its whole
-    subtree. Pickled or copied with the model, it keeps the refusal and watches nothing (an
+    A load pre-hook of each module of the source, and an entry of ``_WATCHED`` for each module (read
+    by global registration hooks). The outermost module loaded checks its whole subtree (torch loads
+    a module's own tensors, then its children's: a hook only on modules holding tensors let a root
+    holding none load UMT5's embedding before the refusal came at its first released weight). Pickled or copied with the model, it keeps the refusal and watches nothing (an
     optimized module is not pickled; a copied one watches its own copy of the source).
     """
 
@@ -343,7 +344,7 @@ class OptimizedModule(nn.Module):
         for module in modules:
             _WATCHED[module] = watch
             hooks = module._load_state_dict_pre_hooks.values()
-            if (module._parameters or module._buffers) and not any(getattr(h, "hook", None) is watch for h in hooks):
+            if not any(getattr(h, "hook", None) is watch for h in hooks):
                 module.register_load_state_dict_pre_hook(watch)
         return modules
 

@@ -77,6 +77,28 @@ def test_weights_loaded_into_a_released_source_are_refused_before_any_is_written
         opt.state_dict()
 
 
+class _NormThenLinear(torch.nn.Module):
+    """Holds no tensor itself, and torch loads its norm before its Linear (as UMT5's embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = torch.nn.LayerNorm(32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+
+def test_a_refused_load_writes_nothing_where_the_root_holds_no_tensor(tmp_path):
+    model, x = _NormThenLinear().eval(), torch.randn(4, 32)
+    opt = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, keep_source=False, autotune_cache=str(tmp_path)))
+    before = _run(opt, {"x": x})
+    state = {k: torch.full_like(v, 5.0) for k, v in _NormThenLinear().state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"cannot load fc.weight into _NormThenLinear.*released"):
+        model.load_state_dict(state)
+    assert not torch.equal(model.norm.weight, state["norm.weight"])  # was loaded, before the refusal came at fc
+    assert torch.equal(_run(opt, {"x": x}), before)
+
+
 def test_copies_casts_moves_and_grads(tmp_path):
     model, inputs = _wan()
     opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
