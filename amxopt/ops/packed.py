@@ -9,10 +9,40 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 PACKED_ATTR = "amxopt_packed"  # on a source tensor: {provider: (its _stamp, packed W.reshape(N, -1))}
 RELEASED_ATTR = "amxopt_released"  # on a placeholder: the unpacked weight is gone
 SHARDED_ATTR = "amxopt_sharded"  # on a source tensor: a tensor-parallel graph keeps only its rank's slice
+DERIVED_ATTR = "amxopt_derived"  # on a source tensor: a graph packs a value computed from it (w.t(), w.bfloat16())
+
+
+class StorageRef:
+    """A weak reference to a tensor's storage, equal to another only while both storages live and are
+    the same one: an address alone is not enough (``w.data = w.data.half(); w.data = w.data.float()``
+    can put the new data where the freed data was). Copied or pickled, it is expired: a copy's
+    tensors have storages of their own."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, tensor: torch.Tensor | None) -> None:
+        self.ref = None if tensor is None else StorageWeakRef(tensor.untyped_storage())
+
+    def expired(self) -> bool:
+        return self.ref is None or self.ref.expired()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StorageRef) or self.expired() or other.expired():
+            return False
+        return self.ref.cdata == other.ref.cdata
+
+    __hash__ = None
+
+    def __deepcopy__(self, memo: dict) -> StorageRef:
+        return StorageRef(None)
+
+    def __reduce__(self):
+        return StorageRef, (None,)
 
 
 def _stamp(tensor: torch.Tensor) -> tuple:
@@ -20,9 +50,10 @@ def _stamp(tensor: torch.Tensor) -> tuple:
     parameter (``param.data = ...``, as ``model.to(dtype)`` and LoRA fusing do) or another shape makes
     it stale. (An in-place update through ``param.data``, which has a version counter of its own, is
     not seen: optimize again from a fresh model after one.)"""
-    data = 0 if tensor.device.type == "meta" else tensor.data_ptr()
+    meta = tensor.device.type == "meta"
     version = 0 if tensor.is_inference() else tensor._version  # an inference tensor counts no versions
-    return (version, tensor.dtype, tuple(tensor.shape), tensor.device.type, data)
+    data = (0, None) if meta else (tensor.data_ptr(), StorageRef(tensor))
+    return (version, tensor.dtype, tuple(tensor.shape), tensor.device.type, *data)
 
 
 def packed_for(tensor: torch.Tensor, provider: str) -> torch.Tensor | None:
@@ -46,6 +77,16 @@ def forget(tensor: torch.Tensor, provider: str) -> None:
 def forget_all(tensor: torch.Tensor) -> None:
     """Drop every packing of ``tensor`` (its values were written where no stamp sees it: ``.data``)."""
     tensor.__dict__.pop(PACKED_ATTR, None)
+
+
+def mark_derived(tensor: torch.Tensor) -> None:
+    """``tensor`` (a source weight) has a packing of a value computed from it, which is not its own
+    (no stamp): it is kept, not released, and watched for writes like a kept packed weight."""
+    setattr(tensor, DERIVED_ATTR, True)
+
+
+def is_derived(tensor: torch.Tensor) -> bool:
+    return getattr(tensor, DERIVED_ATTR, False)
 
 
 def packings(tensor: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -31,6 +31,8 @@ from amxopt.passes._graph import (
 
 _PACK = torch.ops.amxopt.pack_linear_weight.default
 PACKED_PREFIX = "_packed"
+# On a packed buffer computed from weights (w.t()): their names, which a stored graph keeps.
+DERIVED_FROM = "amxopt_derived_from"
 
 
 def _pack(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
@@ -55,7 +57,25 @@ def _pack(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
         result = node.target(evaluate_constant(weight, gm, memo), *node.args[1:], **node.kwargs)
     if source is not None:
         packed.remember(source, provider, result)  # a later graph reuses it
+    else:  # computed from source weights (w.t(), w.bfloat16()): those stay, and their writes are watched
+        node.meta[DERIVED_FROM] = [attr.target for attr in _attrs_behind(weight)]
+        for target in node.meta[DERIVED_FROM]:
+            packed.mark_derived(fetch(gm, target))
     return result
+
+
+def _attrs_behind(node: fx.Node) -> list[fx.Node]:
+    """The get_attr nodes a constant is computed from."""
+    seen, todo, found = set(), [node], []
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            found.append(n)
+        todo += n.all_input_nodes
+    return found
 
 
 def pack_weights(gm: fx.GraphModule, config: AmxConfig) -> PassResult:

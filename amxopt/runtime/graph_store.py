@@ -53,7 +53,7 @@ from amxopt.files import replacing
 from amxopt.ops import native, packed
 from amxopt.passes import PassRecord, _autotune
 from amxopt.passes._graph import fetch
-from amxopt.passes.pack_weights import PACKED_PREFIX
+from amxopt.passes.pack_weights import DERIVED_FROM, PACKED_PREFIX
 from amxopt.runtime import weights
 from amxopt.runtime.report import Entry, Report
 
@@ -131,6 +131,8 @@ def dump(graph: GraphEntry, module: nn.Module, for_cache: bool, live: bool) -> t
             else:
                 entry["stored"] = node.target
                 tensors[node.target] = t.detach().contiguous()
+                if DERIVED_FROM in node.meta:  # where it is restored, those weights are watched for writes
+                    entry["derived_from"] = node.meta[DERIVED_FROM]
             attrs[node.target] = entry
         elif node.op not in ("placeholder", "call_function", "output"):
             raise GraphStoreError(f"node {node.name}: {node.op} nodes are not stored")
@@ -303,6 +305,9 @@ def _restore_attr(target: str, spec: dict, module: nn.Module, tensors: Mapping[s
         if spec["stored"] not in tensors:
             raise GraphStoreError(f"tensor {spec['stored']} of the stored graph is missing")
         t = tensors[spec["stored"]]
+        for name in spec.get("derived_from", ()):
+            with contextlib.suppress(AttributeError):  # (an artifact of a model that no longer has it)
+                packed.mark_derived(_get_tensor(module, name))
     else:
         name = spec.get("source", spec.get("packs"))
         try:

@@ -117,8 +117,9 @@ class _LoadWatch:
     A load pre-hook of each module of the source, and an entry of ``_WATCHED`` for each module (read
     by global registration hooks). The outermost module loaded checks its whole subtree (torch loads
     a module's own tensors, then its children's: a hook only on modules holding tensors let a root
-    holding none load UMT5's embedding before the refusal came at its first released weight). Pickled or copied with the model, it keeps the refusal and watches nothing (an
-    optimized module is not pickled; a copied one watches its own copy of the source).
+    holding none load UMT5's embedding before the refusal came at its first released weight).
+    Pickled or copied with the model, it keeps the refusal and watches nothing (an optimized module
+    is not pickled; a copied one watches its own copy of the source).
     """
 
     def __init__(self, model_name: str) -> None:
@@ -322,9 +323,10 @@ class OptimizedModule(nn.Module):
         # peft adapter layers of the source and their state when the graphs were captured (a change
         # makes the next call capture again); None until a graph is added.
         self._adapters: tuple[list[nn.Module], list[tuple]] | None = None
-        # Kept source weights the graphs read packed, with their version and data pointer at packing:
-        # an in-place write (``w.mul_(2)``, ``copy_``) makes the next call capture and pack again.
-        self._packed_versions: list[tuple[torch.Tensor, int, int]] = []
+        # Kept source weights the graphs read packed, with their version, data pointer and storage at
+        # packing: an in-place write (``w.mul_(2)``, ``copy_``) or new data (``w.data = ...``) makes the
+        # next call capture and pack again.
+        self._packed_versions: list[tuple[torch.Tensor, int, int, packed.StorageRef]] = []
         self._traced: _Traced | None = None  # the source's hooks and processors the graphs traced
         self.train(model.training)
         self._watch_loads(model)
@@ -491,7 +493,7 @@ class OptimizedModule(nn.Module):
             raise RuntimeError(self.__dict__["_lost_merge"])
         if self._adapters is not None and self._adapters[0]:
             self._check_adapters()
-        if any(p._version != v or p.data_ptr() != d for p, v, d in self._packed_versions):
+        if any(p._version != v or p.data_ptr() != d or ref.expired() for p, v, d, ref in self._packed_versions):
             self._drop_graphs()
         elif self._traced is not None and self._traced.changed(self.__dict__["_source"]):
             self._drop_graphs()
@@ -538,12 +540,6 @@ class OptimizedModule(nn.Module):
             layers = _adapter_layers(modules)
             self._adapters = (layers, _adapter_state(layers))
         self._snapshot()  # (optimize()'s first capture; a recapture took it before capturing)
-        if self.amx_config.keep_source:
-            self._packed_versions = [
-                (p, p._version, p.data_ptr())
-                for p in self.__dict__["_source"].parameters()
-                if not p.is_inference() and not packed.is_released(p) and packed.packings(p)
-            ]
         self._entries.append(graph)
         if not self.amx_config.keep_source:
             # Weights some graph still reads unpacked (a node autotune kept on ATen) stay.
@@ -551,6 +547,14 @@ class OptimizedModule(nn.Module):
             freed = weights.release(self.__dict__["_source"], keep)
             if freed:
                 logger.info("amxopt: released %.1f MB of packed source weights", freed / 2**20)
+        # Packed weights that stayed (all with keep_source; else those a graph also reads unpacked, as
+        # a tied embedding, or packs in a computed form, as w.t()): after release, which gave them
+        # storage of their own.
+        self._packed_versions = [
+            (p, p._version, p.data_ptr(), packed.StorageRef(p))
+            for p in self.__dict__["_source"].parameters()
+            if not p.is_inference() and not packed.is_released(p) and (packed.packings(p) or packed.is_derived(p))
+        ]
 
     def save(self, directory: str) -> Any:
         """Write the packed weights and a manifest to ``directory``; :func:`amxopt.load` reads them back."""

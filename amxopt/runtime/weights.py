@@ -23,6 +23,7 @@ from amxopt.ops import DTYPES
 from amxopt.ops.packed import (
     RELEASED_ATTR,
     flat_shape,
+    is_derived,
     is_released,
     is_sharded,
     packed_for,
@@ -87,6 +88,8 @@ def release(model: nn.Module, keep: set[int]) -> int:
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is None or not (packings(p) or is_sharded(p)) or is_released(p) or id(p) in keep:
+                continue
+            if is_derived(p):  # a graph packs a value computed from it: a re-capture computes it again
                 continue
             if id(p) not in done:
                 done[id(p)] = placeholder(p, packings(p))
