@@ -741,18 +741,17 @@ class OptimizedModule(nn.Module):
     def _check_dtypes(self, graph_inputs: dict) -> None:
         if not self._graphs:
             return
-        # A floating input in another floating dtype than the model's (fp32 pixels into a bf16 model);
-        # another kind (a scheduler's integer timestep where a float one was captured) is captured
-        # again, as eager takes it.
-        expected = self._graphs[0].dtypes
-        for name, dtype in expected.items():
+        # A floating input in a floating dtype that is neither the model's nor one a graph was
+        # captured with (fp64 into a bf16 model) is refused. The model's own after another (a bf16
+        # Omni thinker takes fp32 features, as its processor gives them, and bf16 ones) is captured
+        # again, as eager takes both; so is another kind (a scheduler's integer timestep where a
+        # float one was captured).
+        model_dtype = self._dtype()
+        for name, dtype in self._graphs[0].dtypes.items():
             got = graph_inputs.get(name)
-            if (
-                isinstance(got, torch.Tensor)
-                and got.is_floating_point()
-                and dtype.is_floating_point
-                and got.dtype != dtype
-            ):
+            if not (isinstance(got, torch.Tensor) and got.is_floating_point() and dtype.is_floating_point):
+                continue
+            if got.dtype != model_dtype and all(g.dtypes.get(name) != got.dtype for g in self._graphs):
                 raise TypeError(
                     f"amxopt: {self.adapter.model_name} was optimized for {name} in {dtype}, got {got.dtype}; "
                     f"cast {name} to {dtype}, or optimize a {got.dtype} model"

@@ -248,6 +248,28 @@ def test_a_cache_hook_of_diffusers_is_warned_about_at_capture(tmp_path, caplog):
     assert "forwards replaced" not in caplog.text
 
 
+class _CastsItsInput(torch.nn.Module):
+    """Takes its input in any floating dtype, as the Omni audio tower takes a processor's fp32 features."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x.to(self.fc.weight.dtype))
+
+
+def test_an_input_in_the_models_dtype_after_another_is_captured_again(tmp_path):
+    model = _CastsItsInput().to(torch.bfloat16).eval()
+    x = torch.randn(4, 16)
+    opt = amxopt.optimize(model, config=dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    for given in (x, x.bfloat16()):  # the second was refused: "optimized for x in torch.float32"
+        torch.testing.assert_close(_run(opt, {"x": given}), _run(model, {"x": given}))
+    assert len(opt.graphs) == 2
+    with pytest.raises(TypeError, match="was optimized for x in torch.float32, got torch.float64"):
+        _run(opt, {"x": x.double()})  # neither the model's dtype nor one a graph took
+
+
 def test_an_integer_timestep_after_a_float_one_is_captured_again(tmp_path):
     """A scheduler with integer timesteps (UniPC) after one with float ones (flow matching)."""
     model, inputs = _wan(0)
