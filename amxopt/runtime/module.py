@@ -546,6 +546,7 @@ class OptimizedModule(nn.Module):
             keep = {id(t) for g in self._entries for t in (*g.captured.gm.parameters(), *g.captured.gm.buffers())}
             freed = weights.release(self.__dict__["_source"], keep)
             if freed:
+                self.__dict__["_released_here"] = True  # (not by from_pretrained or load, which pack as they read)
                 logger.info("amxopt: released %.1f MB of packed source weights", freed / 2**20)
         # Packed weights that stayed (all with keep_source; else those a graph also reads unpacked, as
         # a tied embedding, or packs in a computed form, as w.t()): after release, which gave them
@@ -672,7 +673,11 @@ class OptimizedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.eager_reason is not None:
-            return self.__dict__["_source"](*args, **kwargs)
+            if self._traced is None or not self._traced.changed(self.__dict__["_source"]):
+                return self.__dict__["_source"](*args, **kwargs)
+            # The hooks, processors or forwards that the failed capture saw changed (the hook that
+            # export could not trace was removed): capture again rather than run eagerly for good.
+            self.eager_reason, self._traced = None, None
         if torch.is_autocast_enabled("cpu"):
             # The graphs compute in the dtypes they were captured in, on weights packed for them:
             # autocast would hand their ATen nodes other dtypes than their amxopt ops take.
@@ -707,6 +712,12 @@ class OptimizedModule(nn.Module):
                     if not self.eager_fallback or self._graphs:
                         raise
                     source = self.__dict__["_source"]
+                    if self.__dict__.get("_released_here"):
+                        raise CaptureError(
+                            f"{e}; it cannot run as eager PyTorch either: amxopt.optimize packed its weights and "
+                            "released their source (one copy in memory). Optimize it with "
+                            "AmxConfig(keep_source=True) to keep the eager fallback"
+                        ) from e
                     if weights.has_released(source):
                         # from_pretrained / load packed its weights as they were read: no eager copy
                         raise CaptureError(

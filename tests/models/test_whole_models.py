@@ -186,6 +186,29 @@ def test_pipeline_part_export_cannot_capture_runs_eager_and_says_why():
     assert "runs as eager PyTorch" in str(pipe.amxopt_report)
 
 
+def _data_dependent_hook(module, args, out):  # Python on a value: export cannot trace it
+    return out * 2 if float(out.abs().max()) > 1e9 else out
+
+
+@pytest.mark.parametrize("keep_source", [True, False])
+def test_a_part_that_a_later_hook_makes_uncapturable_runs_eager_until_it_is_removed(keep_source):
+    source = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).eval()
+    pipe = amxopt.optimize(_Pipeline(source), config=dataclasses.replace(CONFIG, keep_source=keep_source))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = pipe.text_encoder(x)
+        hook = source[0].register_forward_hook(_data_dependent_hook)
+        if keep_source:
+            torch.testing.assert_close(pipe.text_encoder(x), expected)
+            assert pipe.text_encoder.eager_reason
+        else:  # said to come from from_pretrained or load, which the user had not called
+            with pytest.raises(amxopt.CaptureError, match="amxopt.optimize packed its weights and released"):
+                pipe.text_encoder(x)
+        hook.remove()  # captured again at the next call: it ran eagerly for good
+        torch.testing.assert_close(pipe.text_encoder(x), expected)
+    assert pipe.text_encoder.eager_reason is None and len(pipe.text_encoder.graphs) == 1
+
+
 def test_a_part_loaded_packed_that_cannot_be_captured_says_how_to_run_it():
     from amxopt.runtime import weights
 
