@@ -119,6 +119,11 @@ def _optimize_pipeline(pipe: Any, config: AmxConfig) -> ComponentsReport:
         if not isinstance(component, nn.Module):
             continue
         if isinstance(component, OptimizedModule):
+            # Assigned by the caller (pipe.transformer = amxopt.optimize(...)): diffusers recorded
+            # OptimizedModule as the part's class, which save_pretrained would write to
+            # model_index.json and from_pretrained cannot load. Record the source's class instead.
+            setattr(pipe, name, component.__dict__["_source"])
+            pipe.__dict__[name] = component
             report.optimized[name] = component
         elif name in PIPELINE_COMPONENTS:
             opt = OptimizedModule(component, find_adapter(component)(component), None, config, eager_fallback=True)

@@ -220,6 +220,14 @@ def test_a_part_loaded_packed_that_cannot_be_captured_says_how_to_run_it():
         pipe.text_encoder(torch.randn(3, 8))
 
 
+def test_a_part_optimized_and_assigned_by_the_caller_keeps_its_class_in_the_pipeline_config():
+    pipe = pipelines.build_wan_pipeline("tiny-wan", torch.float32)
+    pipe.transformer = amxopt.optimize(pipe.transformer, config=CONFIG)  # diffusers records OptimizedModule
+    amxopt.optimize(pipe, config=CONFIG)
+    assert pipe.config.transformer == ("diffusers", "WanTransformer3DModel"), pipe.config.transformer
+    assert isinstance(pipe.transformer, amxopt.OptimizedModule) and "transformer" in pipe.amxopt_report.optimized
+
+
 def test_an_optimized_pipeline_saves_its_parts_as_their_source_models(tmp_path):
     from diffusers import WanPipeline
 
