@@ -5,7 +5,8 @@ shape and dtype (a transformer block's ``h + attn(h)``, ``h + mlp(h)``) becomes 
 it in its epilogue, with ``AmxConfig.fuse_residual``. Then the activation rules (one per entry of
 ``ACTIVATION_RULES``): a Linear whose only user is a fusable activation becomes one GEMM with the
 activation in its epilogue, with ``AmxConfig.fuse_activation``. Refusals: a weight computed in the
-graph, dtypes other than equal fp32/bf16, a bias of another dtype; for a residual, one that
+graph, dtypes other than equal fp32/bf16, a bias of another dtype or that broadcasts (``[1, N]``,
+``[S, N]``: F.linear takes it); for a residual, one that
 broadcasts or has another dtype (that add stays, after a plain ``amxopt.linear``).
 """
 
@@ -80,7 +81,14 @@ def _refusal(match: Match) -> str | None:
         return f"dtypes x={dtype_of(x)} weight={dtype_of(w)} have no kernel (need equal fp32 or bf16)"
     if b is not None and dtype_of(b) not in DTYPES:
         return f"bias dtype {dtype_of(b)} has no kernel"
+    if b is not None and not _one_per_output(val(b), val(w)):
+        # F.linear broadcasts a bias against its output ([1, N], [S, N]); the kernels take one per column.
+        return f"bias of shape {tuple(val(b).shape)} is not one per output feature ({val(w).shape[0]},)"
     return None
+
+
+def _one_per_output(bias: torch.Tensor, weight: torch.Tensor) -> bool:
+    return bias.dim() == 1 and statically_known_true(bias.shape[0] == weight.shape[0])
 
 
 def _timing(activation: str, residual: bool, match: Match, fn, config) -> _autotune.Timing | None:

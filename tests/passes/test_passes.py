@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from diffusers.models.normalization import FP32LayerNorm
 from torch import nn
 
+import amxopt
 from amxopt.passes import (
     DEFAULT_PASSES,
     pack_weights,
@@ -27,6 +28,8 @@ from tests.helpers import CONFIG, captured, count, targets
 
 aten = torch.ops.aten
 amx = torch.ops.amxopt
+NATIVE = amxopt.AmxConfig(autotune=False, keep_source=True)
+BOTH_PROVIDERS = pytest.mark.parametrize("config", [CONFIG, NATIVE], ids=["reference", "native"])
 
 
 def run(p, gm):
@@ -242,6 +245,32 @@ def test_replace_linear_without_fuse_residual_keeps_the_adds():
     assert not any("residual" in n.kwargs for n in gm.graph.nodes if n.target == amx.linear.default)
     assert count(gm, aten.add.Tensor) == 3
     assert_same(gm, gi, model)
+
+
+class BroadcastBias(nn.Module):
+    """F.linear with a bias that broadcasts against the output ([1, N], [S, N]), as eager allows."""
+
+    def __init__(self, bias_shape):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, 64) / 8)
+        self.b = nn.Parameter(torch.randn(*bias_shape))
+
+    def forward(self, x):
+        return F.linear(x, self.w, self.b)
+
+
+@BOTH_PROVIDERS
+@pytest.mark.parametrize("bias_shape", [(1, 32), (8, 32)])
+def test_replace_linear_leaves_a_broadcasting_bias(config, bias_shape):
+    # Was AmxOpError "bias has shape (1, 32), expected (32,)" out of optimize().
+    model = BroadcastBias(bias_shape).eval()
+    x = torch.randn(2, 8, 64)
+    opt = amxopt.optimize(model, (x,), config)
+    assert count(opt.graph_module, aten.linear.default) == 1 and count(opt.graph_module, amx.linear.default) == 0
+    [entry] = opt.report.left
+    assert entry.kind == "linear" and f"bias of shape {bias_shape}" in entry.detail, str(opt.report)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
 
 
 class DynamicWeight(nn.Module):
