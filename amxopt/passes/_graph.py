@@ -1,8 +1,20 @@
-"""Graph mechanics shared by the passes: inserting traced replacements, notes, clean-up."""
+"""Graph mechanics shared by the passes: inserting traced replacements, notes, clean-up.
+
+Layouts: export records ``aten.view`` where the eager tensor it saw could be viewed (a user's
+``.view()``, and ``reshape`` inside a replacement ``insert_traced`` traced on fake values). A
+replacement may lay its output out otherwise than the op it replaces (``amxopt.patch_embed`` and
+``amxopt.conv2d`` write channels-last, ``amxopt.rotary_embedding`` and the glue ops contiguous where
+eager kept a transposed input's order, the SDPA replacement ``[B, S, H, D]`` where eager returned
+contiguous ``[B, H, S, D]``), and a view downstream may then not apply. ``relayout`` marks such a
+replacement (``LAYOUT``) and every pass's ``cleanup`` turns the views after it into reshapes: a view
+wherever the new layout allows one (no cost), else a copy. A view sharing memory with a tensor
+written in place would lose that sharing as a copy; ``relayout`` refuses the rewrite then.
+"""
 
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +23,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from amxopt.ops import packed
 from amxopt.patterns import AMX_KINDS
@@ -21,6 +34,7 @@ LEFT = "amxopt_left"  # on an aten node a pass chose to keep: why
 LEFT_KIND = "amxopt_left_kind"  # on a kept glue chain's root (an add, an empty_like): the report's kind
 TIMED = "amxopt_timing"  # on a new amxopt node or a kept aten node: the autotune Timing that decided it
 SHARDED = "amxopt_sharded"  # on a row-parallel Linear: which tp shard the graph computes
+LAYOUT = "amxopt_layout"  # on a new node: laid out otherwise than export saw the node it replaced
 _KEEP_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node")
 
 
@@ -170,6 +184,121 @@ def replace_node(old: fx.Node, new: fx.Node, *extra_dead: fx.Node) -> None:
             n.graph.erase_node(n)
 
 
+def erase_inserted(after: fx.Node, before: fx.Node) -> None:
+    """Erase the nodes between ``after`` and ``before`` (a replacement inserted there, not yet used)."""
+    while before.prev is not after:
+        before.graph.erase_node(before.prev)
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether every view that applies to ``a`` applies to ``b`` (same strides wherever a dim may be
+    longer than one); False when that cannot be shown."""
+    if a.dim() != b.dim():
+        return False
+    return all(
+        statically_known_true(n == 1) or statically_known_true(s == t)
+        for n, s, t in zip(a.shape, a.stride(), b.stride())
+    )
+
+
+def relayout(old: fx.Node, new: fx.Node) -> str | None:
+    """Before ``new`` replaces ``old``: mark it ``LAYOUT`` if it is laid out otherwise than export saw
+    ``old`` (or ``old`` was so marked), so that ``cleanup`` turns the views after it into reshapes.
+
+    Returns why ``new`` cannot replace ``old``, or None: a view after ``old`` that would become a
+    reshape shares memory with a tensor written in place (``y = f(x); z = y.view(-1); z.add_(1)``
+    writes ``y`` too; a reshape that copies would not). The caller then leaves ``old`` as it is.
+    """
+    was, now = val(old), val(new)
+    if not old.meta.get(LAYOUT):
+        if not isinstance(was, torch.Tensor) or not isinstance(now, torch.Tensor) or same_layout(was, now):
+            return None
+    for view in _views_after([old]):
+        written = _written_alias(view)
+        if written is not None:
+            return (
+                f"its replacement is laid out otherwise (strides {_strides(now)}, not {_strides(was)}), and "
+                f"a view after it ({view.name}) shares memory with a tensor {written.name} writes in place"
+            )
+    new.meta[LAYOUT] = True
+    return None
+
+
+def _strides(t: Any) -> tuple:
+    return tuple(t.stride()) if isinstance(t, torch.Tensor) else ()
+
+
+def reshape_stale_views(gm: fx.GraphModule) -> None:
+    """Turn the views after every ``LAYOUT`` node into reshapes: a view where the layout allows one,
+    else a copy. Run by ``cleanup``, so the views a later pass traces after such a node on its recorded
+    (eager) layout are caught too. A view sharing memory with a tensor written in place stays a view:
+    ``relayout`` refused every rewrite that had one after it, and replacements write nothing in place,
+    so none is found here; if one were, it fails loudly where a copy would silently lose the write."""
+    seeds = [n for n in gm.graph.nodes if n.meta.get(LAYOUT)]
+    for view in _views_after(seeds):
+        if _written_alias(view) is None:
+            view.target = _aten.reshape.default
+
+
+def _views_after(starts: list[fx.Node]) -> list[fx.Node]:
+    """The ``aten.view`` nodes whose input's layout may follow one of ``starts``': everything
+    downstream, through any op but those whose output layout is their own whatever their inputs'
+    (a GEMM, amxopt's ops but conv2d, whose reference follows its input's)."""
+    todo, seen, views = list(starts), set(starts), []
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.target is _aten.view.default:
+                views.append(user)
+            if user.target not in _FIXED_LAYOUT and not (user.target in AMX_KINDS and user.target not in _FOLLOWS):
+                todo.append(user)
+    return views
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    """``node``'s output shares memory with its first argument (a view, an in-place op, an item of a split)."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.target is operator.getitem:
+        return _aliases_input(node.args[0])
+    op = node.target
+    return isinstance(op, torch._ops.OpOverload) and any(r.alias_info is not None for r in op._schema.returns)
+
+
+def _writes(node: fx.Node, tensor: fx.Node) -> bool:
+    """``node`` writes ``tensor`` in place (an argument its schema marks as written)."""
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or not op._schema.is_mutable:
+        return False
+    for i, a in enumerate(op._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            if value is tensor or (isinstance(value, (list, tuple)) and any(v is tensor for v in value)):
+                return True
+    return False
+
+
+def _written_alias(node: fx.Node) -> fx.Node | None:
+    """An op writing in place a tensor that shares memory with ``node``: its base (up through views)
+    or any view of that base (down through views and in-place ops)."""
+    base = node
+    while _aliases_input(base):
+        base = base.args[0]
+    todo, seen = [base], {base}
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if _writes(user, n):
+                return user
+            if user not in seen and _aliases_input(user) and user.args[0] is n:
+                seen.add(user)
+                todo.append(user)
+    return None
+
+
 def leave(node: fx.Node, reason: str, timing: Any = None) -> None:
     node.meta[LEFT] = reason
     if timing is not None:
@@ -219,6 +348,12 @@ _VIEW_OPS = {
     _aten.alias.default,
     _aten.detach.default,
 }
+
+
+# Ops whose output is laid out alike whatever their inputs' layouts (a GEMM's fresh output; the amxopt
+# ops, whose fakes fix it, contiguous or channels-last by shape): a layout change stops there.
+_FIXED_LAYOUT = {_aten.linear.default, _aten.mm.default, _aten.addmm.default, _aten.bmm.default}
+_FOLLOWS = {torch.ops.amxopt.conv2d.default}  # but conv2d's reference, F.conv2d, follows its input's
 
 
 def source_attr(node: fx.Node) -> fx.Node | None:
@@ -297,6 +432,7 @@ def cleanup(gm: fx.GraphModule) -> None:
     """Shared end of every pass: drop dead nodes, check the graph, regenerate code (unless the pass
     runs inside run_passes, which regenerates it once after the last pass)."""
     gm.graph.eliminate_dead_code()
+    reshape_stale_views(gm)
     gm.graph.lint()
     if not getattr(gm, DEFER_RECOMPILE, False):
         gm.recompile()

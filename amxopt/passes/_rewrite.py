@@ -12,7 +12,9 @@ one (Linear) on the same nodes. For each match the rule ``applies`` to: the guar
 noted on the root node (the report lists it), autotune may keep ATen (noted likewise), else the
 replacement is traced in place of the match's output and the matched nodes are erased. A match
 with an in-place write between its first node and its output is skipped (the replacement would read
-the written tensor), so a shorter rule may still take its root. A root that
+the written tensor), so a shorter rule may still take its root. A replacement laid out otherwise
+than the match's output is marked for ``cleanup`` to make the views after it reshapes, or refused
+where one of those views shares memory with a tensor written in place (``_graph.relayout``). A root that
 was refused or kept is settled: no later rule of the list rewrites it (a Linear + silu kept as
 ATen for speed is not then rewritten without its silu).
 """
@@ -26,7 +28,16 @@ from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
 from amxopt.config import AmxConfig
 from amxopt.passes import _autotune
-from amxopt.passes._graph import LEFT_KIND, insert_traced, kept_for_speed, leave, replace_node, written_inside
+from amxopt.passes._graph import (
+    LEFT_KIND,
+    erase_inserted,
+    insert_traced,
+    kept_for_speed,
+    leave,
+    relayout,
+    replace_node,
+    written_inside,
+)
 from amxopt.patterns import AMX_KINDS, KIND_TARGETS, Match, Rule
 
 
@@ -79,7 +90,15 @@ def apply_rules(gm: fx.GraphModule, rules: list[Rule], config: AmxConfig) -> int
                 continue
             if timing is not None and timing.options:  # what autotune chose for the kernel (an AMX schedule)
                 fn = functools.partial(fn, **timing.options)
+            anchor = out.prev
             new = insert_traced(out, fn, [match[name] for name in rule.inputs], rule.name, timing)
+            reason = relayout(out, new)
+            if reason:
+                erase_inserted(anchor, out)
+                leave(root, reason)
+                _mark_glue(root, rule)
+                settled.add(root)
+                continue
             replace_node(out, new, *reversed([n for n in _in_order(inner) if n is not out]))
             renamed[out] = new
             replaced += 1

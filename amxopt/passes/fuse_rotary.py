@@ -32,7 +32,18 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
-from amxopt.passes._graph import REPLACED, TIMED, arg, cleanup, insert_traced, leave, replace_node, val, written_inside
+from amxopt.passes._graph import (
+    LAYOUT,
+    REPLACED,
+    TIMED,
+    arg,
+    cleanup,
+    insert_traced,
+    leave,
+    replace_node,
+    val,
+    written_inside,
+)
 
 aten = torch.ops.aten
 amx = torch.ops.amxopt
@@ -133,6 +144,10 @@ def _same_value(a, b, depth: int = 4) -> bool:
 
 def _why_not(attn: fx.Node, rq: fx.Node, rk: fx.Node) -> str | None:
     """Why the rotaries ``rq`` (of q) and ``rk`` (of k) cannot move into ``attn``; None if they can."""
+    if rq.meta.get(LAYOUT) or rk.meta.get(LAYOUT):
+        # The views between them read the rotary's output in export's recorded layout, not its own:
+        # the checks below, made on those recorded values, would not hold.
+        return "the rotary's output is laid out otherwise than export saw it (a transposed q or k)"
     factors = [(arg(r, 1, "cos"), arg(r, 2, "sin"), arg(r, 3, "interleaved")) for r in (rq, rk)]
     if not all(_same_value(a, b) for a, b in zip(*factors)):
         return "q and k are rotated by different cos / sin"

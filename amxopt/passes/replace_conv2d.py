@@ -9,6 +9,10 @@ conv.cpp's direct kernel applies it before its one rounding, and it saves a pass
 (the Omni encoder's first conv writes 30 x 480 x 64 x 50 values, whose separate gelu took 30 ms of a
 680 ms forward on an AMX Xeon, mostly in the page faults of a fresh 92 MB output).
 Refuses (and reports) weights computed in the graph, string padding and dtypes without a kernel.
+conv.cpp's kernels write channels-last where export saw aten.conv2d's contiguous output, and a
+``.contiguous()`` that was a no-op there is not in the graph (the Omni audio encoder's
+``permute(0, 3, 1, 2).contiguous().view(...)`` on a clip of at most 8 mel frames, whose time width
+after the convs is 1): the views after it become reshapes (``_graph.relayout``).
 The rules are ``amxopt/patterns/conv.py``.
 
     before:  y = aten.gelu(aten.conv2d(x, W, b, stride, padding, dilation, groups))
@@ -17,12 +21,11 @@ The rules are ``amxopt/patterns/conv.py``.
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
-from amxopt.passes._graph import cleanup, val
+from amxopt.passes._graph import cleanup
 from amxopt.passes._rewrite import apply_rules
 from amxopt.patterns import conv
 
@@ -30,27 +33,5 @@ from amxopt.patterns import conv
 def replace_conv2d(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
     n_replaced = apply_rules(gm, conv.conv2d_rules(), config)
     if n_replaced:
-        _reshape_views_after_channels_last(gm)
         cleanup(gm)
     return PassResult(gm, n_replaced > 0)
-
-
-def _reshape_views_after_channels_last(gm: fx.GraphModule) -> None:
-    """conv.cpp's kernels write channels-last, and ATen's ops after them keep that layout, where
-    export saw aten.conv2d's. A ``.contiguous()`` that was a no-op there is not in the graph (the
-    Omni audio encoder's ``permute(0, 3, 1, 2).contiguous().view(...)`` on a clip of at most 8 mel
-    frames, whose time width after the convs is 1), and a view after it may not apply to the new
-    layout: the views downstream become reshapes, the same view wherever one applies, else a copy."""
-    todo = [
-        n
-        for n in gm.graph.find_nodes(op="call_function", target=torch.ops.amxopt.conv2d.default)
-        if not val(n).is_contiguous()
-    ]
-    seen = set(todo)
-    while todo:
-        for user in todo.pop().users:
-            if user not in seen:
-                seen.add(user)
-                todo.append(user)
-                if user.target is torch.ops.aten.view.default:
-                    user.target = torch.ops.aten.reshape.default

@@ -5,7 +5,10 @@ faster than ATen's Conv3d on these shapes (90 ms vs 1.2 ms for Qwen3-VL's 784 pa
 patch embeddings (CLIP, SigLIP) become the same op over a time axis of one. Refuses (and reports)
 any other convolution (padding, dilation, groups, overlapping windows, e.g. the Wan VAE's causal
 convs; a Conv2d refused here is left to replace_conv2d), weights computed in the graph, and inputs
-not provably divisible by the kernel (the convolution would silently drop the remainder).
+not provably divisible by the kernel (the convolution would silently drop the remainder). The op
+writes channels-last (Wan's ``flatten(2).transpose(1, 2)`` after it is then free), where export saw
+the conv's contiguous output: a ``view`` after it (a 1x1 conv's ``y.view(B, -1)``) becomes a reshape
+(``_graph.relayout``).
 
     before:  y = aten.conv3d(x, W[O, C, kt, kh, kw], b, stride=[kt, kh, kw])
     after:   y = amxopt.patch_embed(x, amxopt.pack_linear_weight(W.reshape(O, -1)), b, [kt, kh, kw], O)

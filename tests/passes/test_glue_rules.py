@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, WanTransformerBlock
 from torch import nn
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision, rotate_half
@@ -12,11 +13,13 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_
 import amxopt
 from amxopt.passes import DEFAULT_PASSES, replace_glue
 from amxopt.passes._graph import LEFT
-from tests.helpers import CONFIG, captured, count
+from tests.helpers import CONFIG, captured, check_rewrite, count
 
 aten = torch.ops.aten
 amx = torch.ops.amxopt
 _DIM, _HEADS = 64, 2
+NATIVE = amxopt.AmxConfig(autotune=False, keep_source=True)
+BOTH_PROVIDERS = pytest.mark.parametrize("config", [CONFIG, NATIVE], ids=["reference", "native"])
 
 
 class Block(nn.Module):
@@ -147,3 +150,76 @@ def test_replace_glue_leaves_rotate_half_of_another_dtype():
     gm, _ = captured(RotateHalfKeptInFp32().eval(), inputs)
     assert not replace_glue(gm, CONFIG).modified
     assert any("the op returns x's dtype" in n.meta.get(LEFT, "") for n in gm.graph.nodes)
+
+
+# --- layouts: the glue ops write contiguous where eager kept a transposed input's order ----------
+
+
+class TransposedResidual(nn.Module):
+    """A gated residual on a transposed x ([B, S, C] of channels-first memory), transposed back and viewed."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x, y, gate):
+        x = x.transpose(1, 2)
+        h = (x.float() + y * gate).type_as(x)
+        return h.transpose(1, 2).view(x.shape[0], -1) * self.scale
+
+
+@BOTH_PROVIDERS
+def test_a_view_after_a_gated_residual_of_a_transposed_x_becomes_a_reshape(config):
+    inputs = (torch.randn(2, 64, 8), torch.randn(2, 8, 64), torch.randn(2, 1, 64))
+    opt = check_rewrite(TransposedResidual().eval(), inputs, {"residual": 1}, config)
+    assert count(opt.graph_module, amx.gated_residual.default) == 1
+
+
+def _wan_rotary(x, freqs_cos, freqs_sin):
+    # diffusers' WanAttnProcessor.apply_rotary_emb
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def _rotate_half_rotary(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+
+
+class HeadsFirstAttention(nn.Module):
+    """HF Llama's layout: q, k, v viewed [B, S, H, D] and transposed to [B, H, S, D], rotated there
+    (cos / sin [B, 1, S, D] or [1, 1, S, D]), then SDPA."""
+
+    def __init__(self, rotary, heads=4, head_dim=16):
+        super().__init__()
+        self.rotary, self.heads, self.head_dim = rotary, heads, head_dim
+        self.q, self.k, self.v = (nn.Linear(heads * head_dim, heads * head_dim) for _ in range(3))
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+        o = F.scaled_dot_product_attention(q, k, v)
+        return o.transpose(1, 2).reshape(b, s, -1)
+
+
+@BOTH_PROVIDERS
+@pytest.mark.parametrize("rotary", ["rotate_half", "wan"])
+def test_a_rotary_of_heads_first_q_and_k_into_sdpa(config, rotary):
+    # amxopt.rotary_embedding writes [B, H, S, D] contiguous where eager kept [B, S, H, D] memory, and the
+    # SDPA replacement, traced before it on eager's layout, viewed q as [B * S, H, D]: an error on every call.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, 64, generator=g)
+    if rotary == "wan":
+        angles = torch.randn(8, 16, generator=g)
+        model, inputs, dynamic = _wan_rotary, (x, angles.cos()[None, None], angles.sin()[None, None]), False
+    else:
+        angles = torch.randn(2, 8, 16, generator=g)
+        model, inputs, dynamic = _rotate_half_rotary, (x, angles.cos()[:, None], angles.sin()[:, None]), True
+    counts = {"linear": 3, "attention": 1, "rotary": 2}
+    opt = check_rewrite(HeadsFirstAttention(model).eval(), inputs, counts, config, dynamic=dynamic)
+    assert count(opt.graph_module, amx.rotary_embedding.default) == 2
+    assert count(opt.graph_module, amx.varlen_attention.default) == 1

@@ -24,7 +24,7 @@ from amxopt.passes import (
     replace_patch_embed,
 )
 from amxopt.passes._graph import LEFT
-from tests.helpers import CONFIG, captured, count, targets
+from tests.helpers import CONFIG, captured, check_rewrite, count, targets
 
 aten = torch.ops.aten
 amx = torch.ops.amxopt
@@ -603,6 +603,75 @@ def test_replace_norms_leaves_multi_dim_norm():
     gm, _ = captured(WideNorm().eval(), {"x": torch.randn(2, 4, 8)})
     assert not run(replace_norms, gm)
     assert "last dim" in left_reasons(gm, aten.layer_norm.default)[0]
+
+
+# --- layouts: views after a replacement laid out otherwise than export saw -----------------------
+
+
+class PointwiseConvHead(nn.Module):
+    """A 1x1 conv (stride == kernel: a patch embedding, written channels-last) read through
+    ``view(B, -1)``, as a classifier head reads it."""
+
+    def __init__(self, conv3d: bool):
+        super().__init__()
+        self.conv = (nn.Conv3d if conv3d else nn.Conv2d)(16, 32, 1)
+        self.fc = nn.Linear(32 * 4 * 4, 10)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.fc(y.view(y.size(0), -1))
+
+
+@BOTH_PROVIDERS
+@pytest.mark.parametrize("conv3d", [False, True], ids=["conv2d", "conv3d"])
+def test_a_view_after_a_channels_last_patch_embedding_becomes_a_reshape(config, conv3d):
+    x = torch.randn(2, 16, 1, 4, 4) if conv3d else torch.randn(2, 16, 4, 4)
+    opt = check_rewrite(PointwiseConvHead(conv3d).eval(), (x,), {"patch_embed": 1, "linear": 1}, config)
+    assert count(opt.graph_module, amx.patch_embed.default) == 1
+
+
+class SDPAThenView(nn.Module):
+    """SDPA on contiguous q, k, v (eager returns it contiguous), its heads then folded into the batch."""
+
+    def forward(self, q, k, v):
+        o = F.scaled_dot_product_attention(q, k, v)
+        b, h, s, d = o.shape
+        return o.view(b * h, s, d)
+
+
+@BOTH_PROVIDERS
+def test_a_view_after_sdpa_of_contiguous_q_becomes_a_reshape(config):
+    # amxopt.varlen_attention's output is [B, S, H, D] in memory: the view was an error on every call.
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    opt = check_rewrite(SDPAThenView().eval(), (q, k, v), {"attention": 1}, config)
+    assert count(opt.graph_module, amx.varlen_attention.default) == 1
+
+
+class WrittenThroughAView(nn.Module):
+    """A 1x1 conv's output written in place through a view of it: a reshape that copied would lose the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(16, 32, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        y.view(y.size(0), -1).mul_(2)
+        return y + 1
+
+
+def test_a_conv_whose_view_is_written_in_place_keeps_its_layout():
+    model = WrittenThroughAView().eval()
+    x = torch.randn(2, 16, 4, 4)
+    opt = amxopt.optimize(model, (x,), NATIVE)
+    gm = opt.graph_module
+    # The channels-last ops are refused; the view stays a view of a conv laid out as export saw it.
+    assert count(gm, amx.patch_embed.default) == 0 and count(gm, aten.view.default) == 1
+    assert count(gm, aten.conv2d.default) + count(gm, amx.conv2d.default) == 1
+    if count(gm, aten.conv2d.default):
+        assert "shares memory with a tensor mul_ writes in place" in opt.report.left[0].detail, str(opt.report)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
 
 
 # --- pack_weights ------------------------------------------------------------------------------
