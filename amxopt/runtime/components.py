@@ -106,11 +106,25 @@ def _optimize_towers(module: nn.Module, prefix: str, config: AmxConfig, report: 
             report.left[path] = _left_reason(name, child)
 
 
-def _left_reason(name: str, module: nn.Module) -> str:
+def _left_reason(name: str, module: nn.Module, pipeline: bool = False) -> str:
     cls = type(module).__name__
-    if name in ("language_model", "lm_head") or "TextModel" in cls:
+    if name in ("language_model", "lm_head") or _decodes(module):
         return f"{cls}: {_LANGUAGE_MODEL}"
-    return f"{cls}: no amxopt adapter or pattern covers it; it runs as eager PyTorch"
+    if pipeline:  # (the VAE: its pipeline calls vae.decode, not forward)
+        parts = ", ".join(PIPELINE_COMPONENTS)
+        return f"{cls}: not a part amxopt optimizes in a pipeline ({parts}); it runs as eager PyTorch"
+    return (
+        f"{cls}: not a tower amxopt optimizes in a whole model; it runs as eager PyTorch "
+        "(amxopt.optimize of it alone rewrites the patterns it has)"
+    )
+
+
+def _decodes(module: nn.Module) -> bool:
+    """A text decoder: its forward takes a KV cache (a CLIP text encoder's does not)."""
+    try:
+        return "past_key_values" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _optimize_pipeline(pipe: Any, config: AmxConfig) -> ComponentsReport:
@@ -131,7 +145,7 @@ def _optimize_pipeline(pipe: Any, config: AmxConfig) -> ComponentsReport:
             pipe.__dict__[name] = opt
             report.optimized[name] = opt
         else:
-            report.left[name] = _left_reason(name, component)
+            report.left[name] = _left_reason(name, component, pipeline=True)
     _route_lora_calls(pipe)
     return report
 

@@ -118,7 +118,7 @@ def test_wan_pipeline_frames_fp32(variant, provider):
     torch.testing.assert_close(_frames(pipe), expected)
     report = pipe.amxopt_report
     parts = ["text_encoder", "transformer"] + (["transformer_2"] if variant.get("two_experts") else [])
-    assert sorted(report.optimized) == parts and "vae" in report.left
+    assert sorted(report.optimized) == parts and "not a part amxopt optimizes in a pipeline" in report.left["vae"]
     for name in parts:
         assert len(report.optimized[name].graphs) == 1, f"{name}: cond, uncond and both steps share one graph"
     assert report.optimized["transformer"].report.counts()["attention"] == 4
@@ -218,6 +218,16 @@ def test_a_part_loaded_packed_that_cannot_be_captured_says_how_to_run_it():
     pipe = amxopt.optimize(_Pipeline(source), config=CONFIG)
     with torch.no_grad(), pytest.raises(amxopt.CaptureError, match="packed as they were loaded"):
         pipe.text_encoder(torch.randn(3, 8))
+
+
+def test_a_text_encoder_left_in_a_pipeline_is_not_called_a_language_model():
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from amxopt.runtime import components
+
+    config = CLIPTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    reason = components._left_reason("text_encoder_2", CLIPTextModel(config), pipeline=True)  # SDXL's second one
+    assert "KV cache" not in reason and "not a part amxopt optimizes in a pipeline" in reason, reason
 
 
 def test_a_part_optimized_and_assigned_by_the_caller_keeps_its_class_in_the_pipeline_config():
