@@ -327,6 +327,7 @@ class OptimizedModule(nn.Module):
         # packing: an in-place write (``w.mul_(2)``, ``copy_``) or new data (``w.data = ...``) makes the
         # next call capture and pack again.
         self._packed_versions: list[tuple[torch.Tensor, int, int, packed.StorageRef]] = []
+        self._placeholders: list[tuple[str, torch.Tensor, int, torch.dtype]] = []  # see _add
         self._traced: _Traced | None = None  # the source's hooks and processors the graphs traced
         self.train(model.training)
         self._watch_loads(model)
@@ -493,6 +494,15 @@ class OptimizedModule(nn.Module):
             raise RuntimeError(self.__dict__["_lost_merge"])
         if self._adapters is not None and self._adapters[0]:
             self._check_adapters()
+        for name, p, version, dtype in self._placeholders:
+            if p._version != version or p.dtype != dtype:
+                what = "written in place" if p._version != version else f"cast to {p.dtype}"
+                raise RuntimeError(
+                    f"amxopt: {self.adapter.model_name}: {name} was {what} after amxopt.optimize packed it and "
+                    "released its source (one copy in memory), which changed nothing: the graphs still run the "
+                    f"packed {dtype} values. Change the model before amxopt.optimize (load new weights into a "
+                    "fresh one, or cast it), or optimize with AmxConfig(keep_source=True)"
+                )
         if any(p._version != v or p.data_ptr() != d or ref.expired() for p, v, d, ref in self._packed_versions):
             self._drop_graphs()
         elif self._traced is not None and self._traced.changed(self.__dict__["_source"]):
@@ -555,6 +565,11 @@ class OptimizedModule(nn.Module):
             (p, p._version, p.data_ptr(), packed.StorageRef(p))
             for p in self.__dict__["_source"].parameters()
             if not p.is_inference() and not packed.is_released(p) and (packed.packings(p) or packed.is_derived(p))
+        ]
+        # Released placeholders: a write into one (copy_, mul_ under no_grad) or a cast of the model
+        # (model.to(bf16)) changes only the meta placeholder; the next call refuses, saying so.
+        self._placeholders = [
+            (n, p, p._version, p.dtype) for n, p in self.__dict__["_source"].named_parameters() if packed.is_released(p)
         ]
 
     def save(self, directory: str) -> Any:

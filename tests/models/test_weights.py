@@ -172,3 +172,24 @@ def test_a_storage_reference_tells_new_data_at_a_freed_address():
     assert ref == packed.StorageRef(t) and not ref.expired()
     del t
     assert ref.expired() and ref != packed.StorageRef(torch.randn(1000))
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (lambda m: m[0].weight.mul_(2), "0.weight was written in place after amxopt.optimize packed it"),
+        (lambda m: m.to(torch.bfloat16), "0.weight was cast to torch.bfloat16 after amxopt.optimize packed it"),
+    ],
+    ids=["written", "cast"],
+)
+def test_a_change_to_a_released_weight_is_refused_not_dropped(change, said):
+    # The write lands on the meta placeholder and the graphs ran the old packed values; a cast made
+    # the next call fail on its biases ("bias is torch.bfloat16; it must be torch.float32").
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 8)).eval()
+    x = torch.randn(4, 16)
+    opt = amxopt.optimize(model, (x,), RELEASE)
+    with torch.no_grad():
+        opt(x)
+        change(model)
+        with pytest.raises(RuntimeError, match=said):
+            opt(x)
