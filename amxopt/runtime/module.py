@@ -683,6 +683,12 @@ class OptimizedModule(nn.Module):
         return self._graphs[0].report
 
     @property
+    def reports(self) -> list[Report]:
+        """The rewrite report of each graph, in the order of ``graphs`` (``report`` is the first's: a
+        call a graph could not take was captured again, and its graph may differ)."""
+        return [g.report for g in self._graphs]
+
+    @property
     def graphs(self) -> list[fx.GraphModule]:
         return [g.captured.gm for g in self._graphs]
 

@@ -127,7 +127,8 @@ def test_a_timestep_of_another_rank_is_captured_again(tmp_path):
     opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
     per_token = {**inputs, "timestep": inputs["timestep"][:, None]}
     assert max_abs_error(_run(opt, per_token), _run(model, per_token)) == 0.0
-    assert len(opt.graphs) == 2
+    assert len(opt.graphs) == 2 and len(opt.reports) == 2 and opt.reports[0] is opt.report
+    assert opt.reports[1].counts()["linear"] > 0  # each graph's own report
 
 
 def test_a_first_call_under_inference_mode_captures(tmp_path):
