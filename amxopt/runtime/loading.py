@@ -618,6 +618,26 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
     return directory
 
 
+def _tie_as_saved(model: nn.Module, entries: dict) -> None:
+    """Tie the rebuilt model's parameters as the saved model's were: a tie the user's code made
+    (``m.b.weight = m.a.weight``) is not made by the class (the artifact could not be loaded: b
+    missing), and one the class makes may have been undone (UMT5's embeddings untied by hand were
+    tied again, to the first one's values)."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        entry = entries.get(name)
+        if entry is None:
+            continue
+        target = entry.get("tied_to")
+        if target is not None and target in entries:
+            if model.get_parameter(target) is not p:
+                _set(model, name, model.get_parameter(target))
+        elif id(p) in first:  # stored apart from the name it shares a tensor with here
+            _set(model, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
+        else:
+            first[id(p)] = name
+
+
 def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
     """Load what :func:`save` wrote: memory-mapped, no packing. Refuses a mismatched or damaged artifact."""
     import amxopt
@@ -644,6 +664,7 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
         if buffer.dtype != _DTYPES[dtype]:
             _set(model, name, buffer.to(_DTYPES[dtype]))
     tensors = mmap_safetensors(weights)
+    _tie_as_saved(model, manifest["tensors"])
     expected = _expected(model)
     names = {n.removeprefix(_PACKED_PREFIX) for n in tensors if not _GRAPH_TENSOR.match(n)}
     stored = _check_keys(expected, names, str(weights))

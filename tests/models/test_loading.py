@@ -211,6 +211,33 @@ def test_save_and_load_a_model_with_tied_weights(tmp_path):
         torch.testing.assert_close(amxopt.load(tmp_path, RELEASE)(ids, mask).last_hidden_state, expected)
 
 
+def _tie_two_queries(encoder):  # a tie the user's code makes, which UMT5's class does not
+    blocks = encoder.encoder.block
+    blocks[1].layer[0].SelfAttention.q.weight = blocks[0].layer[0].SelfAttention.q.weight
+
+
+def _untie_embeddings(encoder):  # a tie the class makes, undone
+    encoder.encoder.embed_tokens.weight = torch.nn.Parameter(torch.randn_like(encoder.shared.weight))
+
+
+@pytest.mark.parametrize("change", [_tie_two_queries, _untie_embeddings])
+def test_a_model_loads_with_the_ties_it_was_saved_with(tmp_path, change):
+    # A user's tie: load raised CheckpointError (a tied name is stored once, and the class built it
+    # apart). Undone: load tied the embeddings again, to the first one's values (4.45 off).
+    from amxopt import pipelines
+
+    encoder = pipelines.build_wan_pipeline("tiny-wan", torch.float32).text_encoder
+    change(encoder)
+    ids = torch.tensor([[3, 4, 5, 1, 0, 0]])
+    mask = (ids > 0).long()
+    with torch.no_grad():
+        expected = encoder(ids, mask).last_hidden_state
+    amxopt.optimize(encoder, (ids, mask), RELEASE).save(tmp_path)
+    loaded = amxopt.load(tmp_path, RELEASE)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, mask).last_hidden_state, expected)
+
+
 def test_a_loaded_model_saves_again_even_over_its_own_artifact(tmp_path):
     """Tied weights stay one Parameter through load (safetensors refuses two that share memory), and
     saving over the artifact a live model maps leaves that model and the new artifact whole."""
