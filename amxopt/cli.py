@@ -179,7 +179,8 @@ def _cmd_profile(args) -> int:
     print(f"{args.model} ({args.dtype}, {torch.get_num_threads()} threads), median of {args.repeats} runs")
     print(profile)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(dict(model=args.model, dtype=args.dtype) | profile.to_json()))
+        run = dict(model=args.model, dtype=args.dtype, repeats=args.repeats, threads=torch.get_num_threads())
+        pathlib.Path(args.json).write_text(json.dumps(run | dict(by_shape=args.by_shape) | profile.to_json()))
     return 0
 
 

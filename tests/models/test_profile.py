@@ -119,6 +119,8 @@ def test_cli_profile_prints_and_writes_the_table(tmp_path, capsys):
     assert cli.main([*args, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "amxopt.linear.default" in text and "amxopt.layer_norm.default" in text
-    rows = json.loads(out.read_text())["rows"]
+    written = json.loads(out.read_text())
+    assert written["repeats"] == 1 and written["threads"] == torch.get_num_threads() and not written["by_shape"]
+    rows = written["rows"]
     (linear,) = [r for r in rows if r["op"] == "amxopt.linear.default"]
     assert linear["calls"] == 1 and linear["flops"] == 2 * 4 * 16 * 32
