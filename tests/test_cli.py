@@ -95,6 +95,31 @@ def build_tiny_from_a_processor():
     return _Tiny().eval(), BatchFeature({"x": torch.randn(4, 16)})
 
 
+class _ConvThenView(nn.Module):
+    """A 1x1 conv read by a view: patch_embed writes channels-last, so the pass makes the view a reshape."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 1)
+
+    def forward(self, x):
+        return self.conv(x).view(x.shape[0], -1)
+
+
+def build_conv_then_view():
+    return _ConvThenView().eval(), (torch.randn(2, 4, 3, 3),)
+
+
+def test_the_dump_lists_nodes_a_pass_changed_in_place(tmp_path):
+    args = ["dump", "tests.test_cli:build_conv_then_view", "--out", str(tmp_path), "--dtype", "fp32", "--no-autotune"]
+    assert cli.main(args) == 0
+    index = [p.__name__ for p in DEFAULT_PASSES].index("replace_patch_embed") + 1
+    diff = (tmp_path / f"{index:02d}_replace_patch_embed.diff.txt").read_text()
+    changed = diff.split("changed ")[1].split("\n")
+    assert changed[0] == "1 nodes:" and "(view -> reshape)" in changed[1], diff
+    assert "~1</td>" in (tmp_path / "index.html").read_text()
+
+
 def build_nothing():
     return "a model"
 

@@ -92,11 +92,17 @@ def layer(g: nx.DiGraph) -> tuple[nx.DiGraph, str]:
     return sub, block
 
 
-def diff(before: nx.DiGraph, after: nx.DiGraph) -> tuple[list[str], list[str]]:
-    """Nodes the pass removed and added (by name, with their labels)."""
+def diff(before: nx.DiGraph, after: nx.DiGraph) -> tuple[list[str], list[str], list[str]]:
+    """Nodes the pass removed, added and changed in place (a view made a reshape), by name, with
+    their labels."""
     removed = [f"{n} ({before.nodes[n]['label']})" for n in before if n not in after]
     added = [f"{n} ({after.nodes[n]['label']})" for n in after if n not in before]
-    return removed, added
+    changed = [
+        f"{n} ({before.nodes[n]['label']} -> {after.nodes[n]['label']})"
+        for n in after
+        if n in before and before.nodes[n]["label"] != after.nodes[n]["label"]
+    ]
+    return removed, added, changed
 
 
 def svg(g: nx.DiGraph, title: str) -> str:
@@ -169,7 +175,7 @@ def write(graph: Any, out: pathlib.Path, target: str) -> list[pathlib.Path]:
         before, after = rec.graphs
         sub, where = layer(after)
         (out / f"{stem}.svg").write_text(svg(sub, f"{target} after {rec.name}: {where}"))
-        removed, added = diff(before, after)
+        removed, added, changed = diff(before, after)
         text_diff = difflib.unified_diff(
             rec.before.splitlines(), rec.after.splitlines(), "before", "after", lineterm="", n=1
         )
@@ -178,11 +184,13 @@ def write(graph: Any, out: pathlib.Path, target: str) -> list[pathlib.Path]:
             + "".join(f"  - {r}\n" for r in removed)
             + f"added {len(added)} nodes:\n"
             + "".join(f"  + {a}\n" for a in added)
+            + f"changed {len(changed)} nodes:\n"
+            + "".join(f"  ~ {c}\n" for c in changed)
             + "\n".join(text_diff)
             + "\n"
         )
         files += [out / f"{stem}.{s}" for s in ("before.txt", "after.txt", "svg", "diff.txt")]
-        rows.append((rec.name, stem, rec.modified, len(removed), len(added)))
+        rows.append((rec.name, stem, rec.modified, len(removed), len(added), len(changed)))
     if graph.records:
         sub, where = layer(graph.records[0].graphs[0])
         (out / "00_captured.svg").write_text(svg(sub, f"{target} as captured: {where}"))
@@ -195,10 +203,10 @@ def write(graph: Any, out: pathlib.Path, target: str) -> list[pathlib.Path]:
 def _index(target: str, rows: list[tuple], report: Any) -> str:
     esc = html.escape
     table = "\n".join(
-        f"<tr><td>{i}</td><td>{esc(name)}</td><td>{'yes' if modified else 'no'}</td><td>-{removed} +{added}</td>"
+        f"<tr><td>{i}</td><td>{esc(name)}</td><td>{'yes' if modified else 'no'}</td><td>-{removed} +{added} ~{changed}</td>"
         f'<td><a href="{stem}.svg">picture</a> · <a href="{stem}.diff.txt">diff</a> · '
         f'<a href="{stem}.before.txt">before</a> · <a href="{stem}.after.txt">after</a></td></tr>'
-        for i, (name, stem, modified, removed, added) in enumerate(rows, 1)
+        for i, (name, stem, modified, removed, added, changed) in enumerate(rows, 1)
     )
     legend = " ".join(
         f'<span style="background:{fill};padding:2px 6px">{esc(kind)}: {esc(meaning)}</span>'
