@@ -196,19 +196,27 @@ def test_pipeline_from_pretrained_takes_the_class_and_dtypes_as_diffusers_does(t
         amxopt.from_pretrained(WanTransformer3DModel, tmp_path / "transformer", {"default": bf16}, RELEASE)
 
 
-def test_save_and_load_a_model_with_tied_weights(tmp_path):
+def _save_text_encoder(tmp_path, change=lambda encoder: None) -> tuple[tuple, torch.Tensor]:
+    """Wan's UMT5 text encoder (shared == embed_tokens), after ``change``, optimized with its weights
+    released and saved to ``tmp_path``; returns its inputs and its eager output."""
     from amxopt import pipelines
 
-    encoder = pipelines.build_wan_pipeline("tiny-wan", torch.float32).text_encoder  # UMT5: shared == embed_tokens
+    encoder = pipelines.build_wan_pipeline("tiny-wan", torch.float32).text_encoder
+    change(encoder)
     ids = torch.tensor([[3, 4, 5, 1, 0, 0]])
-    mask = (ids > 0).long()
+    inputs = (ids, (ids > 0).long())
     with torch.no_grad():
-        expected = encoder(ids, mask).last_hidden_state
-    amxopt.optimize(encoder, (ids, mask), RELEASE).save(tmp_path)
+        expected = encoder(*inputs).last_hidden_state
+    amxopt.optimize(encoder, inputs, RELEASE).save(tmp_path)
+    return inputs, expected
+
+
+def test_save_and_load_a_model_with_tied_weights(tmp_path):
+    inputs, expected = _save_text_encoder(tmp_path)
     manifest = json.loads((tmp_path / loading.MANIFEST).read_text())
     assert manifest["tensors"]["encoder.embed_tokens.weight"]["tied_to"] == "shared.weight"
     with torch.no_grad():
-        torch.testing.assert_close(amxopt.load(tmp_path, RELEASE)(ids, mask).last_hidden_state, expected)
+        torch.testing.assert_close(amxopt.load(tmp_path, RELEASE)(*inputs).last_hidden_state, expected)
 
 
 def _tie_two_queries(encoder):  # a tie the user's code makes, which UMT5's class does not
@@ -224,38 +232,22 @@ def _untie_embeddings(encoder):  # a tie the class makes, undone
 def test_a_model_loads_with_the_ties_it_was_saved_with(tmp_path, change):
     # A user's tie: load raised CheckpointError (a tied name is stored once, and the class built it
     # apart). Undone: load tied the embeddings again, to the first one's values (4.45 off).
-    from amxopt import pipelines
-
-    encoder = pipelines.build_wan_pipeline("tiny-wan", torch.float32).text_encoder
-    change(encoder)
-    ids = torch.tensor([[3, 4, 5, 1, 0, 0]])
-    mask = (ids > 0).long()
+    inputs, expected = _save_text_encoder(tmp_path, change)
     with torch.no_grad():
-        expected = encoder(ids, mask).last_hidden_state
-    amxopt.optimize(encoder, (ids, mask), RELEASE).save(tmp_path)
-    loaded = amxopt.load(tmp_path, RELEASE)
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(ids, mask).last_hidden_state, expected)
+        torch.testing.assert_close(amxopt.load(tmp_path, RELEASE)(*inputs).last_hidden_state, expected)
 
 
 def test_a_loaded_model_saves_again_even_over_its_own_artifact(tmp_path):
     """Tied weights stay one Parameter through load (safetensors refuses two that share memory), and
     saving over the artifact a live model maps leaves that model and the new artifact whole."""
-    from amxopt import pipelines
-
-    encoder = pipelines.build_wan_pipeline("tiny-wan", torch.float32).text_encoder  # shared == embed_tokens
-    ids = torch.tensor([[3, 4, 5, 1, 0, 0]])
-    mask = (ids > 0).long()
-    with torch.no_grad():
-        expected = encoder(ids, mask).last_hidden_state
-    amxopt.optimize(encoder, (ids, mask), RELEASE).save(tmp_path)
+    inputs, expected = _save_text_encoder(tmp_path)
     loaded = amxopt.load(tmp_path, RELEASE)
     source = loaded.__dict__["_source"]
     assert source.shared.weight is source.encoder.embed_tokens.weight
     loaded.save(tmp_path)  # over the file it maps
     with torch.no_grad():
-        torch.testing.assert_close(loaded(ids, mask).last_hidden_state, expected)
-        torch.testing.assert_close(amxopt.load(tmp_path, RELEASE)(ids, mask).last_hidden_state, expected)
+        torch.testing.assert_close(loaded(*inputs).last_hidden_state, expected)
+        torch.testing.assert_close(amxopt.load(tmp_path, RELEASE)(*inputs).last_hidden_state, expected)
     assert sorted(p.name for p in tmp_path.iterdir()) == [loading.MANIFEST, loading.WEIGHTS]
 
 
