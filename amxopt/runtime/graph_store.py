@@ -244,11 +244,18 @@ def check(entry: dict) -> None:
 
 
 def restore(
-    entry: dict, module: nn.Module, provider: str, tensors: Mapping[str, torch.Tensor], origin: str
+    entry: dict,
+    module: nn.Module,
+    provider: str,
+    tensors: Mapping[str, torch.Tensor],
+    origin: str,
+    timed_now: bool = False,
 ) -> GraphEntry:
     """Rebuild a graph written by :func:`dump` on ``module`` (the module that was exported).
 
-    ``origin`` (where the entry came from) becomes a note of the report.
+    ``origin`` (where the entry came from) becomes a note of the report. Its kernel choices are
+    labelled ``[cached]`` (timed by the process that stored the graph), unless ``timed_now`` (an
+    isolated capture's child rewrote it for this very optimize).
 
     A packed buffer comes from the packing the source weight carries for its provider (loaded from
     an artifact, or made by another graph), else it is packed now and remembered on the source.
@@ -286,8 +293,9 @@ def restore(
     report["replaced"] = [Entry(**e) for e in report["replaced"]]
     report["left"] = [Entry(**e) for e in report["left"]]
     report["passes"] = [tuple(p) for p in report["passes"]]
-    # timed in the process that stored the graph, not in this one
-    report["choices"] = [(w, t if t.endswith(" [cached]") else f"{t} [cached]") for w, t in report["choices"]]
+    report["choices"] = [
+        (w, t if timed_now or t.endswith(" [cached]") else f"{t} [cached]") for w, t in report["choices"]
+    ]
     report["notes"] = [*report["notes"], f"graph restored from {origin}: not captured or rewritten in this process"]
     spec, constants = entry["signature"]
     captured = Captured(gm, entry["dynamic"], GuardCheck(entry["guards"]), entry["note"], list(entry["guards"]))

@@ -181,9 +181,8 @@ def _restore(reply: dict, module: nn.Module, config: AmxConfig) -> GraphEntry | 
             from safetensors.torch import load_file
 
             tensors = load_file(reply["tensors"])
-        return graph_store.restore(
-            reply["entry"], module, config.provider, tensors, "amxopt's capture in a forked child process"
-        )
+        origin = "amxopt's capture in a forked child process"
+        return graph_store.restore(reply["entry"], module, config.provider, tensors, origin, timed_now=True)
     except (OSError, ValueError, KeyError, GraphStoreError) as e:
         reply["error"] = f"its graph could not be restored: {e}"
         return None
