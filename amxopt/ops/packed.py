@@ -10,6 +10,7 @@ import math
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.weak import WeakIdKeyDictionary
 
 PACKED_ATTR = "amxopt_packed"  # on a source tensor: {provider: (its _stamp, packed W.reshape(N, -1))}
 RELEASED_ATTR = "amxopt_released"  # on a placeholder: the unpacked weight is gone
@@ -21,7 +22,7 @@ class StorageRef:
     """A weak reference to a tensor's storage, equal to another only while both storages live and are
     the same one: an address alone is not enough (``w.data = w.data.half(); w.data = w.data.float()``
     can put the new data where the freed data was). Copied or pickled, it is expired: a copy's
-    tensors have storages of their own."""
+    tensors have storages of their own (and a packing stamp is not pickled with it: ``_STORAGES``)."""
 
     __slots__ = ("ref",)
 
@@ -49,24 +50,44 @@ def _stamp(tensor: torch.Tensor) -> tuple:
     """What a packing was made from: an in-place update (``load_state_dict``), new data under the same
     parameter (``param.data = ...``, as ``model.to(dtype)`` and LoRA fusing do) or another shape makes
     it stale. (An in-place update through ``param.data``, which has a version counter of its own, is
-    not seen: optimize again from a fresh model after one.)"""
-    meta = tensor.device.type == "meta"
-    version = 0 if tensor.is_inference() else tensor._version  # an inference tensor counts no versions
-    data = (0, None) if meta else (tensor.data_ptr(), StorageRef(tensor))
-    return (version, tensor.dtype, tuple(tensor.shape), tensor.device.type, *data)
+    not seen: optimize again from a fresh model after one.) The storage is compared too, by
+    :func:`_fresh`."""
+    data = 0 if tensor.device.type == "meta" else tensor.data_ptr()
+    return (version(tensor), tensor.dtype, tuple(tensor.shape), tensor.device.type, data)
+
+
+def version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter (0 for an inference tensor, which counts none)."""
+    return 0 if tensor.is_inference() else tensor._version
+
+
+# A source tensor -> {provider: the storage it was packed from}. Beside the tag, not in it: the tag
+# is pickled with a parameter (torch.save), and torch.load's weights_only refuses other classes.
+_STORAGES = WeakIdKeyDictionary()
+
+
+def _fresh(tensor: torch.Tensor, provider: str, stamp: tuple) -> bool:
+    if stamp != _stamp(tensor):
+        return False
+    if tensor.device.type == "meta":
+        return True
+    ref = _STORAGES.get(tensor, {}).get(provider)  # none for a copy: its storage is its own
+    return ref is not None and ref == StorageRef(tensor)
 
 
 def packed_for(tensor: torch.Tensor, provider: str) -> torch.Tensor | None:
     """The packing of ``tensor`` (a source weight) for ``provider``, if one was made from its
     current values (see ``_stamp``)."""
     stamp, packed = getattr(tensor, PACKED_ATTR, {}).get(provider, (None, None))
-    return packed if stamp == _stamp(tensor) else None
+    return packed if stamp is not None and _fresh(tensor, provider, stamp) else None
 
 
 def remember(tensor: torch.Tensor, provider: str, packed: torch.Tensor) -> None:
     if not hasattr(tensor, PACKED_ATTR):
         setattr(tensor, PACKED_ATTR, {})
     getattr(tensor, PACKED_ATTR)[provider] = (_stamp(tensor), packed)
+    if tensor.device.type != "meta":
+        _STORAGES.setdefault(tensor, {})[provider] = StorageRef(tensor)
 
 
 def forget(tensor: torch.Tensor, provider: str) -> None:
@@ -91,8 +112,7 @@ def is_derived(tensor: torch.Tensor) -> bool:
 
 def packings(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """Every fresh packing of ``tensor``, by provider."""
-    stamp = _stamp(tensor)
-    return {p: t for p, (s, t) in getattr(tensor, PACKED_ATTR, {}).items() if s == stamp}
+    return {p: t for p, (s, t) in getattr(tensor, PACKED_ATTR, {}).items() if _fresh(tensor, p, s)}
 
 
 def transfer(source: torch.Tensor, target: torch.Tensor) -> None:

@@ -317,9 +317,6 @@ class OptimizedModule(nn.Module):
         # instead of failing the user's pipeline call; ``eager_reason`` says why.
         self.eager_fallback = eager_fallback
         self.eager_reason: str | None = None
-        # Kept for re-capture of calls no graph accepts; a plain ref, so that nn.Module does not
-        # register the source model's weights as part of this module's state.
-        self.__dict__["_source"] = model
         # peft adapter layers of the source and their state when the graphs were captured (a change
         # makes the next call capture again); None until a graph is added.
         self._adapters: tuple[list[nn.Module], list[tuple]] | None = None
@@ -329,6 +326,10 @@ class OptimizedModule(nn.Module):
         self._packed_versions: list[tuple[torch.Tensor, int, int, packed.StorageRef]] = []
         self._placeholders: list[tuple[str, torch.Tensor, int, torch.dtype]] = []  # see _add
         self._traced: _Traced | None = None  # the source's hooks and processors the graphs traced
+        # Kept for re-capture of calls no graph accepts; a plain ref, so that nn.Module does not
+        # register the source model's weights as part of this module's state. Set after this
+        # module's own attributes: from here on, a name the source has is assigned on the source.
+        self.__dict__["_source"] = model
         self.train(model.training)
         self._watch_loads(model)
         self.register_load_state_dict_post_hook(OptimizedModule._skip_graph_keys)
@@ -495,8 +496,8 @@ class OptimizedModule(nn.Module):
         if self._adapters is not None and self._adapters[0]:
             self._check_adapters()
         for name, p, version, dtype in self._placeholders:
-            if p._version != version or p.dtype != dtype:
-                what = "written in place" if p._version != version else f"cast to {p.dtype}"
+            if packed.version(p) != version or p.dtype != dtype:
+                what = "written in place" if packed.version(p) != version else f"cast to {p.dtype}"
                 raise RuntimeError(
                     f"amxopt: {self.adapter.model_name}: {name} was {what} after amxopt.optimize packed it and "
                     "released its source (one copy in memory), which changed nothing: the graphs still run the "
@@ -569,7 +570,9 @@ class OptimizedModule(nn.Module):
         # Released placeholders: a write into one (copy_, mul_ under no_grad) or a cast of the model
         # (model.to(bf16)) changes only the meta placeholder; the next call refuses, saying so.
         self._placeholders = [
-            (n, p, p._version, p.dtype) for n, p in self.__dict__["_source"].named_parameters() if packed.is_released(p)
+            (n, p, packed.version(p), p.dtype)
+            for n, p in self.__dict__["_source"].named_parameters()
+            if packed.is_released(p)
         ]
 
     def save(self, directory: str) -> Any:
@@ -695,7 +698,7 @@ class OptimizedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.eager_reason is not None:
             if self._traced is None or not self._traced.changed(self.__dict__["_source"]):
-                return self.__dict__["_source"](*args, **kwargs)
+                return self._run_eagerly(args, kwargs)
             # The hooks, processors or forwards that the failed capture saw changed (the hook that
             # export could not trace was removed): capture again rather than run eagerly for good.
             self.eager_reason, self._traced = None, None
@@ -749,8 +752,16 @@ class OptimizedModule(nn.Module):
                         ) from e
                     self.eager_reason = str(e)
                     logger.warning("%s; it runs as eager PyTorch", e)
-                    return self.__dict__["_source"](*args, **kwargs)
+                    return self._run_eagerly(args, kwargs)
             return self.adapter.format_output(graph.captured.gm(**graph_inputs), options)
+
+    def _run_eagerly(self, args: tuple, kwargs: dict) -> Any:
+        """The source's own call, where export could not capture it; what the call itself changes
+        (hooks it installs) is not a change that makes the next call try to capture again."""
+        source = self.__dict__["_source"]
+        out = source(*args, **kwargs)
+        self._traced = _Traced(source)
+        return out
 
     def check_inputs(self, *args: Any, **kwargs: Any) -> None:
         """Raise what a call with these arguments would raise before running anything: arguments
@@ -778,12 +789,12 @@ class OptimizedModule(nn.Module):
         # Omni thinker takes fp32 features, as its processor gives them, and bf16 ones) is captured
         # again, as eager takes both; so is another kind (a scheduler's integer timestep where a
         # float one was captured).
-        model_dtype = self._dtype()
         for name, dtype in self._graphs[0].dtypes.items():
             got = graph_inputs.get(name)
             if not (isinstance(got, torch.Tensor) and got.is_floating_point() and dtype.is_floating_point):
                 continue
-            if got.dtype != model_dtype and all(g.dtypes.get(name) != got.dtype for g in self._graphs):
+            # (the model's dtype last: diffusers' ModelMixin.dtype walks every module)
+            if all(g.dtypes.get(name) != got.dtype for g in self._graphs) and got.dtype != self._dtype():
                 raise TypeError(
                     f"amxopt: {self.adapter.model_name} was optimized for {name} in {dtype}, got {got.dtype}; "
                     f"cast {name} to {dtype}, or optimize a {got.dtype} model"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import weakref
 
 import torch
 from torch import nn
@@ -142,8 +143,13 @@ def _guard_holder(module: nn.Module) -> None:
     """Make eager calls of a module that holds a placeholder itself fail: a submodule of the source
     (``model.fc1``, ``opt.blocks[0].mlp`` through the optimized module) is callable on its own, and
     ATen's CPU ``linear`` of a meta weight and a real bias returns uninitialized memory, no error."""
-    if "_amxopt_holder_guard" not in module.__dict__:
-        module.__dict__["_amxopt_holder_guard"] = module.register_forward_pre_hook(_refuse_placeholder_call)
+    if module not in _HOLDER_GUARDS:
+        _HOLDER_GUARDS[module] = module.register_forward_pre_hook(_refuse_placeholder_call)
+
+
+# A guarded module -> its hook's handle: kept out of the module's attributes, which tell stacked
+# blocks apart (amxopt/capture/repeated.py: a handle per block made every released stack unstackable).
+_HOLDER_GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _refuse_placeholder_call(module: nn.Module, args) -> None:

@@ -172,6 +172,9 @@ def test_a_module_or_weight_assigned_on_the_optimized_module_goes_to_the_source(
     assert opt.__dict__["note"] == "mine" and not hasattr(model, "note")
     opt.amx_config = opt.amx_config  # and its own attributes stay its own
     assert "amx_config" not in model.__dict__
+    model._adapters = "the source's"  # a name both have (peft's ModulesToSaveWrapper has one)
+    again = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    assert model._adapters == "the source's" and again.__dict__["_adapters"] is not None
 
 
 def test_forward_hooks_are_traced_and_one_added_or_removed_later_is_followed(tmp_path, caplog):

@@ -193,3 +193,27 @@ def test_a_change_to_a_released_weight_is_refused_not_dropped(change, said):
         change(model)
         with pytest.raises(RuntimeError, match=said):
             opt(x)
+
+
+def test_a_released_model_keeps_its_stacks_of_blocks():
+    # The guards on modules holding placeholders kept their handles as attributes, one per block,
+    # and blocks that differ in an attribute are not stacked: every re-capture traced each block.
+    from amxopt.capture import repeated
+
+    model = models.build_model(_NAME)
+    stacks = [s.path for s in repeated.find_stacks(model)]
+    amxopt.optimize(model, models.example_inputs(_NAME, size=64), RELEASE)
+    assert packed.is_released(model.blocks[0].attn.qkv.weight)
+    assert [s.path for s in repeated.find_stacks(model)] == stacks and stacks
+
+
+def test_a_kept_packed_weight_saves_and_loads_with_torch_load(tmp_path):
+    # The storage reference of a packing is kept beside the weight, not in its tag, which torch.save
+    # pickles with a parameter (torch.load's weights_only refused the class).
+    model = nn.Sequential(nn.Linear(16, 16)).eval()
+    amxopt.optimize(model, (torch.randn(4, 16),), CONFIG)
+    assert packed.packings(model[0].weight)
+    torch.save(model.state_dict(keep_vars=True), tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt")
+    torch.testing.assert_close(loaded["0.weight"], model[0].weight)
+    assert not packed.packings(loaded["0.weight"])  # another storage: the copy is packed anew
