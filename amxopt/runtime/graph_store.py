@@ -559,6 +559,7 @@ _PROVENANCE = frozenset(
         # set by transformers' loader on every module, absent on a model built in code
         "_is_hf_initialized",
         "_use_kernels",
+        "_kernels_mode",  # (transformers >= 5.25 with the kernels package: the mode it loaded in)
         "_weight_conversions",
         "zoo_name",  # amxopt.models' label of a model it built
     )
