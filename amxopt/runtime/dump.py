@@ -203,7 +203,8 @@ def write(graph: Any, out: pathlib.Path, target: str) -> list[pathlib.Path]:
 def _index(target: str, rows: list[tuple], report: Any) -> str:
     esc = html.escape
     table = "\n".join(
-        f"<tr><td>{i}</td><td>{esc(name)}</td><td>{'yes' if modified else 'no'}</td><td>-{removed} +{added} ~{changed}</td>"
+        f"<tr><td>{i}</td><td>{esc(name)}</td><td>{'yes' if modified else 'no'}</td>"
+        f"<td>-{removed} +{added} ~{changed}</td>"
         f'<td><a href="{stem}.svg">picture</a> · <a href="{stem}.diff.txt">diff</a> · '
         f'<a href="{stem}.before.txt">before</a> · <a href="{stem}.after.txt">after</a></td></tr>'
         for i, (name, stem, modified, removed, added, changed) in enumerate(rows, 1)
