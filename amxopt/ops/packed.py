@@ -21,8 +21,9 @@ DERIVED_ATTR = "amxopt_derived"  # on a source tensor: a graph packs a value com
 class StorageRef:
     """A weak reference to a tensor's storage, equal to another only while both storages live and are
     the same one: an address alone is not enough (``w.data = w.data.half(); w.data = w.data.float()``
-    can put the new data where the freed data was). Copied or pickled, it is expired: a copy's
-    tensors have storages of their own (and a packing stamp is not pickled with it: ``_STORAGES``)."""
+    can put the new data where the freed data was). Copied, it is expired: a copy's tensors have
+    storages of their own. (Never pickled: kept in ``_STORAGES`` beside a packing's tag, and in an
+    optimized module, which refuses pickling.)"""
 
     __slots__ = ("ref",)
 
@@ -41,9 +42,6 @@ class StorageRef:
 
     def __deepcopy__(self, memo: dict) -> StorageRef:
         return StorageRef(None)
-
-    def __reduce__(self):
-        return StorageRef, (None,)
 
 
 def _stamp(tensor: torch.Tensor) -> tuple:
