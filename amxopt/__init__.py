@@ -49,7 +49,8 @@ def optimize(model: Any, example_inputs: Any = None, config: AmxConfig | None = 
         example_inputs: a tuple of positional args or a dict of kwargs for ``model``; ``None``
             captures at the first call instead (and again when a call does not fit the graph).
             Whole models and pipelines always capture each part at its first call.
-        config: options; ``AmxConfig()`` by default.
+        config: options; ``AmxConfig()`` by default. Optimizing a whole model or pipeline again
+            keeps the parts optimized before, unless ``config`` is given and differs from theirs.
 
     Returns:
         For a module captured whole, an :class:`OptimizedModule` taking the same arguments and
@@ -63,7 +64,7 @@ def optimize(model: Any, example_inputs: Any = None, config: AmxConfig | None = 
         tokens = model.generate(**inputs)
         print(model.amxopt_report)
     """
-    config = config or AmxConfig()
+    given, config = config is not None, config or AmxConfig()
     if isinstance(model, (OptimizedModule, tp.TPModule)):
         raise ValueError(
             f"amxopt: optimize() was given an {type(model).__name__}, a model amxopt already optimized; "
@@ -95,7 +96,7 @@ def optimize(model: Any, example_inputs: Any = None, config: AmxConfig | None = 
                 f"amxopt: {type(model).__name__} is optimized part by part, each captured at its first call; "
                 "call optimize() without example inputs"
             )
-        return optimize_components(model, config)
+        return optimize_components(model, config, given)
     if example_inputs is None:
         return OptimizedModule(model, find_adapter(model)(model), None, config)
     # Captured as the module runs (OptimizedModule): in its own dtype, whatever autocast the caller

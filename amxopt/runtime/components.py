@@ -69,16 +69,22 @@ def has_towers(model: nn.Module) -> bool:
     return find_adapter(model) is Adapter and not isinstance(model, OptimizedModule) and _contains_part(model)
 
 
-def optimize_components(obj: Any, config: AmxConfig) -> Any:
+def optimize_components(obj: Any, config: AmxConfig, given: bool = True) -> Any:
     """Replace the supported parts of ``obj`` (a model with towers, or a pipeline) in place.
+
+    A part optimized before (by an earlier call, or by the caller) is kept as it is, unless
+    ``config`` was ``given`` and differs from the part's own: then the part is optimized again from
+    its source model with ``config``.
 
     Returns ``obj`` itself, with an ``amxopt_report`` attribute (:class:`ComponentsReport`).
     """
+    owner = type(obj).__name__
+    part = functools.partial(_part, owner, config, given)
     if is_pipeline(obj):
-        report = _optimize_pipeline(obj, config)
+        report = _optimize_pipeline(obj, part)
     else:
-        report = ComponentsReport(type(obj).__name__, {}, {})
-        _optimize_towers(obj, "", config, report)
+        report = ComponentsReport(owner, {}, {})
+        _optimize_towers(obj, "", part, report)
     obj.amxopt_report = report
     return obj
 
@@ -91,17 +97,40 @@ def _contains_part(module: nn.Module) -> bool:
     return any(isinstance(m, OptimizedModule) or _tower(m) for m in module.modules())
 
 
-def _optimize_towers(module: nn.Module, prefix: str, config: AmxConfig, report: ComponentsReport) -> None:
+def _part(owner: str, config: AmxConfig, given: bool, path: str, module: nn.Module, fallback: bool) -> OptimizedModule:
+    """The optimized module of the part ``module`` at ``path``: ``module`` itself where it is one
+    that can stay, else a new one of its model with ``config``."""
+    if isinstance(module, OptimizedModule):
+        if not given or module.amx_config == config:
+            return module
+        source = module.__dict__["_source"]
+        if weights.has_released(source):
+            old = module.amx_config
+            differ = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(old, f.name)]
+            raise ValueError(
+                f"amxopt: {owner}.{path} was optimized before with another config ({', '.join(differ)} differ) and its "
+                "unpacked weights were released (one copy in memory), so it cannot be optimized again with this one: "
+                "optimize a freshly loaded model, or optimize with AmxConfig(keep_source=True) the first time"
+            )
+        return OptimizedModule(source, module.adapter, None, config, eager_fallback=module.eager_fallback)
+    if module.training:
+        raise ValueError(
+            f"amxopt: {owner}.{path} ({type(module).__name__}) is in training mode; amxopt optimizes inference, call "
+            ".eval() on it"
+        )
+    return OptimizedModule(module, find_adapter(module)(module), None, config, eager_fallback=fallback)
+
+
+def _optimize_towers(module: nn.Module, prefix: str, part: Callable, report: ComponentsReport) -> None:
     for name, child in module.named_children():
         path = f"{prefix}{name}"
-        if isinstance(child, OptimizedModule):
-            report.optimized[path] = child
-        elif _tower(child):
-            opt = OptimizedModule(child, find_adapter(child)(child), None, config)
-            setattr(module, name, opt)
+        if isinstance(child, OptimizedModule) or _tower(child):
+            opt = part(path, child, False)
+            if opt is not child:
+                setattr(module, name, opt)
             report.optimized[path] = opt
         elif _contains_part(child):
-            _optimize_towers(child, f"{path}.", config, report)
+            _optimize_towers(child, f"{path}.", part, report)
         elif any(True for _ in child.parameters()):
             report.left[path] = _left_reason(name, child)
 
@@ -127,20 +156,18 @@ def _decodes(module: nn.Module) -> bool:
         return False
 
 
-def _optimize_pipeline(pipe: Any, config: AmxConfig) -> ComponentsReport:
+def _optimize_pipeline(pipe: Any, part: Callable) -> ComponentsReport:
     report = ComponentsReport(type(pipe).__name__, {}, {})
     for name, component in pipe.components.items():
         if not isinstance(component, nn.Module):
             continue
-        if isinstance(component, OptimizedModule):
-            # Assigned by the caller (pipe.transformer = amxopt.optimize(...)): diffusers recorded
-            # OptimizedModule as the part's class, which save_pretrained would write to
-            # model_index.json and from_pretrained cannot load. Record the source's class instead.
-            setattr(pipe, name, component.__dict__["_source"])
-            pipe.__dict__[name] = component
-            report.optimized[name] = component
-        elif name in PIPELINE_COMPONENTS:
-            opt = OptimizedModule(component, find_adapter(component)(component), None, config, eager_fallback=True)
+        if isinstance(component, OptimizedModule) or name in PIPELINE_COMPONENTS:
+            opt = part(name, component, True)
+            if isinstance(component, OptimizedModule):
+                # Assigned by the caller (pipe.transformer = amxopt.optimize(...)): diffusers recorded
+                # OptimizedModule as the part's class, which save_pretrained would write to
+                # model_index.json and from_pretrained cannot load. Record the source's class instead.
+                setattr(pipe, name, component.__dict__["_source"])
             # Not setattr: diffusers would record the new class in the pipeline's config.
             pipe.__dict__[name] = opt
             report.optimized[name] = opt

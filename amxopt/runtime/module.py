@@ -13,6 +13,7 @@ import copy
 import functools
 import itertools
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -158,6 +159,9 @@ class _LoadWatch:
 
 # Every module of a watched source -> its _LoadWatch; read by the global registration hooks below.
 _WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Each optimized module's capture lock (not an attribute: a copy of the module gets its own): two
+# threads' first calls with new shapes capture once, the second waiting for the first's graph.
+_CAPTURING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _on_assign(module: nn.Module, name: str, value: Any) -> None:
@@ -730,30 +734,42 @@ class OptimizedModule(nn.Module):
         with torch.no_grad():
             graph = next((g for g in self._graphs if _accepts(g, graph_inputs)), None)
             if graph is None:
-                try:
-                    graph = self._recapture(graph_inputs)
-                except CaptureError as e:
-                    if not self.eager_fallback or self._graphs:
-                        raise
-                    source = self.__dict__["_source"]
-                    if self.__dict__.get("_released_here"):
-                        raise CaptureError(
-                            f"{e}; it cannot run as eager PyTorch either: amxopt.optimize packed its weights and "
-                            "released their source (one copy in memory). Optimize it with "
-                            "AmxConfig(keep_source=True) to keep the eager fallback"
-                        ) from e
-                    if weights.has_released(source):
-                        # from_pretrained / load packed its weights as they were read: no eager copy
-                        raise CaptureError(
-                            f"{e}; it cannot run as eager PyTorch either: its weights were packed as they were "
-                            f"loaded (amxopt.from_pretrained or amxopt.load). Load {type(source).__name__} with "
-                            "its own from_pretrained and pass it to amxopt.optimize, which keeps the eager "
-                            "fallback"
-                        ) from e
-                    self.eager_reason = str(e)
-                    logger.warning("%s; it runs as eager PyTorch", e)
+                with _CAPTURING.setdefault(self, threading.RLock()):
+                    graph = self._capture_for(graph_inputs)
+                if graph is None:
                     return self._run_eagerly(args, kwargs)
             return self.adapter.format_output(graph.captured.gm(**graph_inputs), options)
+
+    def _capture_for(self, graph_inputs: dict) -> GraphEntry | None:
+        """A graph for a call no graph took: another thread's capture of the same shapes, done
+        while this one waited for it, else a new capture; None where the call runs eagerly."""
+        graph = next((g for g in self._graphs if _accepts(g, graph_inputs)), None)
+        if graph is None:
+            if self.eager_reason is not None:  # another thread's capture failed meanwhile
+                return None
+            try:
+                graph = self._recapture(graph_inputs)
+            except CaptureError as e:
+                if not self.eager_fallback or self._graphs:
+                    raise
+                source = self.__dict__["_source"]
+                if self.__dict__.get("_released_here"):
+                    raise CaptureError(
+                        f"{e}; it cannot run as eager PyTorch either: amxopt.optimize packed its weights and "
+                        "released their source (one copy in memory). Optimize it with "
+                        "AmxConfig(keep_source=True) to keep the eager fallback"
+                    ) from e
+                if weights.has_released(source):
+                    # from_pretrained / load packed its weights as they were read: no eager copy
+                    raise CaptureError(
+                        f"{e}; it cannot run as eager PyTorch either: its weights were packed as they were "
+                        f"loaded (amxopt.from_pretrained or amxopt.load). Load {type(source).__name__} with "
+                        "its own from_pretrained and pass it to amxopt.optimize, which keeps the eager "
+                        "fallback"
+                    ) from e
+                self.eager_reason = str(e)
+                logger.warning("%s; it runs as eager PyTorch", e)
+        return graph
 
     def _run_eagerly(self, args: tuple, kwargs: dict) -> Any:
         """The source's own call, where export could not capture it; what the call itself changes
@@ -772,6 +788,11 @@ class OptimizedModule(nn.Module):
             self._check_call(self.adapter.graph_inputs(self.adapter.bind(args, kwargs)))
 
     def _check_call(self, graph_inputs: dict) -> None:
+        if self.training:
+            raise RuntimeError(
+                f"amxopt: {self.adapter.model_name} is in training mode (.train() was called after optimize), and "
+                "its graphs compute inference (no dropout, no gradients): call .eval() on it"
+            )
         self._check_dtypes(graph_inputs)
         if torch.is_grad_enabled():
             wants_grad = [k for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]

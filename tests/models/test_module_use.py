@@ -315,3 +315,25 @@ def test_a_copy_made_after_a_change_runs_the_change(tmp_path):
     copied = copy.deepcopy(opt)
     assert max_abs_error(_run(copied, inputs).sample, before * 3.0) < 1e-5
     assert max_abs_error(_run(opt, inputs).sample, before * 3.0) < 1e-5
+
+
+@pytest.mark.parametrize("keep_source", [True, False])
+def test_first_calls_from_two_threads_capture_once(tmp_path, keep_source):
+    import threading
+
+    model, inputs = _wan()
+    expected = _run(_wan()[0], inputs)
+    config = dataclasses.replace(CONFIG, keep_source=keep_source, graph_cache=False, autotune_cache=str(tmp_path))
+    opt = amxopt.optimize(model, None, config)
+    got = [None, None]
+
+    def call(i):
+        got[i] = _run(opt, inputs)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [max_abs_error(g, expected) for g in got] == [0.0, 0.0]
+    assert len(opt.graphs) == 1  # the second call waited for the first's capture and took its graph

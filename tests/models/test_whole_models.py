@@ -60,7 +60,7 @@ def test_qwen3_vl_generate_same_tokens_fp32(prompt, provider):
     assert "model.language_model" in report.left and "KV cache" in report.left["model.language_model"]
     assert report.optimized["model.visual"].report.counts()["attention"] == 3
     assert "model.visual" in str(report) and "amxopt.varlen_attention" in str(report)
-    again = amxopt.optimize(opt, config=CONFIG)  # optimizing twice keeps the same parts
+    again = amxopt.optimize(opt)  # optimizing twice (without another config) keeps the same parts
     assert again is model and again.amxopt_report.optimized["model.visual"] is report.optimized["model.visual"]
 
 
@@ -270,3 +270,38 @@ def test_a_whole_model_call_asking_for_hidden_states_runs_its_tower_without_them
     assert len(got.hidden_states) == len(expected.hidden_states)
     assert tower.hidden_states is None
     assert "computes its outputs without per-layer states: output_hidden_states ignored" in caplog.text
+
+
+def test_optimizing_a_pipeline_again_with_another_config_optimizes_its_parts_again():
+    source = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).eval()
+    pipe = amxopt.optimize(_Pipeline(source), config=CONFIG)
+    first = pipe.text_encoder
+    assert amxopt.optimize(pipe).text_encoder is first  # no config given: the part stays as it was
+    assert amxopt.optimize(pipe, config=CONFIG).text_encoder is first  # the same config
+    other = dataclasses.replace(CONFIG, fuse_activation=False)
+    amxopt.optimize(pipe, config=other)
+    assert pipe.text_encoder is not first and pipe.text_encoder.amx_config == other
+    assert pipe.amxopt_report.optimized["text_encoder"] is pipe.text_encoder
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.text_encoder(x), source(x))
+    targets = [n.target for n in pipe.text_encoder.graphs[0].graph.nodes]
+    assert torch.ops.aten.gelu.default in targets  # not fused into the Linear, as configured
+
+    config = dataclasses.replace(CONFIG, keep_source=False)
+    released = amxopt.optimize(_Pipeline(nn.Linear(8, 8).eval()), config=config)
+    with torch.no_grad():
+        released.text_encoder(x)  # captured: its weights are packed and released
+    with pytest.raises(ValueError, match=r"_Pipeline.text_encoder was optimized before with another config \(autotune"):
+        amxopt.optimize(released, config=dataclasses.replace(config, autotune=True))
+
+
+def test_a_part_in_training_mode_is_refused_at_optimize_and_at_a_call_after_train():
+    with pytest.raises(ValueError, match=r"_Pipeline.text_encoder \(Linear\) is in training mode.*\.eval\(\)"):
+        amxopt.optimize(_Pipeline(nn.Linear(8, 8)), config=CONFIG)
+    pipe = amxopt.optimize(_Pipeline(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).eval()), config=CONFIG)
+    pipe.text_encoder.train()  # eager would drop activations now; the graph computes inference
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"Sequential is in training mode.*call \.eval\(\)"):
+        pipe.text_encoder(torch.randn(3, 8))
+    with torch.no_grad():
+        assert pipe.text_encoder.eval()(torch.randn(3, 8)).shape == (3, 8)
