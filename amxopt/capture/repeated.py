@@ -11,16 +11,19 @@ the markers: the graph is the one a full trace gives, node for node.
 
 It is sound because the copies share the first block's ShapeEnv: a later call is stamped only when
 its tensor inputs have the same dtypes and the same symbolic sizes and strides as the first call's,
-and its non-tensor arguments are equal. Export's guards for the first block then hold for every
-block. A stack that does not fit (a block that mutates its inputs, reads a tensor from outside its
-arguments, returns a non-tensor, or is called with other shapes) raises :class:`NotRepeated`, and
-the caller exports the whole model as it is instead.
+its non-tensor arguments are equal plain values, and its settings (the Python attributes and
+classes of its submodules) are the first block's as it is called. Export's guards for the first
+block then hold for every block. A stack that does not fit (a block that mutates its inputs, reads
+a tensor from outside its arguments, returns a non-tensor, is called with other shapes or with an
+object whose state it may read, or has its attributes set apart before its call) raises
+:class:`NotRepeated`, and the caller exports the whole model as it is instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import operator
 import types
@@ -97,6 +100,7 @@ class Stack:
     in_spec: Any = None
     constants: list | None = None
     inputs: list[_Meta] | None = None
+    settings: tuple | None = None  # the template's _settings as it was called
     out_spec: Any = None
     outputs: list[_Meta] | None = None
 
@@ -163,16 +167,35 @@ def user_hooks(hooks: dict, recorders: bool = True) -> list[int]:
 _OUTPUT_RECORDING = "transformers.utils.output_capturing"  # where transformers defines its recording hooks
 
 
-def _settings(block: nn.Module) -> tuple:
-    """The Python attributes of ``block`` and its submodules (``layer_idx``, a sliding window, an
-    attention processor and its settings), and which are in training mode: blocks that differ in
-    one may trace differently."""
+def _settings(block: nn.Module, tracing: bool = False) -> tuple:
+    """The class and Python attributes of ``block``'s submodules (``layer_idx``, a sliding window,
+    an attention processor and its settings), and which are in training mode: blocks that differ in
+    one may trace differently (``nn.SiLU`` and ``nn.ReLU`` have the same attributes). While
+    :func:`tracing`, the block's own forward is its call wrapper, one per block: not a setting."""
     return tuple(
-        (path, name, _value(v, 0))
+        (
+            path,
+            type(sub),
+            tuple(
+                (name, _value(v, 0))
+                for name, v in sorted(vars(sub).items())
+                if _setting(name) and not (tracing and sub is block and name == "forward")
+            ),
+        )
         for path, sub in block.named_modules()
-        for name, v in sorted(vars(sub).items())
-        if name == "training" or name not in MODULE_INTERNALS
     )
+
+
+def _setting(name: str) -> bool:
+    return name == "training" or name not in MODULE_INTERNALS
+
+
+# Non-tensor arguments a copy of the traced block can take as they were: equal means the same value.
+# Another object (a context a parent passes to every block) compares by identity, and each block
+# may read, or change, its state: such a stack is traced block by block.
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.memory_format,
+          torch.layout, torch.SymInt, torch.SymFloat, torch.SymBool, enum.Enum, types.FunctionType,
+          types.BuiltinFunctionType, type)  # fmt: skip
 
 
 def _value(v: Any, depth: int) -> Any:
@@ -203,7 +226,7 @@ def tracing(module: nn.Module, stacks: list[Stack]):
             _TRACING[stack.path] = stack
             for index, block in enumerate(module.get_submodule(stack.path)):
                 patched.append((block, block.__dict__.get("forward")))
-                block.forward = _call(stack, index, block.forward)
+                block.forward = _call(stack, index, block, block.forward)
         yield
     finally:
         for block, before in patched:
@@ -215,17 +238,26 @@ def tracing(module: nn.Module, stacks: list[Stack]):
             _TRACING.pop(stack.path, None)
 
 
-def _call(stack: Stack, index: int, forward):
+def _call(stack: Stack, index: int, block: nn.Module, forward):
     def call(*args, **kwargs):
         flat, in_spec = pytree.tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         constants = [None if isinstance(x, torch.Tensor) else x for x in flat]
         metas = [_Meta.of(t) for t in tensors]
+        other = next((x for x in constants if not isinstance(x, _PLAIN)), None)
+        if other is not None:
+            raise NotRepeated(
+                f"{stack.block_path(index)} is called with a {type(other).__name__}, whose state each block may "
+                "read or change"
+            )
         if stack.template is None:
+            stack.settings = _settings(block, tracing=True)
             return _trace_first(stack, index, forward, flat, in_spec, constants, metas)
         where = f"{stack.block_path(index)} (traced: {stack.block_path(stack.template)})"
         if in_spec != stack.in_spec or constants != stack.constants:
             raise NotRepeated(f"{where} is called with other non-tensor arguments")
+        if _settings(block, tracing=True) != stack.settings:
+            raise NotRepeated(f"{where} has other settings when it is called (an attribute set before its call)")
         if [m.key() for m in metas] != [m.key() for m in stack.inputs]:
             raise NotRepeated(f"{where} is called with inputs of other shapes or dtypes")
         outs = block_call(tensors, stack.path, index)

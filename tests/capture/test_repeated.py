@@ -205,3 +205,65 @@ def test_blocks_with_hooks_or_another_training_mode_are_no_stack():
         x = torch.randn(6, 8)
         captured, graph_inputs = _capture(hooked, {"x": x.clone()}, stamp=True)
         torch.testing.assert_close(captured.gm(**graph_inputs), hooked(x.clone()))
+
+
+class _Gate(nn.Module):
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.fc, self.act = nn.Linear(8, 8), act
+
+    def forward(self, x, ctx=None):
+        h = self.act(self.fc(x))
+        if ctx is not None:  # a context every block gets: a per-layer value read from it, a statistic recorded
+            h = h * ctx.scales[ctx.layer]
+            ctx.stats.append(h.sum())
+        return x + h * getattr(self, "mult", 1.0)
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.scales, self.layer, self.stats = [1.0, 0.5, 0.25, 2.0], 0, []
+
+
+class _Gates(nn.Module):
+    """Blocks of one class that compute differently: ``acts`` (same attributes, other classes), a
+    context object handed to every block (``ctx``), or a ``mult`` the parent sets before each call."""
+
+    def __init__(self, acts=(nn.SiLU, nn.SiLU, nn.SiLU, nn.SiLU), how: str = "plain") -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Gate(a()) for a in acts)
+        self.how = how
+
+    def forward(self, x):
+        ctx = _Context() if self.how == "ctx" else None
+        for i, block in enumerate(self.blocks):
+            if ctx is not None:
+                ctx.layer = i
+            if self.how == "mult":
+                block.mult = float(i + 1)
+            x = block(x, ctx)
+            if self.how == "mult":
+                del block.mult
+        return x
+
+
+@pytest.mark.parametrize(
+    "model, why",
+    [
+        (_Gates(acts=(nn.SiLU, nn.ReLU, nn.SiLU, nn.ReLU)), None),  # the same attributes; told apart before the trace
+        (_Gates(how="ctx"), "blocks.0 is called with a _Context, whose state each block may read or change"),
+        (_Gates(how="mult"), "blocks.1 (traced: blocks.0) has other settings when it is called"),
+    ],
+    ids=["other-classes", "context-object", "attribute-set-before-call"],
+)
+def test_blocks_that_compute_differently_are_traced_one_by_one(model, why):
+    model = model.eval()
+    x = torch.randn(6, 8)
+    stacks = [s.path for s in find_stacks(model)]
+    captured, graph_inputs = _capture(model, {"x": x}, stamp=True)
+    if why is None:
+        assert stacks == [] and captured.note == ""
+    else:  # found a stack, which the trace saw differ
+        assert stacks == ["blocks"] and why in captured.note, captured.note
+    with torch.no_grad():
+        torch.testing.assert_close(captured.gm(**graph_inputs), model(x), rtol=0, atol=0)

@@ -1116,6 +1116,19 @@ def test_attention_propagates_nan_and_inf_scores_as_aten_does(provider, dtype):
         assert torch.equal(got.isnan(), want) and want.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [0.125, -0.125, 1e20])
+def test_attention_of_huge_finite_scores_is_the_softmax(provider, dtype, scale):
+    # Scaled scores past 2^31: the largest one's weight must be exactly 1. Against a rounded scaled
+    # max it was e^(rounding residual), which overflowed (NaN rows) or underflowed (zeros).
+    cu = torch.tensor([0, 8, 20], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    q, k = ((torch.randn(20, 2, 64, generator=gen) * 1e5).to(dtype) for _ in range(2))
+    v = torch.randn(20, 2, 64, generator=gen).to(dtype)
+    got = ops.varlen_attention(q, k, v, cu, cu, 0, 0, scale, False, provider)
+    assert_close_dtype(got, attention_oracle(q, k, v, cu, cu, scale, False), dtype)
+
+
 def test_gelu_of_huge_negative_values_is_zero(provider):
     # gelu(v) -> -0 as v -> -inf; v times the capped erf tail grew with |v| (-1.3 at -1e36).
     x = torch.tensor([[-13.0, -1e10, -1e30, -1e36, -3e38] + [-20.0] * 11])

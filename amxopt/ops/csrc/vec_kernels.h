@@ -340,12 +340,14 @@ inline void store_n(T* p, fVec v, int64_t count) {
 }
 
 // One query row of an online softmax over a block of raw scores s (fp32). Keys [0, visible) count,
-// [visible, n) are masked: p = exp(scale * s - m') for the first, 0 for the rest (rounded once to T);
-// m (running max of the scaled scores, -inf before the first key) becomes m', l (running sum)
-// l * exp(m - m') + sum(p). Returns exp(m - m'), the factor for the row's accumulator. The scale
-// may be negative: the max is taken of the scaled scores. A row's last partial vector goes through
-// the vector code with a masked load (segments of 104 keys spent more in scalar exps than in the
-// other 96 keys).
+// [visible, n) are masked: p = exp(scale * (s - m')) for the first, 0 for the rest (rounded once to
+// T); m (the running extreme raw score: the max, or the min for a negative scale, whose scaled value
+// is the largest; -inf before the first key) becomes m', l (running sum) l * exp(scale * (m - m')) +
+// sum(p). Returns exp(scale * (m - m')), the factor for the row's accumulator. The reference is a raw
+// score, not a scaled one: the largest p is exp(0) = 1 exactly, where a rounded scaled max left it
+// exp of the rounding residual, which overflows past |scale * s| ~ 2^31. A row's last partial vector
+// goes through the vector code with a masked load (segments of 104 keys spent more in scalar exps
+// than in the other 96 keys).
 template <typename T>
 float softmax_row(const float* s, int64_t visible, int64_t n, float scale, float* m, float* l, T* p) {
   if (visible <= 0) {
@@ -353,28 +355,28 @@ float softmax_row(const float* s, int64_t visible, int64_t n, float scale, float
     return 1.f;
   }
   const int64_t vend = visible / kF * kF, rem = visible - vend;
-  // The largest scaled score is scale x the largest score (the smallest for a negative scale):
-  // rounding is monotonic, so this is exact, and costs one max (or min) per score, two chains.
   const bool neg = scale < 0.f;
   const auto pick = [neg](fVec a, fVec b) { return neg ? at::vec::clamp_max(a, b) : at::vec::clamp_min(a, b); };
   const fVec none(neg ? std::numeric_limits<float>::infinity() : -std::numeric_limits<float>::infinity());
   fVec e0 = none, e1 = none;
   int64_t i = 0;
-  for (; i + 2 * kF <= vend; i += 2 * kF) {
+  for (; i + 2 * kF <= vend; i += 2 * kF) {  // two chains
     e0 = pick(fVec::loadu(s + i), e0);
     e1 = pick(fVec::loadu(s + i + kF), e1);
   }
   for (; i < vend; i += kF) e0 = pick(fVec::loadu(s + i), e0);
   if (rem) e1 = pick(fVec::set(none, fVec::loadu(s + vend, int(rem)), rem), e1);
-  const float mx = std::max(*m, at::vec::vec_reduce_all<float>(pick, pick(e0, e1)) * scale);
-  const fVec sc(scale), vm(mx), sc2(scale * kLog2e), vm2(mx * kLog2e);
-  // bf16 P: 2^(s scale log2(e) - mx log2(e)) by the cheaper exp2 of vec_math.h (its error, and the
+  const float raw = at::vec::vec_reduce_all<float>(pick, pick(e0, e1));
+  const bool first = *m == -std::numeric_limits<float>::infinity();
+  const float ref = first ? raw : neg ? std::min(*m, raw) : std::max(*m, raw);
+  const fVec vr(ref), sc(scale), sc2(scale * kLog2e);
+  // bf16 P: 2^((s - m') scale log2(e)) by the cheaper exp2 of vec_math.h (its error, and the
   // rounding of log2(e) into the scale, stay far below P's bf16 rounding); fp32 P: exp_fast.
   const auto p_of = [&](fVec x) {
     if constexpr (std::is_same_v<T, bf16>)
-      return exp2_for_bf16(at::vec::fmsub(x, sc2, vm2));
+      return exp2_for_bf16((x - vr) * sc2);
     else
-      return exp_fast(at::vec::fmsub(x, sc, vm));
+      return exp_fast((x - vr) * sc);
   };
   fVec sum(0.f), sum1(0.f);
   int64_t j = 0;
@@ -394,9 +396,9 @@ float softmax_row(const float* s, int64_t visible, int64_t n, float scale, float
     sum1 = sum1 + e;
     store_n(p + vend, e, rem);
   }
-  const float corr = *m == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(*m - mx);
+  const float corr = first ? 0.f : std::exp((*m - ref) * scale);
   *l = *l * corr + hsum(sum + sum1);
-  *m = mx;
+  *m = ref;
   std::fill(p + visible, p + n, T(0.f));
   return corr;
 }
