@@ -335,6 +335,8 @@ _CONST_OPS = {
     _aten._to_copy.default,
     _aten.t.default,
     _aten.contiguous.default,
+    _aten.unsqueeze.default,  # (a Conv2d patch embedding's weight, as the Conv3d one's)
+    _aten.squeeze.dim,
 }
 
 

@@ -517,3 +517,26 @@ def test_a_checkpoint_transformers_converts_on_load_is_read_as_transformers_read
         match=r"does not match .*Thinker\w* \(read by transformers\): mismatched keys .*experts.down_proj: \(3, 96, 64\) stored, \(4, ",
     ):
         amxopt.from_pretrained(Qwen3OmniMoeThinkerForConditionalGeneration, tmp_path, torch.float32, RELEASE)
+
+
+def test_a_conv2d_patch_embedding_is_packed_once_and_loads_packed(tmp_path):
+    # CLIP's (SigLIP's, Wan I2V's image encoder's) Conv2d patch embedding reaches the packer as
+    # weight.unsqueeze(2): packed in every call where that was not folded, so a weight from_pretrained
+    # released as it read it was missing at the first call.
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    config = CLIPVisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14
+    )
+    clip = CLIPVisionModel(config).eval()
+    clip.save_pretrained(tmp_path)
+    pixels = torch.randn(1, 3, 56, 56)
+    opt = amxopt.optimize(clip, config=CONFIG)
+    loaded = amxopt.from_pretrained(CLIPVisionModel, tmp_path, torch.float32, RELEASE)
+    with torch.no_grad():
+        expected = clip(pixel_values=pixels).last_hidden_state
+        assert torch.equal(opt(pixel_values=pixels).last_hidden_state, loaded(pixel_values=pixels).last_hidden_state)
+        torch.testing.assert_close(opt(pixel_values=pixels).last_hidden_state, expected)
+    targets = {str(n.target) for n in opt.graph_module.graph.nodes}
+    assert "amxopt.patch_embed.default" in targets and "amxopt.pack_linear_weight.default" not in targets
