@@ -245,9 +245,13 @@ def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.state_dict(keep_vars=True))
 
 
-def _check_keys(expected: dict, found, where: str, hint: Callable[[list[str]], str] | None = None) -> dict[str, str]:
+def _check_keys(
+    expected: dict, found, where: str, hint: Callable[[list[str]], str] | None = None, ignore: tuple = ()
+) -> dict[str, str]:
     """For each expected name, the stored name to read it from (a tied group needs only one stored name).
-    ``hint(unexpected names)`` may add to the error what would explain them."""
+    ``hint(unexpected names)`` may add to the error what would explain them. Stored names that match a
+    pattern of ``ignore`` (the class's ``_keys_to_ignore_on_load_unexpected``, as its library reads
+    them with ``re.search``) are not unexpected."""
     by_tensor: dict[int, list[str]] = {}
     for name, t in expected.items():
         by_tensor.setdefault(id(t), []).append(name)
@@ -257,7 +261,7 @@ def _check_keys(expected: dict, found, where: str, hint: Callable[[list[str]], s
         if stored is None:
             missing += names
         source.update(dict.fromkeys(names, stored))
-    unexpected = sorted(set(found) - set(expected))
+    unexpected = sorted(k for k in set(found) - set(expected) if not any(re.search(p, k) for p in ignore))
     if missing or unexpected:
         raise CheckpointError(
             f"amxopt: {where} does not match the model: missing {len(missing)} tensor(s) {sorted(missing)[:5]}, "
@@ -442,7 +446,8 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
     if _converted(model, sorted(set(files) - set(expected))):
         del files, model, expected
         return _load_converted(cls, path, torch_dtype, provider)
-    stored = _check_keys(expected, files, str(path), lambda unexpected: note)
+    ignore = tuple(getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ())  # (Wan I2V's norm_added_q)
+    stored = _check_keys(expected, files, str(path), lambda unexpected: note, ignore)
     parts = _packed_parts(model)
     done: dict[int, torch.Tensor] = {}  # tied names share one tensor: loaded (and packed) once
     for name in tqdm(sorted(expected), desc=f"amxopt: loading {cls.__name__}", unit="tensor", leave=False):

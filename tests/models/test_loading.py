@@ -540,3 +540,23 @@ def test_a_conv2d_patch_embedding_is_packed_once_and_loads_packed(tmp_path):
         torch.testing.assert_close(opt(pixel_values=pixels).last_hidden_state, expected)
     targets = {str(n.target) for n in opt.graph_module.graph.nodes}
     assert "amxopt.patch_embed.default" in targets and "amxopt.pack_linear_weight.default" not in targets
+
+
+def test_tensors_the_class_declares_ignorable_are_not_unexpected(tmp_path):
+    # The released Wan I2V checkpoints carry attn2.norm_added_q, which WanTransformer3DModel lists in
+    # _keys_to_ignore_on_load_unexpected: diffusers loads them, and so must from_pretrained.
+    model = models.build_model("tiny-wan", torch.float32)
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "diffusion_pytorch_model.safetensors"
+    state = load_file(path)
+    state["blocks.0.attn2.norm_added_q.weight"] = torch.ones(8)
+    state["blocks.0.attn2.not_a_weight"] = torch.ones(8)
+    save_file(state, str(path), metadata={"format": "pt"})
+    with pytest.raises(amxopt.CheckpointError, match=r"unexpected 1 \['blocks.0.attn2.not_a_weight'\]"):
+        amxopt.from_pretrained(WanTransformer3DModel, tmp_path, torch.float32, RELEASE)
+    del state["blocks.0.attn2.not_a_weight"]
+    save_file(state, str(path), metadata={"format": "pt"})
+    inputs = models.example_inputs("tiny-wan", torch.float32)
+    loaded = amxopt.from_pretrained(WanTransformer3DModel, tmp_path, torch.float32, RELEASE)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs).sample, model(**inputs).sample)
