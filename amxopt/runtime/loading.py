@@ -593,6 +593,8 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         )
     cls = type(source)
     config_values = _config_dict(source)
+    for entry in graphs:  # the model each graph was captured from: a graph is restored only onto it
+        entry["config_hash"] = _digest(config_values)
     manifest = {
         "amxopt_version": _version(),
         "layout_version": LAYOUT_VERSION,
@@ -601,7 +603,7 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         "torch_version": torch.__version__,
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "config": config_values,
-        "config_hash": hashlib.sha256(json.dumps(config_values, sort_keys=True, default=str).encode()).hexdigest(),
+        "config_hash": _digest(config_values),
         "dtype": _NAMES[_model_dtype(source)],
         "file_bytes": None,  # below, once written
         "tensors": entries,
@@ -710,11 +712,18 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
             directory,
         )
         graphs = []
+    if any(entry.get("config_hash") != _digest(manifest["config"]) for entry in graphs):
+        logger.warning(
+            "amxopt: %s: its graphs were captured from a model of another config than the one it holds now (the "
+            "manifest was edited, or graphs copied in from another artifact); they are captured again",
+            directory,
+        )
+        graphs = []
     for i, entry in enumerate(graphs):
         try:
             graph_store.check(entry)
-        except graph_store.GraphStoreError as e:
-            raise CheckpointError(f"amxopt: {directory}: saved graph {i} cannot be restored: {e}") from None
+        except _DAMAGED as e:
+            raise CheckpointError(f"amxopt: {directory}: saved graph {i} cannot be restored: {_why(e)}") from None
         opt.defer(functools.partial(_restore, entry, module, config.provider, tensors, directory, i))
     return opt
 
@@ -734,8 +743,21 @@ def _graph_origin(config: AmxConfig) -> dict:
 def _restore(entry: dict, module: nn.Module, provider: str, tensors: dict, directory: pathlib.Path, i: int) -> Any:
     try:
         return graph_store.restore(entry, module, provider, tensors, f"the artifact {directory}")
-    except graph_store.GraphStoreError as e:
-        raise CheckpointError(f"amxopt: {directory}: saved graph {i} cannot be restored: {e}") from None
+    except _DAMAGED as e:
+        raise CheckpointError(f"amxopt: {directory}: saved graph {i} cannot be restored: {_why(e)}") from None
+
+
+# What reading a damaged graph entry raises: graph_store's own errors, and the plain ones of an entry
+# edited by hand (a node or field missing, a value of the wrong kind).
+_DAMAGED = (graph_store.GraphStoreError, KeyError, TypeError, ValueError, IndexError, AttributeError)
+
+
+def _why(e: Exception) -> str:
+    return str(e) if isinstance(e, graph_store.GraphStoreError) else f"damaged entry ({type(e).__name__}: {e})"
+
+
+def _digest(values: dict) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _check_manifest(manifest: dict, config: AmxConfig, directory: pathlib.Path) -> None:

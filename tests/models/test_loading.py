@@ -560,3 +560,32 @@ def test_tensors_the_class_declares_ignorable_are_not_unexpected(tmp_path):
     loaded = amxopt.from_pretrained(WanTransformer3DModel, tmp_path, torch.float32, RELEASE)
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).sample, model(**inputs).sample)
+
+
+
+def _optimized_and_called(model, inputs):
+    opt = amxopt.optimize(model, config=RELEASE)
+    with torch.no_grad():
+        opt(**inputs)
+    return opt
+
+
+def test_graphs_of_another_config_are_captured_again_and_damaged_ones_named(tmp_path, caplog):
+    # The graphs of a gelu model copied into the artifact of a silu model of the same shapes (or the
+    # manifest's config edited) ran the gelu graph on the silu model's weights.
+    inputs = models.example_inputs("tiny-qwen3-vl-vision")
+    a = _optimized_and_called(models.build_model("tiny-qwen3-vl-vision"), inputs).save(tmp_path / "gelu")
+    silu = models.build_model("tiny-qwen3-vl-vision", hidden_act="silu")
+    with torch.no_grad():
+        expected = silu(**inputs).last_hidden_state
+    b = _optimized_and_called(silu, inputs).save(tmp_path / "silu")
+    _edit_manifest(b, graphs=json.loads((a / loading.MANIFEST).read_text())["graphs"])
+    with torch.no_grad():
+        torch.testing.assert_close(amxopt.load(b, RELEASE)(**inputs).last_hidden_state, expected)
+    assert "captured from a model of another config" in caplog.text
+
+    manifest = json.loads((a / loading.MANIFEST).read_text())
+    del manifest["graphs"][0]["report"]["replaced"]
+    (a / loading.MANIFEST).write_text(json.dumps(manifest))
+    with torch.no_grad(), pytest.raises(amxopt.CheckpointError, match=r"saved graph 0 cannot be restored: damaged"):
+        amxopt.load(a, RELEASE)(**inputs)
