@@ -346,6 +346,13 @@ def from_pretrained(
             "amxopt.optimize with that config"
         )
     _check_directory(cls, path)
+    dtypes = torch_dtype.values() if isinstance(torch_dtype, dict) else [torch_dtype]
+    if not dtypes or any(not (isinstance(d, torch.dtype) and d.is_floating_point) for d in dtypes):
+        raise ValueError(
+            f"amxopt.from_pretrained: torch_dtype must be a floating torch.dtype (torch.bfloat16, torch.float32), or "
+            f"for a pipeline a dict of them by part, got {torch_dtype!r}: the weights are packed for the dtype "
+            "they run in, so it is named rather than read from the checkpoint ('auto')"
+        )
     if isinstance(torch_dtype, dict) and issubclass(cls, nn.Module):
         raise ValueError(
             f"amxopt.from_pretrained: a dict of dtypes names a pipeline's parts; {cls.__name__} is one model: "

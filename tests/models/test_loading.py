@@ -446,6 +446,9 @@ def test_from_pretrained_refuses_a_wrong_directory_or_option_before_reading(chec
         amxopt.from_pretrained(WanTransformer3DModel, tmp_path, torch.float32, RELEASE)
     with pytest.raises(ValueError, match="keeps no unpacked copy"):
         amxopt.from_pretrained(Qwen3VLVisionModel, checkpoint, torch.float32, CONFIG)
+    for dtype in ("auto", None, torch.int8, {}):  # (the libraries' "auto" reads the checkpoint's)
+        with pytest.raises(ValueError, match=r"torch_dtype must be a floating torch.dtype .* got"):
+            amxopt.from_pretrained(Qwen3VLVisionModel, checkpoint, dtype, RELEASE)
 
 
 def test_from_pretrained_reads_what_the_library_reads_and_points_an_artifact_to_load(tmp_path):
