@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import Any
@@ -138,12 +139,14 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **
     torch.manual_seed(seed)
     values = spec.config()
     for key, value in config.items():
-        if isinstance(values, dict):  # diffusers: the class's constructor checks the keys
+        if isinstance(values, dict) and key in _init_arguments(family):
             values[key] = value
         elif hasattr(values, key):
             setattr(values, key, value)
-        else:  # a config object takes any attribute: a misspelt key would change nothing
-            raise KeyError(f"build_model({name!r}): {type(values).__name__} has no {key!r}")
+        else:  # a config object takes any attribute, diffusers' from_config drops unknown keys: a
+            # misspelt key would change nothing
+            where = family.model_class().__name__ if isinstance(values, dict) else type(values).__name__
+            raise KeyError(f"build_model({name!r}): {where} has no {key!r}")
     model = construct(family, values, dtype)
     torch.manual_seed(seed)
     reinit(model)
@@ -160,6 +163,11 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **
         time.perf_counter() - start,
     )
     return model
+
+
+def _init_arguments(family: Family) -> set[str]:
+    """The config keys a diffusers model class takes: its constructor's arguments."""
+    return set(inspect.signature(family.model_class().__init__).parameters) - {"self"}
 
 
 def example_inputs(

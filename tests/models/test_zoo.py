@@ -272,3 +272,11 @@ def test_unknown_name_raises() -> None:
         models.build_model("no-such-model")
     with pytest.raises(KeyError, match="qwen3-vl-2b-vision"):
         models.example_inputs("no-such-model")
+
+
+@pytest.mark.parametrize("name, key", [("tiny-wan", "num_heads"), ("tiny-qwen3-vl-vision", "num_head")])
+def test_a_misspelt_config_key_raises(name, key) -> None:
+    # diffusers' from_config drops a key its class does not take: the model was built unchanged.
+    with pytest.raises(KeyError, match=rf"build_model\('{name}'\): \w+ has no '{key}'"):
+        models.build_model(name, **{key: 8})
+    assert models.build_model("tiny-wan", num_attention_heads=4).config.num_attention_heads == 4
