@@ -13,7 +13,8 @@ from collections.abc import Iterator
 def replacing(path: pathlib.Path) -> Iterator[pathlib.Path]:
     """A new file beside ``path`` to write in the block, renamed over ``path`` when the block ends
     (and removed when it raises): a reader never sees half a file, a process that has the old one
-    open or memory-mapped keeps it whole, and an interrupted write leaves the old file as it was."""
+    open or memory-mapped keeps it whole, and an interrupted write leaves the old file as it was.
+    The file gets the mode a plain ``open`` would give it (a temporary file is the owner's alone)."""
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as f:
         staged = pathlib.Path(f.name)
     try:
@@ -21,4 +22,11 @@ def replacing(path: pathlib.Path) -> Iterator[pathlib.Path]:
     except BaseException:
         staged.unlink(missing_ok=True)
         raise
+    staged.chmod(0o666 & ~_umask())
     os.replace(staged, path)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # (read by setting it: Python has no getter)
+    os.umask(mask)
+    return mask

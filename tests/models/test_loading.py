@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -249,6 +250,10 @@ def test_a_loaded_model_saves_again_even_over_its_own_artifact(tmp_path):
         torch.testing.assert_close(loaded(*inputs).last_hidden_state, expected)
         torch.testing.assert_close(amxopt.load(tmp_path, RELEASE)(*inputs).last_hidden_state, expected)
     assert sorted(p.name for p in tmp_path.iterdir()) == [loading.MANIFEST, loading.WEIGHTS]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in (loading.MANIFEST, loading.WEIGHTS):  # readable by others, as a plain open makes files
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
 
 
 def test_a_model_cast_whole_loads_in_the_dtypes_it_was_saved_in(tmp_path):
