@@ -524,7 +524,7 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         # which submodules are in training mode; and the code of classes outside the libraries
         "settings": described,
         "model_code": code,
-        "tensors": [(n, list(t.shape), str(t.dtype)) for n, t in module.state_dict(keep_vars=True).items()],
+        "tensors": [_shape_of(n, t) for n, t in module.state_dict(keep_vars=True).items()],
         "tied": _tied(module),  # the graph reads a tied weight by one of its names
         "inputs": [
             str(spec),
@@ -533,6 +533,11 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         "options": {k: v for k, v in dataclasses.asdict(config).items() if k not in ("autotune_cache", "graph_cache")},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _shape_of(name: str, t: Any) -> tuple:
+    # (a state dict may hold other values: torch.ao's quantized Linear stores its dtype)
+    return (name, list(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else (name, repr(t))
 
 
 def _tied(module: nn.Module) -> list[list[str]]:

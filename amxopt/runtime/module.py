@@ -13,6 +13,7 @@ import copy
 import functools
 import itertools
 import logging
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -207,25 +208,35 @@ class _Traced:
       a released source, and transformers' output-recording hooks (installed the first time an
       eager call asks for hidden states, idle otherwise);
     - attention processors, which diffusers keeps as plain attributes (``set_attn_processor``);
-    - forwards replaced on an instance (diffusers' hooks, e.g. ``enable_cache``; accelerate's).
+    - forwards replaced on an instance (diffusers' hooks, e.g. ``enable_cache``; accelerate's);
+    - the parameters, buffers and submodules of its modules, by identity: code that writes a module's
+      ``_parameters`` or ``_modules`` directly (accelerate's ``set_module_tensor_to_device``, torch.ao's
+      ``quantize_dynamic(inplace=True)``) bypasses the registration hooks.
 
     What they compute is in the graphs; they are not called when the graphs run. One changed since
-    makes the graphs stale. ``changed()`` costs one dict lookup per module (on a Zen 4: 36 us a call
-    for Wan 1.3B's 858 modules, 12 us for Qwen3-VL-2B vision's 267) and a counter: hooks are scanned
-    again only when torch's handle counter moved (a hook registered anywhere) or a hook dict that
-    was not empty shrank (one removed)."""
+    makes the graphs stale. ``changed()`` costs one dict lookup per module, an identity comparison
+    per parameter, buffer and submodule (on a Zen 4: about 100 us a call for Wan 1.3B's 858 modules,
+    against 20 us without the identities) and a counter: hooks are scanned again only when torch's
+    handle counter moved (a hook registered anywhere) or a hook dict that was not empty shrank (one
+    removed)."""
 
     def __init__(self, source: nn.Module) -> None:
         self.next_id = RemovableHandle.next_id
         self.ids, self.dicts = _forward_hooks(source)
         self.lengths = [len(d) for d in self.dicts]
         self.attrs = [m.__dict__ for m in source.modules()]
+        members = (d for m in source.modules() for d in (m._parameters, m._buffers, m._modules) if d)
+        self.members = [d.values() for d in members]  # (live views)
+        self.held = _held(self.members)
         self.forwards = _values(self.attrs, "forward")
         self.with_processor = [d for d in self.attrs if "processor" in d]
         self.processors = _values(self.with_processor, "processor")
 
     def changed(self, source: nn.Module) -> bool:
         if _values(self.attrs, "forward") != self.forwards:
+            return True
+        held = _held(self.members)
+        if len(held) != len(self.held) or not all(map(operator.is_, held, self.held)):
             return True
         if _values(self.with_processor, "processor") != self.processors:
             return True
@@ -252,6 +263,10 @@ class _Traced:
                 model_name,
                 " and ".join(what),
             )
+
+
+def _held(views: list) -> list:
+    return list(itertools.chain.from_iterable(views))
 
 
 def _values(dicts: list[dict], key: str) -> list:
@@ -375,6 +390,16 @@ class OptimizedModule(nn.Module):
         for name, module in source.named_modules(memo, prefix, remove_duplicate):
             if module is not source:
                 yield name, module
+
+    def named_children(self):
+        """The source model's children, as :meth:`named_modules` lists its modules (the graph's
+        first where the source's first weight was released): ``opt.apply(fn)``, and code that walks
+        children to change layers, reach the source, and the next call sees what they changed."""
+        source = self.__dict__["_source"]
+        first = next(source.parameters(), None)
+        if first is not None and packed.is_released(first):
+            yield from super().named_children()
+        yield from source.named_children()
 
     def train(self, mode: bool = True) -> OptimizedModule:
         # Only the flag, as the source's: the graphs compute inference whatever it says (a graph

@@ -8,6 +8,7 @@ import io
 
 import pytest
 import torch
+from torch import nn
 
 import amxopt
 from amxopt import models
@@ -337,3 +338,35 @@ def test_first_calls_from_two_threads_capture_once(tmp_path, keep_source):
         t.join()
     assert [max_abs_error(g, expected) for g in got] == [0.0, 0.0]
     assert len(opt.graphs) == 1  # the second call waited for the first's capture and took its graph
+
+
+@pytest.mark.parametrize("keep_source", [True, False])
+def test_a_parameter_put_in_a_modules_dict_directly_is_used(tmp_path, keep_source):
+    # accelerate's set_module_tensor_to_device (the libraries' loaders) writes module._parameters[name]
+    # directly, and torch.ao's quantize_dynamic(inplace=True) module._modules[name]: no registration
+    # hook sees either. The graphs kept the old tensor.
+    model, inputs = _wan()
+    eager = copy.deepcopy(model)
+    config = dataclasses.replace(CONFIG, keep_source=keep_source, autotune_cache=str(tmp_path))
+    opt = amxopt.optimize(model, inputs, config)
+    _run(opt, inputs)
+    new = torch.randn(eager.proj_out.weight.shape, generator=torch.Generator().manual_seed(1))
+    for m in (model, eager):
+        m.proj_out._parameters["weight"] = nn.Parameter(new.clone(), requires_grad=False)
+    assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) == 0.0
+
+
+def test_apply_reaches_the_source(tmp_path):
+    model, inputs = _wan()
+    eager = copy.deepcopy(model)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    _run(opt, inputs)
+
+    def scale(module):
+        if isinstance(module, nn.Linear):
+            with torch.no_grad():
+                module.weight.mul_(1.5)
+
+    assert opt.apply(scale) is opt and {n for n, _ in opt.named_children()} == {n for n, _ in eager.named_children()}
+    eager.apply(scale)
+    assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) == 0.0
