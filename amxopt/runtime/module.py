@@ -305,10 +305,15 @@ def _adapter_state(layers: list[nn.Module]) -> list[tuple]:
             tuple(m.active_adapters),
             bool(m.disable_adapters),
             tuple(m.merged_adapters),
-            tuple(sorted(getattr(m, "scaling", {}).items())),
+            tuple(sorted((k, _scale_value(v)) for k, v in getattr(m, "scaling", {}).items())),
         )
         for m in layers
     ]
+
+
+def _scale_value(v: Any) -> Any:
+    # peft keeps scalings as tensors after enable_lora_hotswap, and scale_layer changes them in place
+    return tuple(v.detach().flatten().tolist()) if isinstance(v, torch.Tensor) else v
 
 
 class OptimizedModule(nn.Module):

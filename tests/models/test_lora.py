@@ -55,6 +55,25 @@ def test_adapter_scale_and_switches_after_optimize_are_used(keep_source, tmp_pat
         assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) < 1e-5  # was the graph's constant
 
 
+@pytest.mark.parametrize("keep_source", [True, False], ids=["kept", "released"])
+def test_a_scaling_held_as_a_tensor_and_changed_in_place_is_used(keep_source, tmp_path):
+    # After enable_lora_hotswap peft keeps each scaling as a tensor, which scale_lora_layers changes in place.
+    from diffusers.utils.peft_utils import scale_lora_layers
+
+    inputs = models.example_inputs(WAN, torch.float32)
+    donor = peft.utils.get_peft_model_state_dict(_with_adapter(), adapter_name="style")
+    model, eager = models.build_model(WAN, torch.float32), models.build_model(WAN, torch.float32)
+    for m in (model, eager):
+        m.enable_lora_hotswap(target_rank=4)
+        m.load_lora_adapter(donor, adapter_name="style", prefix=None)
+    assert isinstance(model.blocks[0].attn1.to_q.scaling["style"], torch.Tensor)
+    opt = amxopt.optimize(model, inputs, _config(keep_source, tmp_path))
+    before = _run(opt, inputs)
+    scale_lora_layers(model, 0.25), scale_lora_layers(eager, 0.25)
+    assert max_abs_error(_run(eager, inputs), before) > 1e-3  # the change matters
+    assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) < 1e-5
+
+
 def test_a_fuse_after_optimize_packs_the_fused_weights_or_is_refused_where_they_were_released(tmp_path):
     inputs = models.example_inputs(WAN, torch.float32)
     kept, eager = _with_adapter(), _with_adapter()
