@@ -225,8 +225,7 @@ class _Traced:
         self.ids, self.dicts = _forward_hooks(source)
         self.lengths = [len(d) for d in self.dicts]
         self.attrs = [m.__dict__ for m in source.modules()]
-        members = (d for m in source.modules() for d in (m._parameters, m._buffers, m._modules) if d)
-        self.members = [d.values() for d in members]  # (live views)
+        self.members = [d for m in source.modules() for d in (m._parameters, m._buffers, m._modules) if d]
         self.held = _held(self.members)
         self.forwards = _values(self.attrs, "forward")
         self.with_processor = [d for d in self.attrs if "processor" in d]
@@ -265,8 +264,8 @@ class _Traced:
             )
 
 
-def _held(views: list) -> list:
-    return list(itertools.chain.from_iterable(views))
+def _held(dicts: list[dict]) -> list:
+    return list(itertools.chain.from_iterable(map(dict.values, dicts)))
 
 
 def _values(dicts: list[dict], key: str) -> list:
