@@ -187,6 +187,14 @@ def _adapter_layers(modules: Iterable[nn.Module]) -> list[nn.Module]:
     ]
 
 
+def _adapter_weights(layer: nn.Module) -> Iterable[torch.Tensor]:
+    """The weights of a peft layer's adapters (``lora_A``, ``lora_B``, ...), not of the layer it wraps."""
+    for name in getattr(layer, "adapter_layer_names", ()):
+        held = getattr(layer, name, None)
+        if isinstance(held, nn.Module):  # (a ModuleDict or ParameterDict by adapter name)
+            yield from held.parameters()
+
+
 # Loaders of the source whose ``hotswap=True`` rewrites adapter weights in place (diffusers, transformers).
 HOTSWAP_LOADERS = ("load_lora_adapter", "load_adapter")
 _LOST_MERGE_ADVICE = "fuse adapters before amxopt.optimize, or optimize with AmxConfig(keep_source=True)"
@@ -230,6 +238,10 @@ class _Traced:
         self.forwards = _values(self.attrs, "forward")
         self.with_processor = [d for d in self.attrs if "processor" in d]
         self.processors = _values(self.with_processor, "processor")
+
+    def settle(self) -> None:
+        """Take the parameters, buffers and submodules as they are now as the captured ones."""
+        self.held = _held(self.members)
 
     def changed(self, source: nn.Module) -> bool:
         if _values(self.attrs, "forward") != self.forwards:
@@ -586,9 +598,13 @@ class OptimizedModule(nn.Module):
         self._snapshot()  # (optimize()'s first capture; a recapture took it before capturing)
         self._entries.append(graph)
         if not self.amx_config.keep_source:
-            # Weights some graph still reads unpacked (a node autotune kept on ATen) stay.
+            # Weights some graph still reads unpacked (a node autotune kept on ATen) stay, and so do
+            # adapters' own (LoRA's A and B: rank x K, small), which peft reads to merge, combine or
+            # save them (on a placeholder its add_weighted_adapter failed halfway, leaving a broken adapter).
             keep = {id(t) for g in self._entries for t in (*g.captured.gm.parameters(), *g.captured.gm.buffers())}
+            keep.update(id(p) for layer in self._adapters[0] for p in _adapter_weights(layer))
             freed = weights.release(self.__dict__["_source"], keep)
+            self._traced.settle()  # (the placeholders are amxopt's own change)
             if freed:
                 self.__dict__["_released_here"] = True  # (not by from_pretrained or load, which pack as they read)
                 logger.info("amxopt: released %.1f MB of packed source weights", freed / 2**20)

@@ -74,6 +74,18 @@ def test_a_scaling_held_as_a_tensor_and_changed_in_place_is_used(keep_source, tm
     assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) < 1e-5
 
 
+def test_released_weights_keep_the_adapters_own(tmp_path):
+    # peft reads LoRA's A and B to save, merge or combine adapters: released to meta placeholders,
+    # saving failed, and add_weighted_adapter failed halfway, leaving an adapter that ran wrong.
+    model, inputs = _with_adapter(), models.example_inputs(WAN, torch.float32)
+    expected = {k: v.clone() for k, v in peft.utils.get_peft_model_state_dict(model, adapter_name="style").items()}
+    opt = amxopt.optimize(model, inputs, _config(False, tmp_path))
+    _run(opt, inputs)
+    assert model.blocks[0].attn1.to_q.base_layer.weight.device.type == "meta"  # the base weights were released
+    saved = peft.utils.get_peft_model_state_dict(model, adapter_name="style")
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in expected)
+
+
 def test_a_fuse_after_optimize_packs_the_fused_weights_or_is_refused_where_they_were_released(tmp_path):
     inputs = models.example_inputs(WAN, torch.float32)
     kept, eager = _with_adapter(), _with_adapter()
