@@ -103,15 +103,24 @@ def packed_linear_shape(n: int, k: int, dtype: torch.dtype, provider: str = "aut
 
     Native bf16 with even K: the VNNI blocks followed by zeros, shaped
     ``[n, k/2 + ceil(r (k + 1) / 2n), 2]`` (``r`` padding columns, csrc/common.h), a shape that
-    names N and K exactly, so a weight packed for other in/out features is refused. Otherwise the
-    plain ``[n, k]`` matrix.
+    names N and K exactly, so a weight packed for other in/out features is refused. sgl_kernel's
+    ``convert_weight_packed`` layout (:func:`sgl_packs`): ``[n, k, 1]``, told apart from the plain
+    matrix it has as many values as. Otherwise the plain ``[n, k]`` matrix.
     """
+    provider = resolve_provider(provider)
+    if provider == "sgl_kernel" and sgl_packs(n, k, dtype):
+        return (n, k, 1)
     # Where the C++ library did not load, every provider runs the reference, and packs like it.
-    native_layout = resolve_provider(provider) == "native" and native.available()[0]
+    native_layout = provider == "native" and native.available()[0]
     if native_layout and dtype == torch.bfloat16 and k % 2 == 0 and k > 0 and n > 0:
         padding = -(-n // _NB) * _NB - n
         return (n, k // 2 - (-padding * (k + 1) // (2 * n)), 2)
     return (n, k)
+
+
+def sgl_packs(n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether sgl_kernel's ``convert_weight_packed`` takes an ``[n, k]`` weight (else it stays plain)."""
+    return dtype == torch.bfloat16 and n % 16 == 0 and n > 0 and k % 32 == 0 and k > 0
 
 
 # --- checks (shapes and dtypes only, so the fakes can run them) ----------------------------------
@@ -281,6 +290,11 @@ def _check_conv2d(x, weight, bias, stride, padding, dilation, groups, activation
         f"{tuple(x.shape)}",
     )
     _check(
+        weight.shape[0] % groups == 0,
+        op,
+        f"weight {tuple(weight.shape)} has {weight.shape[0]} output channels, not a multiple of groups={groups}",
+    )
+    _check(
         len(stride) == len(padding) == len(dilation) == 2,
         op,
         f"stride, padding and dilation need 2 entries each, got {list(stride)}, {list(padding)}, {list(dilation)}",
@@ -419,9 +433,9 @@ DIRECT_CONV_K = 64  # conv.cpp's kDirectK: Cin x kh x kw up to which the native 
 def _channels_last_conv2d(x, weight, groups, provider) -> bool:
     """Whether the native conv2d takes one of conv.cpp's kernels, whose output is channels-last: the
     direct one (Cin x kh x kw <= DIRECT_CONV_K), or im2col + GEMM (bf16, even Cin x kh x kw, on the
-    amx tier)."""
+    amx tier). sgl_kernel has no conv2d: its provider runs the native one."""
     k = weight.shape[1] * weight.shape[2] * weight.shape[3]
-    native_kernels = resolve_provider(provider) == "native" and native.available()[0]  # else the reference runs
+    native_kernels = resolve_provider(provider) in ("native", "sgl_kernel") and native.available()[0]  # else reference
     if not native_kernels or groups != 1 or k == 0 or x.shape[0] == 0:
         return False
     gemm = x.dtype == torch.bfloat16 and k % 2 == 0 and native.active_tier() == "amx"
@@ -575,7 +589,27 @@ for _name, _fn in sgl.OPS.items():
     _lib.define(f"sgl_{_name}" + _SCHEMAS[_name].format(provider="", schedule=""))
     _lib.impl(f"sgl_{_name}", _fn, "CPU")
 
+def _inference_only(name: str):
+    """The Autograd kernel of op ``name`` where the C++ library (which has its own) cannot load: an
+    input that requires grad while grad mode is on is refused (the ops have no backward)."""
+    op = getattr(torch.ops.amxopt, name).default
+
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled():
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+                raise ValueError(
+                    f"amxopt.{name}: runs inference only (no backward), and an input requires grad: call it under "
+                    "torch.no_grad() or with detached inputs"
+                )
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args, **kwargs)
+
+    return run
+
+
 # The C++ kernels, or (where they cannot be loaded) the reference behind every provider.
 if not native.load()[0]:
     for _name, _fn in _REFERENCE.items():
         _lib.impl(_name, _python_kernel(_fn), "CPU")
+        _lib.impl(_name, _inference_only(_name), "Autograd")

@@ -69,23 +69,20 @@ def _has_arg(op, name: str) -> bool:
     return any(a.name == name for a in op.default._schema.arguments)
 
 
-def packs(n: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether ``convert_weight_packed`` takes an ``[n, k]`` weight (else the weight stays plain)."""
-    return dtype == torch.bfloat16 and n % 16 == 0 and n > 0 and k % 32 == 0 and k > 0
-
-
 def pack_linear_weight(weight):
     library._check_pack(weight)
-    if not packs(weight.shape[0], weight.shape[1], weight.dtype):
+    if not library.sgl_packs(weight.shape[0], weight.shape[1], weight.dtype):
         return reference.pack_linear_weight(weight)
-    return _ops().convert_weight_packed(weight.detach().contiguous())
+    # [N, K, 1]: the plain matrix's size, another shape (library.packed_linear_shape)
+    return _ops().convert_weight_packed(weight.detach().contiguous()).unsqueeze(-1)
 
 
 def linear(x, packed_weight, bias, activation, out_features, *, residual=None):
     library._check_linear(x, packed_weight, bias, activation, out_features, PROVIDER, residual)
     k = x.shape[-1]
-    if not packs(out_features, k, x.dtype):
+    if not library.sgl_packs(out_features, k, x.dtype):
         return reference.linear(x, packed_weight, bias, activation, out_features, residual)
+    packed_weight = packed_weight.squeeze(-1)
     if x.numel() == 0:
         return x.new_empty((*x.shape[:-1], out_features))
     ops = _ops()

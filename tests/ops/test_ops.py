@@ -185,6 +185,20 @@ def test_opcheck(provider, case):
     torch.library.opcheck(op, args)
 
 
+@pytest.mark.parametrize("case", list(OPCHECK_CASES))
+def test_an_input_that_requires_grad_is_refused_under_grad_mode(provider, case):
+    # No op has a backward: without its own Autograd kernel PyTorch's fallback let the ATen calls
+    # inside a kernel record a partial graph (a linear's gradient without its fused bias and gelu).
+    op, args = OPCHECK_CASES[case](provider)
+    first = next(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point())
+    args = list(args)
+    args[first] = args[first].clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"amxopt\.\w+: runs inference only \(no backward\), and \w+ requires grad"):
+        op(*args)
+    with torch.no_grad():
+        op(*args)
+
+
 def test_opcheck_linear_residual(provider):
     x, w = torch.randn(2, 3, 6, dtype=_bf), torch.randn(5, 6, dtype=_bf)
     residual = torch.randn(5, 3, 2, dtype=_bf).permute(2, 1, 0)  # a non-contiguous residual
@@ -961,6 +975,12 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params, act):
         ),
         (
             lambda p: ops.conv2d(
+                torch.randn(1, 4, 4, 4), torch.randn(3, 2, 1, 1), None, [1, 1], [0, 0], [1, 1], 2, provider=p
+            ),
+            r"amxopt\.conv2d: weight \(3, 2, 1, 1\) has 3 output channels, not a multiple of groups=2",
+        ),
+        (
+            lambda p: ops.conv2d(
                 torch.randn(1, 3, 4, 4), torch.randn(4, 3, 1, 1), torch.randn(5), [1, 1], [0, 0], [1, 1], 1, provider=p
             ),
             r"amxopt\.conv2d: bias must be \(4,\)",
@@ -996,11 +1016,31 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params, act):
             r"amxopt\.conv2d: weight \(0, 1, 1, 1\) has no output channels",
         ),
     ],
-    ids=["3d-x", "channels", "bias", "activation", "window", "dilated-window", "stride", "no-output-channels"],
+    ids=[
+        "3d-x",
+        "channels",
+        "groups-of-outputs",
+        "bias",
+        "activation",
+        "window",
+        "dilated-window",
+        "stride",
+        "no-output-channels",
+    ],
 )
 def test_conv2d_bad_input_raises(provider, call, match):
     with pytest.raises(ValueError, match=match):
         call(provider)
+
+
+def test_conv2d_of_the_sgl_provider_has_the_native_kernels_strides():
+    # sgl_kernel has no conv2d, so that provider runs the native kernel (channels-last): its fake said contiguous
+    if not native.available()[0]:
+        pytest.skip("the native kernels are not built here")
+    args = (torch.randn(1, 1, 8, 8), torch.randn(4, 1, 3, 3), None, [1, 1], [0, 0], [1, 1], 1, "none", "sgl_kernel")
+    out = ops.conv2d(*args)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert_matches_fake(ops.conv2d, args, out)
 
 
 @pytest.mark.parametrize("threads", [3, 8, 24])

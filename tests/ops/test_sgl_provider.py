@@ -133,7 +133,7 @@ def test_linear_on_sgl_matches_reference(backend, activation, lead):
     torch.manual_seed(0)
     w, b, x = _bf16(48, 64, scale=0.1), torch.randn(48), _bf16(*lead, 64)
     packed = ops.pack_linear_weight(w, P)
-    assert packed.shape == (48, 64)  # sgl_kernel keeps the shape; the fake must agree
+    assert packed.shape == (48, 64, 1)  # told apart from the plain weight; the fake must agree
     assert ops.pack_linear_weight(w.to("meta"), P).shape == packed.shape
     out = ops.linear(x, packed, b, activation, 48, P)
     expected = reference.linear(x, w, b, activation, 48)
@@ -159,6 +159,16 @@ def test_linear_sgl_refuses_a_weight_packed_for_other_features(backend):
     packed = ops.pack_linear_weight(_bf16(48, 64), P)
     with pytest.raises(ValueError, match="amxopt.linear: .*should have shape"):
         ops.linear(_bf16(3, 64), packed, None, "none", 32, P)
+
+
+def test_linear_sgl_and_plain_weights_are_not_taken_for_each_other(backend):
+    # sgl_kernel's VNNI packing has the plain matrix's [N, K] values: shaped alike, each was taken
+    # for the other, silently (3.1 off).
+    w, x = _bf16(48, 64), _bf16(3, 64)
+    with pytest.raises(ValueError, match=r"amxopt.linear: .*should have shape \(48, 64, 1\)"):
+        ops.linear(x, w, None, "none", 48, P)
+    with pytest.raises(ValueError, match=r"amxopt.linear: .*should have shape \(48, 64\)"):
+        ops.linear(x, ops.pack_linear_weight(w, P), None, "none", 48, "reference")
 
 
 @pytest.mark.parametrize("kernel, channels", [((2, 16, 16), 3), ((1, 2, 2), 16)])

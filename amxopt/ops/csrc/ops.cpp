@@ -231,6 +231,8 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<
             " tensor, got ", dtype_name(w.scalar_type()), " ", shape(w.sizes()));
   AMX_CHECK(groups > 0 && w.size(1) * groups == x.size(1), op, "weight ", shape(w.sizes()), " with groups=", groups,
             " does not take the ", x.size(1), " channels of x ", shape(x.sizes()));
+  AMX_CHECK(w.size(0) % groups == 0, op, "weight ", shape(w.sizes()), " has ", w.size(0),
+            " output channels, not a multiple of groups=", groups);
   AMX_CHECK(stride.size() == 2 && padding.size() == 2 && dilation.size() == 2, op,
             "stride, padding and dilation need 2 entries each, got ", list(stride.vec()), ", ", list(padding.vec()),
             ", ", list(dilation.vec()));
@@ -464,6 +466,39 @@ std::vector<int64_t> attention_work_split_for(at::IntArrayRef q_lens, int64_t he
 
 }  // namespace
 }  // namespace amxopt
+
+namespace amxopt {
+namespace {
+
+// Every amxopt op's Autograd kernel: the ops compute inference only (no backward), so an input that
+// requires grad while grad mode is on is refused; otherwise the call goes on below autograd.
+// (Without one, PyTorch's fallback let the ATen calls inside a kernel record a partial graph: a
+// linear's gradient ignored its fused bias and activation.)
+void inference_only(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  if (at::GradMode::is_enabled()) {
+    const auto& args = op.schema().arguments();
+    const auto given = torch::jit::last(*stack, args.size());
+    for (size_t i = 0; i < args.size(); ++i) {
+      const c10::IValue& v = given[i];
+      bool grad = v.isTensor() && v.toTensor().requires_grad();
+      if (v.isTensorList())
+        for (const at::Tensor& t : v.toTensorList()) grad = grad || t.requires_grad();
+      TORCH_CHECK_VALUE(!grad, "amxopt.", op.schema().operator_name().name.substr(8), ": runs inference only (no ",
+                        "backward), and ", args[i].name(), " requires grad: call it under torch.no_grad() or ",
+                        "with detached inputs");
+    }
+  }
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
+}  // namespace
+}  // namespace amxopt
+
+TORCH_LIBRARY_IMPL(amxopt, Autograd, m) {
+  for (const char* op : {"pack_linear_weight", "linear", "patch_embed", "varlen_attention", "conv2d", "layer_norm",
+                         "rms_norm", "norm_modulate", "gated_residual", "rotary_embedding"})
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&amxopt::inference_only>());
+}
 
 TORCH_LIBRARY_IMPL(amxopt, CPU, m) {
   m.impl("pack_linear_weight", &amxopt::pack_linear_weight);
