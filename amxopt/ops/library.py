@@ -589,21 +589,32 @@ for _name, _fn in sgl.OPS.items():
     _lib.define(f"sgl_{_name}" + _SCHEMAS[_name].format(provider="", schedule=""))
     _lib.impl(f"sgl_{_name}", _fn, "CPU")
 
-def _inference_only(name: str):
-    """The Autograd kernel of op ``name`` where the C++ library (which has its own) cannot load: an
-    input that requires grad while grad mode is on is refused (the ops have no backward)."""
+class _NoBackward(torch.autograd.Function):
+    """The output of op ``name`` (computed below autograd) tied to the inputs that require grad by
+    a node whose backward raises."""
+
+    @staticmethod
+    def forward(ctx, name, out, *inputs):
+        ctx.op = name
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"amxopt.{ctx.op}: has no backward (amxopt computes inference only)")
+
+
+def _no_backward(name: str):
+    """The Autograd kernel of op ``name`` where the C++ library (which registers torch's "not
+    implemented" one) cannot load."""
     op = getattr(torch.ops.amxopt, name).default
 
     def run(*args, **kwargs):
-        if torch.is_grad_enabled():
-            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
-                raise ValueError(
-                    f"amxopt.{name}: runs inference only (no backward), and an input requires grad: call it under "
-                    "torch.no_grad() or with detached inputs"
-                )
         with torch._C._AutoDispatchBelowAutograd():
-            return op(*args, **kwargs)
+            out = op(*args, **kwargs)
+        wants = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in wants):
+            return _NoBackward.apply(name, out, *(t for t in wants if t.requires_grad))
+        return out
 
     return run
 
@@ -612,4 +623,4 @@ def _inference_only(name: str):
 if not native.load()[0]:
     for _name, _fn in _REFERENCE.items():
         _lib.impl(_name, _python_kernel(_fn), "CPU")
-        _lib.impl(_name, _inference_only(_name), "Autograd")
+        _lib.impl(_name, _no_backward(_name), "Autograd")

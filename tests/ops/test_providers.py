@@ -222,11 +222,12 @@ def test_without_the_native_library_every_op_runs_the_reference():
         "    assert \"amxopt.rms_norm: unknown provider 'fast'\" in str(e), str(e)\n"
         "else:\n"
         "    raise AssertionError('provider fast accepted')\n"
+        "y = torch.ops.amxopt.linear(x.float().requires_grad_(), packed.float(), None, 'none', 5)\n"
         "try:\n"
-        "    torch.ops.amxopt.linear(x.float().requires_grad_(), packed.float(), None, 'none', 5)\n"
-        "except ValueError as e:\n"
-        "    assert 'amxopt.linear: runs inference only' in str(e), str(e)\n"
+        "    y.sum().backward()\n"
+        "except RuntimeError as e:\n"
+        "    assert 'amxopt.linear: has no backward' in str(e), str(e)\n"
         "else:\n"
-        "    raise AssertionError('an input that requires grad accepted')\n"
+        "    raise AssertionError('a backward through amxopt.linear ran')\n"
     )
     _run_in_fresh_process(code, AMXOPT_NATIVE="0")

@@ -8,6 +8,7 @@
 // Every check raises ValueError naming the op and the offending shape or value.
 #include <ATen/native/CPUBlas.h>
 #include <c10/core/DispatchKeySet.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -467,37 +468,15 @@ std::vector<int64_t> attention_work_split_for(at::IntArrayRef q_lens, int64_t he
 }  // namespace
 }  // namespace amxopt
 
-namespace amxopt {
-namespace {
-
-// Every amxopt op's Autograd kernel: the ops compute inference only (no backward), so an input that
-// requires grad while grad mode is on is refused; otherwise the call goes on below autograd.
-// (Without one, PyTorch's fallback let the ATen calls inside a kernel record a partial graph: a
-// linear's gradient ignored its fused bias and activation.)
-void inference_only(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  if (at::GradMode::is_enabled()) {
-    const auto& args = op.schema().arguments();
-    const auto given = torch::jit::last(*stack, args.size());
-    for (size_t i = 0; i < args.size(); ++i) {
-      const c10::IValue& v = given[i];
-      bool grad = v.isTensor() && v.toTensor().requires_grad();
-      if (v.isTensorList())
-        for (const at::Tensor& t : v.toTensorList()) grad = grad || t.requires_grad();
-      TORCH_CHECK_VALUE(!grad, "amxopt.", op.schema().operator_name().name.substr(8), ": runs inference only (no ",
-                        "backward), and ", args[i].name(), " requires grad: call it under torch.no_grad() or ",
-                        "with detached inputs");
-    }
-  }
-  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
-}
-
-}  // namespace
-}  // namespace amxopt
-
+// Every amxopt op's Autograd kernel: torch's "not implemented" one. The ops compute inference only:
+// an output of inputs that require grad gets a node whose backward raises, naming the op. (Without
+// one, PyTorch's default fallback let the ATen calls inside a kernel record a partial graph: a
+// linear's gradient silently missed its fused bias and activation.) Forward calls and traces
+// (export, make_fx with parameters that require grad) run as before.
 TORCH_LIBRARY_IMPL(amxopt, Autograd, m) {
   for (const char* op : {"pack_linear_weight", "linear", "patch_embed", "varlen_attention", "conv2d", "layer_norm",
                          "rms_norm", "norm_modulate", "gated_residual", "rotary_embedding"})
-    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&amxopt::inference_only>());
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
 }
 
 TORCH_LIBRARY_IMPL(amxopt, CPU, m) {
