@@ -46,12 +46,15 @@ class Adapter:
         return True
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """Name every argument of a call the way ``model.forward`` would receive it."""
+        """Name every argument of a call the way ``model.forward`` would receive it. An argument
+        given as ``None`` where that is its default is the call without it (a pipeline passes
+        ``attention_kwargs=None``: the graph of a call that left it out serves)."""
         try:
             bound = self._signature.bind(*args, **kwargs)
         except TypeError as e:
             raise TypeError(f"{self.model_name}.forward: {e}") from None
-        out = dict(bound.arguments)
+        params = self._signature.parameters
+        out = {k: v for k, v in bound.arguments.items() if not (v is None and params[k].default is None)}
         for name, p in self._signature.parameters.items():
             if p.kind is inspect.Parameter.VAR_KEYWORD and name in out:
                 out.update(out.pop(name))

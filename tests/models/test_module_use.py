@@ -370,3 +370,13 @@ def test_apply_reaches_the_source(tmp_path):
     assert opt.apply(scale) is opt and {n for n, _ in opt.named_children()} == {n for n, _ in eager.named_children()}
     eager.apply(scale)
     assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) == 0.0
+
+
+def test_an_argument_given_as_its_default_none_takes_the_same_graph(tmp_path):
+    # WanPipeline passes attention_kwargs=None: each such argument made a new signature, so a model
+    # optimized on inputs without it captured again at the pipeline's first call.
+    model, inputs = _wan()
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    explicit = {**inputs, "attention_kwargs": None, "encoder_hidden_states_image": None}
+    assert max_abs_error(_run(opt, explicit), _run(_wan()[0], inputs)) == 0.0
+    assert len(opt.graphs) == 1
