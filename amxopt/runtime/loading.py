@@ -764,7 +764,9 @@ def _why(e: Exception) -> str:
 
 
 def _digest(values: dict) -> str:
-    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
+    # Of the values as the manifest reads back: JSON makes int keys strings (id2label), which sort otherwise.
+    read_back = json.loads(json.dumps(values, default=str))
+    return hashlib.sha256(json.dumps(read_back, sort_keys=True).encode()).hexdigest()
 
 
 def _check_manifest(manifest: dict, config: AmxConfig, directory: pathlib.Path) -> None:
