@@ -589,6 +589,7 @@ for _name, _fn in sgl.OPS.items():
     _lib.define(f"sgl_{_name}" + _SCHEMAS[_name].format(provider="", schedule=""))
     _lib.impl(f"sgl_{_name}", _fn, "CPU")
 
+
 class _NoBackward(torch.autograd.Function):
     """The output of op ``name`` (computed below autograd) tied to the inputs that require grad by
     a node whose backward raises."""

@@ -600,8 +600,9 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         )
     cls = type(source)
     config_values = _config_dict(source)
+    config_hash = _digest(config_values)
     for entry in graphs:  # the model each graph was captured from: a graph is restored only onto it
-        entry["config_hash"] = _digest(config_values)
+        entry["config_hash"] = config_hash
     manifest = {
         "amxopt_version": _version(),
         "layout_version": LAYOUT_VERSION,
@@ -610,7 +611,7 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         "torch_version": torch.__version__,
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "config": config_values,
-        "config_hash": _digest(config_values),
+        "config_hash": config_hash,
         "dtype": _NAMES[_model_dtype(source)],
         "file_bytes": None,  # below, once written
         "tensors": entries,
@@ -719,7 +720,8 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
             directory,
         )
         graphs = []
-    if any(entry.get("config_hash") != _digest(manifest["config"]) for entry in graphs):
+    config_hash = _digest(manifest["config"])
+    if any(entry.get("config_hash") != config_hash for entry in graphs):
         logger.warning(
             "amxopt: %s: its graphs were captured from a model of another config than the one it holds now (the "
             "manifest was edited, or graphs copied in from another artifact); they are captured again",

@@ -232,8 +232,9 @@ class _Traced:
         self.next_id = RemovableHandle.next_id
         self.ids, self.dicts = _forward_hooks(source)
         self.lengths = [len(d) for d in self.dicts]
-        self.attrs = [m.__dict__ for m in source.modules()]
-        self.members = [d for m in source.modules() for d in (m._parameters, m._buffers, m._modules) if d]
+        modules = list(source.modules())
+        self.attrs = [m.__dict__ for m in modules]
+        self.members = [d for m in modules for d in (m._parameters, m._buffers, m._modules) if d]
         self.held = _held(self.members)
         self.forwards = _values(self.attrs, "forward")
         self.with_processor = [d for d in self.attrs if "processor" in d]
