@@ -148,7 +148,8 @@ def _check_gemm(op, x_desc, in_features, dtype, packed_weight, bias, out_feature
     )
     if bias is not None:
         _check(bias.shape == (out_features,), op, f"bias has shape {tuple(bias.shape)}, expected ({out_features},)")
-        _check(bias.dtype in (dtype, torch.float32), op, f"bias is {bias.dtype}; it must be {dtype} or float32")
+        allowed = " or ".join(sorted({str(dtype), str(torch.float32)}))
+        _check(bias.dtype in (dtype, torch.float32), op, f"bias is {bias.dtype}; it must be {allowed}")
 
 
 def _check_activation(op, activation):
@@ -190,8 +191,9 @@ def _check_attention_shapes(q, k, v, scale):
     _check(q.dtype == k.dtype == v.dtype, op, f"q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     _check(k.shape == v.shape, op, f"k {tuple(k.shape)} and v {tuple(v.shape)} must match")
     _check(q.shape[2] == k.shape[2], op, f"head dims differ: q {q.shape[2]}, k {k.shape[2]}")
+    _check(k.shape[1] > 0, op, f"k and v have no heads: {tuple(k.shape)}")
     _check(
-        k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0,
+        q.shape[1] % k.shape[1] == 0,
         op,
         f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads",
     )

@@ -863,9 +863,13 @@ def test_every_weight_shape_has_its_own_packed_shape(provider):
 ERROR_CASES_NATIVE_ENTRY = {
     "zero-kv-heads": (
         lambda p: ops.varlen_attention(_Q, torch.randn(6, 0, 8), torch.randn(6, 0, 8), _CU, _CU, 0, 0, 0.3, False, p),
-        r"amxopt\.varlen_attention: 2 query heads are not a multiple of 0 key/value heads",
+        r"amxopt\.varlen_attention: k and v have no heads: \(6, 0, 8\)",
     ),
     "short-bias": (lambda p: _lin(p, bias=torch.randn(2)), r"amxopt\.linear: bias has shape \(2,\), expected \(4,\)"),
+    "half-bias": (
+        lambda p: _lin(p, bias=torch.randn(4, dtype=torch.float16)),
+        r"amxopt\.linear: bias is torch\.float16; it must be torch\.float32$",
+    ),
     "short-norm-weight": (
         lambda p: ops.rms_norm(_NX, torch.randn(3), 1e-6, p),
         r"amxopt\.rms_norm: weight has shape \(3,\), expected \(8,\)",

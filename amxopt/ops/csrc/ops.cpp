@@ -126,7 +126,7 @@ at::Tensor check_gemm(const char* op, const std::string& x_desc, int64_t K, at::
   if (!bias.has_value()) return at::Tensor();
   AMX_CHECK(bias->dim() == 1 && bias->size(0) == N, op, "bias has shape ", shape(bias->sizes()), ", expected (", N, ",)");
   AMX_CHECK(bias->scalar_type() == x_dtype || bias->scalar_type() == at::kFloat, op, "bias is ", dtype_name(bias->scalar_type()),
-            "; it must be ", dtype_name(x_dtype), " or float32");
+            "; it must be ", x_dtype == at::kFloat ? "" : dtype_name(x_dtype) + " or ", "torch.float32");
   if (bias->scalar_type() == at::kFloat) return bias->contiguous();
   // Converted here rather than by Tensor::to, which cost ~10 us a call inside the op (2 threads of
   // an AMX Xeon, 16 x 1024 x 4096: 195 us with a bf16 bias, 185 with an fp32 one, 189 this way).
@@ -330,8 +330,9 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
             dtype_name(q.scalar_type()), ", ", dtype_name(k.scalar_type()), ", ", dtype_name(v.scalar_type()));
   AMX_CHECK(k.sizes() == v.sizes(), op, "k ", shape(k.sizes()), " and v ", shape(v.sizes()), " must match");
   AMX_CHECK(q.size(2) == k.size(2), op, "head dims differ: q ", q.size(2), ", k ", k.size(2));
-  AMX_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op, q.size(1),
-            " query heads are not a multiple of ", k.size(1), " key/value heads");
+  AMX_CHECK(k.size(1) > 0, op, "k and v have no heads: ", shape(k.sizes()));
+  AMX_CHECK(q.size(1) % k.size(1) == 0, op, q.size(1), " query heads are not a multiple of ", k.size(1),
+            " key/value heads");
   AMX_CHECK(std::isfinite(scale), op, "scale must be finite, got ", scale);
   const auto bq = checked_bounds(op, "cu_seqlens_q", cu_q, q.size(0), max_q, "max_seqlen_q");
   const auto bk = checked_bounds(op, "cu_seqlens_k", cu_k, k.size(0), max_k, "max_seqlen_k");
