@@ -240,8 +240,9 @@ def _check_segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     """The data-dependent half of the attention checks (segment bounds): not for fakes."""
     op = "varlen_attention"
     for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        integer = not (cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool)
         _check(
-            cu.dim() == 1 and cu.numel() >= 2 and not cu.is_floating_point(),
+            cu.dim() == 1 and cu.numel() >= 2 and integer,
             op,
             f"{name} must be a 1-D integer tensor of segment bounds, got {cu.dtype} {tuple(cu.shape)}",
         )

@@ -372,6 +372,10 @@ ERROR_CASES = {
         lambda p: _attn(p, cu_q=_cu(0, 6, dtype=torch.float32)),
         r"amxopt\.varlen_attention: cu_seqlens_q must be a 1-D integer tensor .*torch\.float32",
     ),
+    "varlen-cu-bool": (
+        lambda p: _attn(p, cu_q=_cu(0, 1, dtype=torch.bool)),
+        r"amxopt\.varlen_attention: cu_seqlens_q must be a 1-D integer tensor .*torch\.bool",
+    ),
     "varlen-cu-2d": (
         lambda p: _attn(p, cu_k=_CU[None]),
         r"amxopt\.varlen_attention: cu_seqlens_k must be a 1-D integer tensor .*\(1, 2\)",

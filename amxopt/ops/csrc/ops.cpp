@@ -53,6 +53,14 @@ std::string dtype_name(at::ScalarType t) {
       return "torch.int64";
     case at::kInt:
       return "torch.int32";
+    case at::kShort:
+      return "torch.int16";
+    case at::kChar:
+      return "torch.int8";
+    case at::kByte:
+      return "torch.uint8";
+    case at::kBool:
+      return "torch.bool";
     default:
       return std::string("torch.") + c10::toString(t);
   }
@@ -271,7 +279,8 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<
 
 std::vector<int64_t> checked_bounds(const char* op, const char* name, const at::Tensor& cu, int64_t total,
                                     int64_t bound_arg, const char* bound_name) {
-  AMX_CHECK(cu.dim() == 1 && cu.numel() >= 2 && !cu.is_floating_point() && !cu.is_complex(), op, name,
+  AMX_CHECK(cu.dim() == 1 && cu.numel() >= 2 && !cu.is_floating_point() && !cu.is_complex() &&
+                cu.scalar_type() != at::kBool, op, name,
             " must be a 1-D integer tensor of segment bounds, got ", dtype_name(cu.scalar_type()), " ", shape(cu.sizes()));
   auto c = cu.to(at::kLong).contiguous();
   std::vector<int64_t> b(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
