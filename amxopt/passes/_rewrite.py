@@ -11,8 +11,10 @@ Rules apply in list order, so a longer pattern (Linear + gelu) listed first wins
 one (Linear) on the same nodes. For each match the rule ``applies`` to: the guard's refusal is
 noted on the root node (the report lists it), autotune may keep ATen (noted likewise), else the
 replacement is traced in place of the match's output and the matched nodes are erased. A match
-with an in-place write between its first node and its output is skipped (the replacement would read
-the written tensor), so a shorter rule may still take its root. A replacement laid out otherwise
+with an in-place write between its first node (or the first of its ``extent``) and its output is
+skipped (the replacement would read the written tensor), so a shorter rule may still take its root.
+A replacement whose op refuses the match's values (an ``AmxOpError`` while tracing it: a case the
+guard did not foresee) leaves the match as it was, with the op's message. A replacement laid out otherwise
 than the match's output is marked for ``cleanup`` to make the views after it reshapes, or refused
 where one of those views shares memory with a tensor written in place (``_graph.relayout``). A root that
 was refused or kept is settled: no later rule of the list rewrites it (a Linear + silu kept as
@@ -27,6 +29,7 @@ from torch import fx
 from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
 from amxopt.config import AmxConfig
+from amxopt.ops import AmxOpError
 from amxopt.passes import _autotune
 from amxopt.passes._graph import (
     LEFT_KIND,
@@ -71,7 +74,7 @@ def apply_rules(gm: fx.GraphModule, rules: list[Rule], config: AmxConfig) -> int
             match = Match(values, root, out)
             if not rule.applies(match, config):
                 continue
-            written = written_inside(inner, out)
+            written = written_inside([*inner, *rule.extent(match)], out)
             if written is not None:  # a shorter rule may still fit (a Linear before the write)
                 leave(root, f"{written.name} writes a tensor in place inside its {rule.name} match")
                 _mark_glue(root, rule)
@@ -91,7 +94,13 @@ def apply_rules(gm: fx.GraphModule, rules: list[Rule], config: AmxConfig) -> int
             if timing is not None and timing.options:  # what autotune chose for the kernel (an AMX schedule)
                 fn = functools.partial(fn, **timing.options)
             anchor = out.prev
-            new = insert_traced(out, fn, [match[name] for name in rule.inputs], rule.name, timing)
+            try:
+                new = insert_traced(out, fn, [match[name] for name in rule.inputs], rule.name, timing)
+            except AmxOpError as e:  # the op's own checks refuse what the guard let through
+                leave(root, f"the replacement refuses it: {e}")
+                _mark_glue(root, rule)
+                settled.add(root)
+                continue
             reason = relayout(out, new)
             if reason:
                 erase_inserted(anchor, out)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from amxopt.ops.library import DTYPES  # noqa: F401 - the rule tables' dtypes, re-exported
 
@@ -60,6 +61,9 @@ class Rule:
             same value as the pattern parameter ``same_as`` (a variant of a pattern that takes one
             tensor twice, such as ``sdpa(x, x, x)``: torch.fx's matcher binds distinct wildcards
             to distinct nodes only).
+        extent: ``match -> nodes`` outside the pattern that the replacement stands for too: where the
+            pattern reads a cast of ``x`` and the replacement reads ``x`` itself, the casts (an
+            in-place write after the first of them changes what the replacement reads).
     """
 
     name: str
@@ -74,6 +78,7 @@ class Rule:
     when: str | None = None
     root: tuple = ()
     aliases: tuple[tuple[str, str], ...] = ()
+    extent: Callable[[Match], list] = lambda match: []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,19 +141,39 @@ CASTS = (_to_dtype, _to_copy)
 _FP32_CASTS = (aten.to.dtype, aten._to_copy.default)
 
 
-def upcast_of(xf: Any, x: Any) -> bool:
-    """``xf`` is ``x`` itself or ``x`` cast to fp32, once or more (each cast exact: to fp32 only).
+def upcast_chain(xf: Any, x: Any) -> list | None:
+    """The casts from ``x`` to ``xf`` (empty where ``xf`` is ``x``), if ``xf`` is ``x`` cast to fp32
+    once or more (each cast exact: to fp32 only); else None.
 
     Wan casts a block's input up, then ``FP32LayerNorm`` casts it again: a pattern binds the norm's
     input and ``x`` to two wildcards and checks the chain here, rather than spelling each length.
     """
+    chain = []
     while xf is not x:
         if getattr(xf, "op", None) != "call_function" or xf.target not in _FP32_CASTS:
-            return False
+            return None
         if getattr(xf.meta.get("val"), "dtype", None) != torch.float32:
-            return False
+            return None
+        chain.append(xf)
         xf = xf.args[0]
-    return True
+    return chain
+
+
+def upcast_of(xf: Any, x: Any) -> bool:
+    return upcast_chain(xf, x) is not None
+
+
+def upcast_extent(match: Match) -> list:
+    """A rule's ``extent`` where the pattern reads ``xf``, a cast of ``x``, and the replacement ``x``."""
+    return (upcast_chain(match["xf"], match["x"]) or []) if "xf" in match.values else []
+
+
+def normalizes_last_dim(shape: Any, x: Any) -> bool:
+    """A norm's ``normalized_shape`` is ``x``'s last dim alone (a size may be a symbolic node)."""
+    if len(shape) != 1:
+        return False
+    size = shape[0].meta.get("val") if hasattr(shape[0], "meta") else shape[0]
+    return statically_known_true(size == x.meta["val"].shape[-1])
 
 
 def rms_eps(eps: float | None) -> float:

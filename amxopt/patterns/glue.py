@@ -37,10 +37,12 @@ from amxopt.patterns import (
     Rule,
     gated_residual_replacement,
     layer_norm_modulate_replacement,
+    normalizes_last_dim,
     rms_eps,
     rms_norm_modulate_replacement,
     rotary_replacement,
     rotate_half_replacement,
+    upcast_extent,
     upcast_of,
 )
 
@@ -150,6 +152,9 @@ def _shape(p) -> str:
 
 
 def _dtype_refusal(match: Match, operands: tuple[str, ...]) -> str | None:
+    for name in operands:
+        if match[name] is not None and not isinstance(val(match[name]), torch.Tensor):
+            return f"{name} is {match[name]!r}, not a tensor (the op reads a tensor)"
     dtypes = {name: dtype_of(match[name]) for name in ("x", *operands) if match[name] is not None}
     if any(d not in DTYPES for d in dtypes.values()):
         return f"dtypes {dtypes} have no kernel (fp32 or bf16 only)"
@@ -166,7 +171,7 @@ def _broadcast_refusal(match: Match, operands: tuple[str, ...], width) -> str | 
 def _modulate_refusal(match: Match) -> str | None:
     x, shape = match["x"], match["shape"]
     d = val(x).shape[-1]
-    if len(shape) != 1 or not statically_known_true(shape[0] == d):
+    if not normalizes_last_dim(shape, x):
         return f"normalizes over {list(shape)}, not just the last dim of {_shape(x)}"
     params = tuple(p for p in ("weight", "bias") if p in match.values)
     return _dtype_refusal(match, (*params, "scale", "shift")) or _broadcast_refusal(match, ("scale", "shift"), d)
@@ -243,7 +248,7 @@ def _modulate_options(match: Match, config) -> dict:
     return {"eps": rms_eps(match["eps"]), "provider": config.provider}
 
 
-def _rule(name, kind, inputs_key, pattern, replacement, guard, root, options=None, applies=None) -> Rule:
+def _rule(name, kind, inputs_key, pattern, replacement, guard, root, options=None, applies=None, extent=None) -> Rule:
     return Rule(
         name=name,
         kind=kind,
@@ -255,6 +260,7 @@ def _rule(name, kind, inputs_key, pattern, replacement, guard, root, options=Non
         timing=functools.partial(_timing, inputs_key, pattern),
         root=root,
         applies=applies or (lambda match, config: True),
+        extent=extent or (lambda match: []),
     )
 
 
@@ -287,6 +293,7 @@ def rules() -> tuple[Rule, ...]:
             (norm_op,),
             _modulate_options,
             applies=_upcast_of,
+            extent=upcast_extent,
         )
         for norm, (make, replacement, norm_op) in _MODULATED.items()
         for back in (*CASTS, None)  # with FP32LayerNorm's cast back first: the longer pattern

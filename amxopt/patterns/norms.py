@@ -16,7 +16,18 @@ import torch
 
 from amxopt.passes import _autotune
 from amxopt.passes._graph import dtype_of, val
-from amxopt.patterns import CASTS, DTYPES, Match, Rule, layer_norm_replacement, rms_eps, rms_norm_replacement, upcast_of
+from amxopt.patterns import (
+    CASTS,
+    DTYPES,
+    Match,
+    Rule,
+    layer_norm_replacement,
+    normalizes_last_dim,
+    rms_eps,
+    rms_norm_replacement,
+    upcast_extent,
+    upcast_of,
+)
 
 aten = torch.ops.aten
 
@@ -65,7 +76,7 @@ _NORMS = {
 def _refusal(match: Match) -> str | None:
     x, shape, xv = match["x"], match["shape"], val(match["x"])
     params = [match[p] for p in ("weight", "bias") if p in match.values]
-    if len(shape) != 1 or shape[0] != xv.shape[-1]:
+    if not normalizes_last_dim(shape, x):
         return f"normalizes over {list(shape)}, not just the last dim of {tuple(xv.shape)}"
     if dtype_of(x) not in DTYPES or any(p is not None and dtype_of(p) not in DTYPES for p in params):
         return f"dtypes {[dtype_of(a) for a in (x, *params)]} have no kernel"
@@ -136,6 +147,7 @@ def rules() -> tuple[Rule, ...]:
             _rule("layer_norm", _type_as_layer_norm(back), True),
             name="aten.layer_norm (fp32 upcast, type_as)",
             applies=_type_as_window,
+            extent=upcast_extent,
         )
         for back in (*CASTS, None)
     )

@@ -152,6 +152,97 @@ def test_replace_glue_leaves_rotate_half_of_another_dtype():
     assert any("the op returns x's dtype" in n.meta.get(LEFT, "") for n in gm.graph.nodes)
 
 
+class WrittenAfterUpcast(nn.Module):
+    """x's fp32 copy taken, then a view of x written in place, then the norm of the copy: eager
+    normalizes the old values, while a fused op reading x at the norm would see the new ones."""
+
+    def __init__(self, modulated: bool):
+        super().__init__()
+        self.modulated = modulated
+        self.norm = nn.LayerNorm(16, elementwise_affine=not modulated, eps=1e-6)
+
+    def forward(self, x, update, scale, shift):
+        x = x * 1  # a tensor of the graph's own (inputs are not written in place)
+        xf = x.float()
+        x[:, :2].add_(update)
+        y = self.norm(xf)
+        return (y * (1 + scale) + shift).type_as(x) if self.modulated else y.type_as(x), x
+
+
+@pytest.mark.parametrize("modulated", [True, False], ids=["modulate", "norm-type-as"])
+def test_a_write_to_x_after_its_upcast_is_inside_the_match(modulated):
+    g = torch.Generator().manual_seed(0)
+    inputs = {
+        "x": torch.randn(2, 5, 16, generator=g).bfloat16(),
+        "update": 3 * torch.randn(2, 2, 16, generator=g).bfloat16(),
+        "scale": torch.randn(2, 1, 16, generator=g),
+        "shift": torch.randn(2, 1, 16, generator=g),
+    }
+    model = WrittenAfterUpcast(modulated).eval()
+    opt = amxopt.optimize(model, inputs, config=CONFIG)
+    assert count(opt.graph_module, amx.norm_modulate.default) == 0, str(opt.report)
+    with torch.no_grad():
+        for a, e in zip(opt(**inputs), model(**inputs)):
+            torch.testing.assert_close(a.float(), e.float(), atol=0.05, rtol=0.02)  # was 7.9 off (modulate)
+
+
+class RotaryOfTwoShapes(nn.Module):
+    """rotate_half with cos shared by the batch ([S, 1, D]) and sin per sample ([B, S, 1, D]); x from a
+    Linear, so that its head dim is static."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h, cos, sin):
+        x = self.proj(h).unflatten(-1, (2, 16))
+        return x * cos + rotate_half(x) * sin
+
+
+def test_a_match_the_op_refuses_is_left_with_the_ops_reason():
+    g = torch.Generator().manual_seed(0)
+    angles = torch.randn(2, 5, 16, generator=g)
+    inputs = {
+        "h": torch.randn(2, 5, 32, generator=g),
+        "cos": angles[0].cos()[:, None],
+        "sin": angles.sin()[:, :, None],
+    }
+    model = RotaryOfTwoShapes().eval()
+    opt = amxopt.optimize(model, inputs, config=CONFIG)  # the op's fake raised out of optimize before
+    assert [e.kind for e in opt.report.left] == ["rotary"] and opt.report.counts()["linear"] == 1, str(opt.report)
+    assert "the replacement refuses it: amxopt.rotary_embedding: cos" in opt.report.left[0].detail
+    with torch.no_grad():
+        torch.testing.assert_close(opt(**inputs), model(**inputs))
+
+
+class ModulateOverShapeOfX(nn.Module):
+    """A parameter-free norm over ``x.shape[-1:]``: a symbolic size in a dynamic capture."""
+
+    def forward(self, x, scale, shift):
+        return (F.layer_norm(x.float(), x.shape[-1:], eps=1e-6) * (1 + scale) + shift).type_as(x)
+
+
+def test_a_norm_over_a_symbolic_last_dim_is_fused():
+    g = torch.Generator().manual_seed(0)
+    inputs = {
+        "x": torch.randn(2, 5, 16, generator=g).bfloat16(),
+        "scale": torch.randn(2, 1, 16, generator=g),
+        "shift": torch.randn(2, 1, 16, generator=g),
+    }
+    check_rewrite(ModulateOverShapeOfX().eval(), inputs, {"modulate": 1})
+
+
+def test_a_python_number_gate_is_named_as_such():
+    inputs = {"x": torch.randn(2, 6, 16), "y": torch.randn(2, 6, 16)}
+    report = amxopt.optimize(_HalfGate().eval(), inputs, config=CONFIG).report
+    assert [e.detail for e in report.left] == ["gate is 0.5, not a tensor (the op reads a tensor)"], str(report)
+
+
+class _HalfGate(nn.Module):
+    def forward(self, x, y):
+        return (x.float() + y * 0.5).type_as(x)
+
+
 # --- layouts: the glue ops write contiguous where eager kept a transposed input's order ----------
 
 
