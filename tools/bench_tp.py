@@ -2,8 +2,8 @@
 
 Reports the median call time of each, the share of rank 0's call spent in the all-reduces (from
 torch.profiler: ``all_reduce`` + ``wait_tensor``, which includes waiting for the other rank), and
-gloo's all-reduce cost at the sizes a call reduces (a two-process microbenchmark), the inputs of
-the scaling model in README.md.
+gloo's all-reduce cost at the sizes and dtypes rank 0's graph reduces (a two-process
+microbenchmark), the inputs of the scaling model in README.md.
 
     .venv/bin/python tools/bench_tp.py [--model qwen3-vl-2b-vision] [--repeat 5] [--dtype bf16]
 """
@@ -11,6 +11,7 @@ the scaling model in README.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import os
@@ -18,6 +19,9 @@ import statistics
 import time
 
 import torch
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 
 
 def _median_s(fn, repeat: int) -> float:
@@ -31,9 +35,9 @@ def _median_s(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _collective_share(module, inputs) -> tuple[float, float, int]:
-    """Rank 0's seconds in the graph's collectives during one call, the call's seconds, and how many
-    all-reduces the graph has."""
+def _collective_share(module, inputs) -> tuple[float, float, list[tuple[int, torch.dtype]]]:
+    """Rank 0's seconds in the graph's collectives during one call, the call's seconds, and the size
+    in bytes and dtype of each all-reduce of the graph (at the capture's example sizes: these inputs)."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -43,11 +47,12 @@ def _collective_share(module, inputs) -> tuple[float, float, int]:
     keys = ("_c10d_functional::all_reduce", "_c10d_functional::wait_tensor")
     comm = sum(e.cpu_time_total for e in prof.key_averages() if e.key in keys) / 1e6
     graph = module.module.graph_module.graph
-    count = sum(1 for n in graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default)
-    return comm, total, count
+    reduced = [n.meta["val"] for n in graph.find_nodes(op="call_function", target=_ALL_REDUCE)]
+    sizes = [(optimization_hint(v.numel()) * v.element_size(), v.dtype) for v in reduced]
+    return comm, total, sizes
 
 
-def _allreduce_worker(rank: int, port: int, sizes: list[int], repeat: int, queue) -> None:
+def _allreduce_worker(rank: int, port: int, sizes: list[tuple[int, torch.dtype]], repeat: int, queue) -> None:
     import torch.distributed as dist
 
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]})
@@ -56,8 +61,8 @@ def _allreduce_worker(rank: int, port: int, sizes: list[int], repeat: int, queue
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(60)
     )
     out = {}
-    for n in sizes:
-        x = torch.ones(n // 2, dtype=torch.bfloat16)
+    for n, dtype in sizes:
+        x = torch.ones(n // dtype.itemsize, dtype=dtype)
         for _ in range(3):
             dist.all_reduce(x)
         times = []
@@ -65,13 +70,13 @@ def _allreduce_worker(rank: int, port: int, sizes: list[int], repeat: int, queue
             t = time.perf_counter()
             dist.all_reduce(x)
             times.append(time.perf_counter() - t)
-        out[n] = statistics.median(times)
+        out[n, dtype] = statistics.median(times)
     if rank == 0:
         queue.put(out)
     dist.destroy_process_group()
 
 
-def allreduce_costs(sizes: list[int], repeat: int = 50) -> dict[int, float]:
+def allreduce_costs(sizes: list[tuple[int, torch.dtype]], repeat: int = 50) -> dict[tuple[int, torch.dtype], float]:
     import torch.multiprocessing as mp
 
     from amxopt.runtime.tp import _free_port
@@ -112,8 +117,7 @@ def main() -> None:
     two = amxopt.optimize(model, inputs, dataclasses.replace(config, tp=2))
     try:
         rows["amxopt tp=2 (1 core per rank)"] = _median_s(lambda: two(**inputs), args.repeat)
-        comm, total, count = _collective_share(two, inputs)
-        hidden = model.config.hidden_size if hasattr(model.config, "hidden_size") else 0
+        comm, total, reduced = _collective_share(two, inputs)
     finally:
         two.close()
     base = rows["amxopt tp=1 (2 cores)"]
@@ -123,15 +127,17 @@ def main() -> None:
     for name, s in rows.items():
         print(f"| {name} | {s:.3f} | {rows['eager'] / s:.2f}x | {base / s:.2f}x |")
     print(
-        f"\nrank 0 of tp=2: {count} all-reduces per call, {comm:.3f} s of a {total:.3f} s profiled call in "
+        f"\nrank 0 of tp=2: {len(reduced)} all-reduces per call, {comm:.3f} s of a {total:.3f} s profiled call in "
         f"all_reduce + wait_tensor ({100 * comm / total:.0f}%, including waiting for rank 1)"
     )
-    tokens = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[0]
-    sizes = sorted({4096, 2**20, tokens * hidden * 2} - {0})
-    costs = allreduce_costs(sizes)
-    print("\ngloo all-reduce, 2 processes bound to one core each (median of 50):")
-    for n, s in costs.items():
-        print(f"  {n / 2**20:8.3f} MB: {s * 1e3:8.3f} ms ({n / s / 2**30:.2f} GB/s)")
+    counts = collections.Counter(reduced)
+    costs = allreduce_costs(sorted(counts, key=lambda size: size[0]))
+    print("\ngloo all-reduce at the graph's sizes, 2 processes bound to one core each (median of 50):")
+    for (n, dtype), s in costs.items():
+        print(
+            f"  {n / 2**20:8.3f} MB {str(dtype).removeprefix('torch.')} x{counts[n, dtype]} per call: "
+            f"{s * 1e3:8.3f} ms ({n / s / 2**30:.2f} GB/s)"
+        )
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ class Row:
     op: str
     shapes: str  # input shapes ("" unless the profile is by shape)
     calls: int
-    seconds: float  # all calls, one run (median over runs)
+    seconds: float  # all calls, in the node-timed run of median total
     flops: float  # all calls; 0 where not counted
 
     @property
@@ -130,7 +130,7 @@ class Profile:
 
     rows: list[Row]
     graph_seconds: float  # the graph's own call, median
-    timed_seconds: float  # the interpreter's run (nodes + what it adds), median
+    timed_seconds: float  # the interpreter's run (nodes + what it adds): the run of median total
 
     @property
     def node_seconds(self) -> float:
@@ -193,7 +193,8 @@ def profile_graph(
     Args:
         gm: a graph of ``OptimizedModule.graphs`` (or any GraphModule).
         graph_inputs: the graph's inputs, keyed by placeholder name.
-        repeats: timed runs of each kind (graph call, node-timed run); each row is the median.
+        repeats: timed runs of each kind (graph call, node-timed run); the rows are those of the
+            node-timed run of median total.
         by_shape: one row per op and input shapes instead of per op.
 
     Returns:
@@ -220,11 +221,12 @@ def profile_graph(
             timer.run(*inputs, enable_io_processing=False)
             timed_times.append(time.perf_counter() - start)
             runs.append(timer)
-    last = runs[-1]
+    # The rows of one run, the one of median total (the lower middle of an even count): per-op
+    # medians of several runs sum to more than any run took when the machine is noisy.
+    middle = sorted(range(repeats), key=timed_times.__getitem__)[(repeats - 1) // 2]
+    run = runs[middle]
     rows = [
-        Row(op, shapes, last.calls[key], statistics.median(t.seconds[key] for t in runs), last.flops[key])
-        for key in last.seconds
-        for op, shapes in [key]
+        Row(op, shapes, run.calls[key], run.seconds[key], run.flops[key]) for key in run.seconds for op, shapes in [key]
     ]
     rows.sort(key=lambda r: -r.seconds)
-    return Profile(rows, statistics.median(graph_times), statistics.median(timed_times))
+    return Profile(rows, statistics.median(graph_times), timed_times[middle])
