@@ -261,8 +261,12 @@ def _units(gm: fx.GraphModule) -> tuple[list[_Unit], list[tuple[fx.Node, str]], 
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for row, (cols, inside) in groups.items():
         has_attention = any(n.target in _ATTENTION for n in inside)
-        if not _in_block(row) or not (has_attention or all(n.target in _POINTWISE for n in inside)):
-            continue  # not a block's attention, nor an MLP (only elementwise ops between its Linears)
+        if not _in_block(row):
+            continue
+        if not (has_attention or all(n.target in _POINTWISE for n in inside)):  # not an MLP either
+            others = sorted({op_name(n.target) for n in inside if n.target not in _POINTWISE})
+            left.append((row, f"the ops between its Linears are not all elementwise ({', '.join(others)})"))
+            continue
         if row.target == _LINEAR and row.args[3] != "none":
             left.append((row, f"row-parallel Linear has a fused {row.args[3]} (it must follow the all-reduce)"))
             continue
@@ -692,7 +696,8 @@ def shard_tensor_parallel(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
             covered.update(unit.nodes)
             continue
         covered.update(unit.nodes)
-        sliced |= _shard(gm, unit, layouts, norms, rank, group)
+        with torch.no_grad():  # the shards are constants: no autograd history (deepcopy refuses tensors with one)
+            sliced |= _shard(gm, unit, layouts, norms, rank, group)
         unit.row.meta[SHARDED] = f"tp {tp}, rank {rank}"
         n_sharded += 1
     for node in gm.graph.nodes:  # a block's attention in no unit: say why

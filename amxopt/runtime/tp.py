@@ -31,6 +31,7 @@ import pathlib
 import pickle
 import signal
 import socket
+import threading
 import time
 import traceback
 import warnings
@@ -331,6 +332,8 @@ class TPModule(nn.Module):
         # Not in step until every rank has optimized: a worker may be waiting for an autotune decision
         # of rank 0's, which a stop message would answer.
         self._state = {"calls": 0, "group": False, "in_step": False}
+        # One call at a time: every rank must see the calls, and their collectives, in one order.
+        self._calls = threading.Lock()
         port = _free_port()
         timeout = datetime.timedelta(seconds=config.tp_timeout_s)
         self._store = dist.TCPStore("127.0.0.1", port, tp, is_master=True, timeout=timeout, wait_for_workers=False)
@@ -442,7 +445,20 @@ class TPModule(nn.Module):
                 raise
             return getattr(module, name)
 
+    def __reduce_ex__(self, protocol: int):
+        raise TypeError(
+            f"amxopt: a tensor-parallel module (tp={self.tp}) runs in {self.tp} processes and cannot be pickled or "
+            "copied: optimize the source model again (or a copy of it) for another one"
+        )
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        self.__reduce_ex__(0)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._calls:  # a second thread's call waits for this one (interleaved, they broke the group)
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         if not self._finalizer.alive:
             raise RuntimeError("amxopt: this TPModule is closed (a rank failed, or close() was called)")
         self.module.check_inputs(*args, **kwargs)  # before any rank runs the call
@@ -516,9 +532,19 @@ def _shut_down(workers: list, store: dist.TCPStore, state: dict, previous: tuple
 
 
 def _start(worker) -> None:
-    """Start a spawned worker; its arguments (the model) travel through shared memory."""
+    """Start a spawned worker; its arguments (the model) are pickled, their tensors travel through
+    shared memory."""
     try:
         worker.start()
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        if "pickle" not in str(e):
+            raise
+        raise RuntimeError(
+            f"amxopt: tp hands the model to its worker processes by pickling it, and it cannot be pickled ({e}): "
+            "a hook or attribute holding a local function or lambda (transformers installs output-recording "
+            "hooks at a call with output_hidden_states=True or output_attentions=True). Remove it before "
+            "amxopt.optimize, or run the ranks under torchrun with AmxConfig(tp='env'), each building its own model"
+        ) from e
     except RuntimeError as e:
         if "shared memory" not in str(e) and "No space left" not in str(e):
             raise

@@ -6,6 +6,7 @@ on purpose. Head counts are chosen so that padding is needed: 16 heads at tp 3, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import signal
@@ -422,6 +423,19 @@ class _OwnResidualMLP(torch.nn.Module):
         return h + self.fc2(h)
 
 
+class _FusedGateUpMLP(torch.nn.Module):
+    """One Linear computing gate and up, sliced apart: not elementwise between the Linears."""
+
+    def __init__(self, dim: int = 48) -> None:
+        super().__init__()
+        self.gate_up, self.down = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        gate_up = self.gate_up(x)
+        gate, up = gate_up[..., : gate_up.shape[-1] // 2], gate_up[..., gate_up.shape[-1] // 2 :]
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
 class _Blocks(torch.nn.Module):
     def __init__(self, *blocks: torch.nn.Module) -> None:
         super().__init__()
@@ -437,6 +451,7 @@ _UNSHARDABLE = {  # block, what the report says of it
     "one kv head": (_MQABlock, "do not reach the attention along its heads dim"),
     "norm across duplicated kv heads": (_NormedKBlock, "kv heads that ranks keep per q head"),
     "residual is the row's input": (_OwnResidualMLP, "adds a sharded residual"),
+    "fused gate and up": (_FusedGateUpMLP, "the ops between its Linears are not all elementwise (aten.slice"),
 }
 
 
@@ -542,6 +557,11 @@ def test_an_idle_module_and_a_failed_call_leave_it_usable(tmp_path):
         assert "tensor-parallel call failed" not in str(failed.value)
         for a, b in zip(pytree.tree_leaves(sharded(**inputs)), expected):
             torch.testing.assert_close(a, b)
+        # A replicated norm weight given new data: rank 0's graph would read it, the workers their old copies
+        # (0.021 off before the check covered every weight at tp).
+        model.blocks[0].norm1.weight.data = model.blocks[0].norm1.weight.data + 1
+        with pytest.raises(RuntimeError, match="runs tensor-parallel"):
+            sharded(**inputs)
     finally:
         sharded.close()
 
@@ -566,9 +586,34 @@ def test_an_argument_that_cannot_be_sent_is_refused_and_the_module_stays_usable(
         with pytest.raises(TypeError, match="cannot be pickled"):
             sharded(x, note=threading.Lock())
         with torch.no_grad():
-            torch.testing.assert_close(sharded(x), model(x))
+            expected = model(x)
+            torch.testing.assert_close(sharded(x), expected)
+        # Calls from two threads take turns (interleaved, their collectives broke the process group).
+        outputs = []
+        threads = [threading.Thread(target=lambda: outputs.append(sharded(x))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(outputs) == 2
+        for out in outputs:
+            torch.testing.assert_close(out, expected)
+        with pytest.raises(TypeError, match="cannot be pickled or copied"):
+            copy.deepcopy(sharded)
+        # A sliced weight written in place: rank 0 runs its shard, a copy the write did not reach (0.65 off).
+        with torch.no_grad():
+            model.blocks[0].fc1.weight.mul_(3)
+        with pytest.raises(RuntimeError, match="runs tensor-parallel"):
+            sharded(x)
     finally:
         sharded.close()
+
+
+def test_a_model_that_cannot_be_pickled_is_named_as_such():
+    model, x = _Blocks(_MLPBlock(), _MLPBlock()).eval(), torch.randn(4, 32)
+    model.blocks[0].register_forward_hook(lambda module, args, out: None)  # a lambda: not picklable
+    with pytest.raises(RuntimeError, match="tp hands the model to its worker processes by pickling it"):
+        amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, tp=2))
 
 
 def test_a_worker_that_fails_to_optimize_is_the_error_autotune_or_not():
