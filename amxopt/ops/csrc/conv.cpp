@@ -101,7 +101,7 @@ at::Tensor conv2d_direct_impl(const at::Tensor& x, const at::Tensor& w32, const 
 void im2col_rows(const bf16* X, int64_t C, int64_t H, int64_t W, int64_t kh, int64_t kw, const int64_t* s,
                  const int64_t* p, const int64_t* d, int64_t OH, int64_t OW, int64_t m0, int64_t rows, bf16* A) {
   const int64_t K = C * kh * kw;
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, row_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t m = m0 + r, ow = m % OW, oh = m / OW % OH, n = m / (OW * OH);
       bf16* dst = A + r * K;

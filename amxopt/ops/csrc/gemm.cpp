@@ -562,7 +562,7 @@ at::Tensor linear_plain(const at::Tensor& x2, const at::Tensor& w, const float* 
   auto out = bf ? new_output({M, N}, x2.options()) : y;
   const auto& v = vec();
   float* acc = y.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, M, row_grain(N), [&](int64_t r0, int64_t r1) {
     if (bf) {
       const Epilogue<bf16> e{bias, act, residual.defined() ? residual.data_ptr<bf16>() : nullptr, ldr};
       v.epilogue_bf16(acc + r0 * N, N, e.at(r0, 0), out.data_ptr<bf16>() + r0 * N, N, r1 - r0, N);

@@ -49,7 +49,7 @@ at::Tensor gated_residual_native(const at::Tensor& x, const at::Tensor& y, const
   const auto& v = vec();
   const bool bf = x.scalar_type() == at::kBFloat16;
   void* o = out.data_ptr();  // once, not data_ptr<T>() per row (see rotary_native)
-  at::parallel_for(0, x.numel() / D, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, x.numel() / D, row_grain(D), [&](int64_t r0, int64_t r1) {
     LeadingIndex i(x.sizes(), r0);
     for (int64_t r = r0; r < r1; ++r, i.next()) {
       if (bf)
@@ -74,7 +74,7 @@ at::Tensor rotary_native(const at::Tensor& x, const at::Tensor& cos, const at::T
   // 16 x 64 (one call per 64-wide row) a quarter of its time (194-229 us against 145-158 us, 2 threads
   // of an AMD EPYC Zen 4).
   void* o = out.data_ptr();
-  at::parallel_for(0, x.numel() / D, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, x.numel() / D, row_grain(D), [&](int64_t r0, int64_t r1) {
     LeadingIndex i(x.sizes(), r0);
     for (int64_t r = r0; r < r1; ++r, i.next()) {
       if (bf)

@@ -28,7 +28,7 @@ at::Tensor norm_native(const at::Tensor& x, const std::optional<at::Tensor>& wei
   const int64_t ld = x2.stride(0);
   const void* xp = x2.data_ptr();  // the bases once, not per row (glue.cpp)
   void* yp = y.data_ptr();
-  at::parallel_for(0, x2.size(0), 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, x2.size(0), row_grain(D), [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(D);
     // Unmodulated: the chunk at once; modulated: row by row, each with its scale and shift rows.
     const int64_t step = sc ? 1 : r1 - r0;
