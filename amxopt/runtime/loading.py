@@ -339,6 +339,7 @@ def from_pretrained(
 
     path = pathlib.Path(path)
     config = config or AmxConfig()
+    _refuse_tp("amxopt.from_pretrained", config)
     if config.keep_source:
         raise ValueError(
             "amxopt.from_pretrained packs the weights as it reads them and keeps no unpacked copy, so "
@@ -653,16 +654,26 @@ def _tie_as_saved(model: nn.Module, entries: dict) -> None:
             first[id(p)] = name
 
 
+def _refuse_tp(what: str, config: AmxConfig) -> None:
+    """Before anything is read: tensor parallelism slices the source weights, which these pack whole."""
+    if config.tp != 1:
+        raise ValueError(
+            f"{what}: tensor parallelism (tp={config.tp!r}) slices the source weights, and this packs them whole "
+            "as it reads them: load the model with its own from_pretrained and pass it to amxopt.optimize with tp"
+        )
+
+
 def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
     """Load what :func:`save` wrote: memory-mapped, no packing. Refuses a mismatched or damaged artifact."""
     import amxopt
 
     directory = pathlib.Path(directory)
+    config = config or AmxConfig()
+    _refuse_tp("amxopt.load", config)
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"amxopt: {directory} is not an amxopt artifact ({MANIFEST}: {e})") from None
-    config = config or AmxConfig()
     config = dataclasses.replace(config, provider=resolve(config.provider))
     _check_manifest(manifest, config, directory)
     weights = directory / WEIGHTS

@@ -129,6 +129,12 @@ def test_load_refuses_another_machine_or_layout(artifact, values, message):
         amxopt.load(artifact, RELEASE)
 
 
+def test_load_refuses_tensor_parallelism_before_reading(tmp_path):
+    # (an empty directory: the refusal comes before the manifest is read)
+    with pytest.raises(ValueError, match=r"amxopt.load: tensor parallelism \(tp='env'\) slices the source weights"):
+        amxopt.load(tmp_path, dataclasses.replace(RELEASE, tp="env"))
+
+
 def test_load_refuses_truncated_or_incomplete_artifacts(artifact):
     weights = artifact / loading.WEIGHTS
     data = weights.read_bytes()
@@ -454,6 +460,8 @@ def test_from_pretrained_refuses_a_wrong_directory_or_option_before_reading(chec
     for dtype in ("auto", None, torch.int8, {}):  # (the libraries' "auto" reads the checkpoint's)
         with pytest.raises(ValueError, match=r"torch_dtype must be a floating torch.dtype .* got"):
             amxopt.from_pretrained(Qwen3VLVisionModel, checkpoint, dtype, RELEASE)
+    with pytest.raises(ValueError, match=r"from_pretrained: tensor parallelism \(tp=2\) slices the source weights"):
+        amxopt.from_pretrained(Qwen3VLVisionModel, checkpoint, torch.float32, dataclasses.replace(RELEASE, tp=2))
 
 
 def test_from_pretrained_reads_what_the_library_reads_and_points_an_artifact_to_load(tmp_path):
