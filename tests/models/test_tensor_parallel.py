@@ -56,8 +56,9 @@ def _blocks(model: torch.nn.Module) -> int:
     return len(model.blocks if hasattr(model, "blocks") else model.layers)
 
 
-@pytest.mark.parametrize("tp_size", [2, 3])
-@pytest.mark.parametrize("case", list(FAMILIES))
+# Every family at tp 2; at tp 3 (padded heads) Wan, whose RMSNorm across heads becomes a sum of
+# squares across ranks: the other families run tp 3 in bf16 below.
+@pytest.mark.parametrize("case,tp_size", [*((case, 2) for case in FAMILIES), ("wan-5-heads", 3)])
 def test_fp32_shards_equal_one_rank(case, tp_size):
     name, _, per_block = FAMILIES[case]
     model = _model(case, torch.float32)
