@@ -538,7 +538,9 @@ def _workers_context(model: nn.Module):
     import torch.multiprocessing as mp
 
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "amxopt.runtime.tp", type(model).__module__])
+    modules = ["torch", "amxopt.runtime.tp", type(model).__module__]
+    # Not the main script: the server would run a script without a main guard (the workers say so).
+    context.set_forkserver_preload([m for m in modules if m not in ("__main__", "__mp_main__")])
     return context
 
 
