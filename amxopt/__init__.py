@@ -78,7 +78,8 @@ def optimize(model: Any, example_inputs: Any = None, config: AmxConfig | None = 
     if config.tp != 1 and isinstance(model, torch.nn.Module) and any(map(packed.is_released, model.parameters())):
         raise ValueError(
             f"amxopt: {type(model).__name__}'s weights were released by an earlier amxopt.optimize (or loaded packed "
-            "by amxopt.from_pretrained or amxopt.load): tensor parallelism slices the source weights; optimize a fresh model with tp"
+            "by amxopt.from_pretrained or amxopt.load): tensor parallelism slices the source weights; optimize a "
+            "fresh model with tp"
         )
     if config.tp != 1 and config.tp_group is None:
         if is_pipeline(model) or has_towers(model):

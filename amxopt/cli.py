@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         if name in ("dump", "profile"):
             p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
         if name == "profile":
-            p.add_argument("--repeats", type=int, default=3, help="timed runs; the rows are those of the run of median total")
+            p.add_argument(
+                "--repeats", type=int, default=3, help="timed runs; the rows are those of the run of median total"
+            )
             p.add_argument("--by-shape", action="store_true", help="one row per op and input shapes")
             p.add_argument("--json", default=None, help="also write the rows to this file")
         if name == "dump":

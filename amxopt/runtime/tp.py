@@ -545,8 +545,8 @@ def _workers_context(model: nn.Module):
 
 
 def _start(worker) -> None:
-    """Start a spawned worker; its arguments (the model) are pickled, their tensors travel through
-    shared memory."""
+    """Start a worker; its arguments (the model) are pickled, their tensors travel through shared
+    memory."""
     try:
         worker.start()
     except (pickle.PicklingError, AttributeError, TypeError) as e:
