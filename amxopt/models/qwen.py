@@ -191,6 +191,13 @@ def audio_inputs(
     from transformers import WhisperFeatureExtractor
 
     config = config_of(model)
+    shortest = _AUDIO_N_FFT // 2 + 1  # the extractor reflect-pads each clip by n_fft / 2 on both sides
+    for i, w in enumerate(waveforms):
+        if np.asarray(w).ndim != 1 or len(w) < shortest:
+            raise ValueError(
+                f"audio_inputs: clip {i} has shape {tuple(np.asarray(w).shape)}; clips are 1-D, at least {shortest} "
+                f"samples ({shortest / AUDIO_SAMPLING_RATE:.4f} s at {AUDIO_SAMPLING_RATE} Hz)"
+            )
     extractor = WhisperFeatureExtractor(
         feature_size=int(config.num_mel_bins),
         sampling_rate=AUDIO_SAMPLING_RATE,

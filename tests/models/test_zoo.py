@@ -256,6 +256,14 @@ def test_synthetic_data() -> None:
     assert 0.4 < np.abs(w).max() <= 0.5 + 1e-6
 
 
+def test_a_clip_too_short_for_the_feature_extractor_raises() -> None:
+    # Whisper's extractor reflect-pads 200 samples on each side: a shorter clip failed inside numpy/torch.
+    config = models.ZOO["tiny-qwen3-omni-audio"].config()
+    with pytest.raises(ValueError, match=r"audio_inputs: clip 1 has shape \(160,\).*at least 201 samples"):
+        models.audio_inputs(config, [models.synthetic_waveform(1.0), models.synthetic_waveform(0.01)])
+    assert models.audio_inputs(config, [np.zeros(201, np.float32)])["feature_lens"].tolist() == [1]
+
+
 def test_spec_build_and_zoo() -> None:
     assert list(models.ZOO)[:3] == ["qwen3-vl-2b-vision", "qwen3-vl-8b-vision", "qwen3-omni-vision"]
     for name, spec in models.ZOO.items():
