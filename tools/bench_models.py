@@ -162,8 +162,8 @@ def bench_model(
     print(f"\n## {name}: {what}{f', config {config}' if config else ''}", flush=True)
     fp32 = models.build_model(name, torch.float32, **(config or {}))
     bf16 = models.build_model(name, torch.bfloat16, **(config or {}))
-    x32 = models.example_inputs(name, torch.float32, size=size)
-    x16 = models.example_inputs(name, torch.bfloat16, size=size)
+    x32 = models.example_inputs(name, torch.float32, size=size, config=config)
+    x16 = models.example_inputs(name, torch.bfloat16, size=size, config=config)
     setup = {}
     with torch.no_grad():
         t = time.perf_counter()

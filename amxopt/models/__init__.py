@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -137,16 +138,7 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **
         check_memory(spec, family, dtype)
     start = time.perf_counter()
     torch.manual_seed(seed)
-    values = spec.config()
-    for key, value in config.items():
-        if isinstance(values, dict) and key in _init_arguments(family):
-            values[key] = value
-        elif hasattr(values, key):
-            setattr(values, key, value)
-        else:  # a config object takes any attribute, diffusers' from_config drops unknown keys: a
-            # misspelt key would change nothing
-            where = family.model_class().__name__ if isinstance(values, dict) else type(values).__name__
-            raise KeyError(f"build_model({name!r}): {where} has no {key!r}")
+    values = _config_with(spec, config, "build_model")
     model = construct(family, values, dtype)
     torch.manual_seed(seed)
     reinit(model)
@@ -165,6 +157,22 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **
     return model
 
 
+def _config_with(spec: ModelSpec, changes: Mapping[str, Any], caller: str) -> Any:
+    """A fresh config of ``spec`` with ``changes`` applied; a key the config lacks raises KeyError."""
+    family = FAMILIES[spec.family]
+    values = spec.config()
+    for key, value in changes.items():
+        if isinstance(values, dict) and key in _init_arguments(family):
+            values[key] = value
+        elif hasattr(values, key):
+            setattr(values, key, value)
+        else:  # a config object takes any attribute, diffusers' from_config drops unknown keys: a
+            # misspelt key would change nothing
+            where = family.model_class().__name__ if isinstance(values, dict) else type(values).__name__
+            raise KeyError(f"{caller}({spec.name!r}): {where} has no {key!r}")
+    return values
+
+
 def _init_arguments(family: Family) -> set[str]:
     """The config keys a diffusers model class takes: its constructor's arguments."""
     return set(inspect.signature(family.model_class().__init__).parameters) - {"self"}
@@ -176,6 +184,7 @@ def example_inputs(
     *,
     size: str | int | tuple | list | None = None,
     seed: int = 0,
+    config: Mapping[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Keyword inputs for ``build_model(name)(**inputs)``, through the real preprocessing.
 
@@ -190,12 +199,14 @@ def example_inputs(
             (default ``(5, 32, 32, 512)`` real / ``(2, 8, 8, 16)`` tiny). A string is parsed as
             a Python literal (``"448"``, ``"(5, 32, 32)"``).
         seed: seed of the synthetic images / waveforms / latents (image ``i`` uses ``seed + i``).
+        config: the config values given to ``build_model(name, **config)``: inputs for that model
+            (patch sizes, channels, mel bins, text width follow them).
 
     Returns:
         A dict of tensors to pass as ``model(**inputs)``.
 
     Raises:
-        KeyError: ``name`` is not in the zoo.
+        KeyError: ``name`` is not in the zoo, or a ``config`` key is not one of its config's.
         ValueError: ``size`` does not fit the family.
 
     Example::
@@ -212,7 +223,7 @@ def example_inputs(
             size = ast.literal_eval(size)
         except (ValueError, SyntaxError) as exc:
             raise ValueError(f"cannot parse size {size!r}") from exc
-    return FAMILIES[spec.family].examples(spec, spec.config(), size, dtype, seed)
+    return FAMILIES[spec.family].examples(spec, _config_with(spec, config or {}, "example_inputs"), size, dtype, seed)
 
 
 __all__ = [

@@ -256,6 +256,24 @@ def test_synthetic_data() -> None:
     assert 0.4 < np.abs(w).max() <= 0.5 + 1e-6
 
 
+@pytest.mark.parametrize(
+    "name, config, key, width",
+    [
+        ("tiny-qwen3-vl-vision", dict(patch_size=8), "hidden_states", 3 * 2 * 8 * 8),
+        ("tiny-wan", dict(in_channels=8), "hidden_states", 8),
+    ],
+)
+def test_example_inputs_follow_the_config_the_model_is_built_with(name, config, key, width) -> None:
+    # bench_models --config built the changed model but fed it the zoo config's inputs.
+    inputs = models.example_inputs(name, config=config)
+    assert inputs[key].shape[1] == width
+    model = models.build_model(name, **config)
+    with torch.no_grad():
+        model(**inputs)
+    with pytest.raises(KeyError, match=r"example_inputs\('tiny-wan'\): WanTransformer3DModel has no 'in_chans'"):
+        models.example_inputs("tiny-wan", config=dict(in_chans=8))
+
+
 def test_a_clip_too_short_for_the_feature_extractor_raises() -> None:
     # Whisper's extractor reflect-pads 200 samples on each side: a shorter clip failed inside numpy/torch.
     config = models.ZOO["tiny-qwen3-omni-audio"].config()
