@@ -419,7 +419,10 @@ _METHODS = ("size", "stride", "storage_offset", "dim")
 
 @functools.lru_cache(maxsize=4096)
 def _parse_guard(code: str) -> ast.Expression:
-    tree = ast.parse(code, mode="eval")
+    try:
+        tree = ast.parse(code, mode="eval")
+    except (SyntaxError, ValueError) as e:  # (ValueError: a null byte)
+        raise GraphStoreError(f"guard {code!r} is not an expression ({e.msg if isinstance(e, SyntaxError) else e})")
     for node in ast.walk(tree):
         ok = isinstance(node, (ast.Expression, ast.Constant, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare,
                                ast.Subscript, ast.Call, ast.Attribute, ast.Name, ast.Load, ast.And, ast.Or,

@@ -103,6 +103,13 @@ def test_a_guard_outside_the_vocabulary_is_refused(code):
         graph_store.GuardCheck([code])
 
 
+@pytest.mark.parametrize("code", ["args[0].size()[0] ==", "args[0]\x00"])
+def test_a_guard_that_does_not_parse_is_refused_as_damage(code):
+    # A SyntaxError escaped read_cache and ended optimize(): a damaged entry is captured again.
+    with pytest.raises(graph_store.GraphStoreError, match="is not an expression"):
+        graph_store.GuardCheck([code])
+
+
 def _cache_entry(tmp_path) -> tuple:
     name = "tiny-qwen3-omni-audio"
     config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path))
