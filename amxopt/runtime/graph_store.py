@@ -37,6 +37,7 @@ import os
 import pathlib
 import sys
 import sysconfig
+import threading
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -596,13 +597,16 @@ def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
         return v
     if isinstance(v, (torch.dtype, torch.device, bytes)):
         return repr(v)
-    if isinstance(v, torch.Tensor):  # a small one is a setting; a large one comes from the config
-        return [
-            "tensor",
-            list(v.shape),
-            str(v.dtype),
-            v.tolist() if v.numel() <= 64 and v.device.type != "meta" else None,
-        ]
+    if isinstance(v, torch.Tensor):
+        if depth == 0 or v.device.type == "meta" or v.layout != torch.strided:
+            # an attribute of a module: the graph reads it from the model (a small one is a setting)
+            return ["tensor", list(v.shape), str(v.dtype), v.tolist() if v.numel() <= 64 and depth == 0 else None]
+        # in a container or a closure: export makes it a constant of the graph
+        return ["tensor", list(v.shape), str(v.dtype), hashlib.sha256(_tensor_bytes(v)).hexdigest()]
+    if _numpy(v):  # a numpy number or array
+        if getattr(v, "size", 1) <= 64:
+            return ["numpy", str(v.dtype), v.tolist()]
+        return ["numpy", str(v.dtype), list(v.shape), hashlib.sha256(v.tobytes()).hexdigest()]
     if isinstance(v, (tuple, list, set, frozenset)):  # a tuple read back from JSON is a list
         items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
         return ["sequence", [_described(x, f"{where}[{i}]", seen, depth + 1) for i, x in enumerate(items)]]
@@ -614,7 +618,8 @@ def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
     if isinstance(v, (types.FunctionType, types.MethodType)):
         fn = getattr(v, "__func__", v)
         cells = [c.cell_contents for c in fn.__closure__ or () if _full(c) and c.cell_contents is not fn]
-        return ["function", _function_identity(fn), _described(cells, where, seen, depth + 1)]
+        reads = _globals_read([f for f in _code_layers(fn) if _library_file(f) is None])
+        return ["function", _function_identity(fn), _described(cells, where, seen, depth + 1), reads]
     if isinstance(v, (type, types.BuiltinFunctionType, types.ModuleType)):
         return _qualified(v)
     if isinstance(v, nn.Module):
@@ -625,9 +630,16 @@ def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
     if hasattr(v, "to_dict") and hasattr(v, "_attn_implementation"):  # a transformers config
         values = _described(v.to_dict(), where, seen, depth + 1)
         return [_qualified(type(v)), values, v._attn_implementation]
-    if depth < 3 and hasattr(v, "__dict__"):  # an attention processor, a config
-        return [_qualified(type(v)), _described(vars(v), where, seen, depth + 1)]
+    slots = [n for c in type(v).__mro__ for n in _slot_names(c) if n not in ("__dict__", "__weakref__")]
+    if depth < 3 and (hasattr(v, "__dict__") or slots):  # an attention processor, a config, a dataclass
+        state = {n: getattr(v, n) for n in slots if hasattr(v, n)} | (vars(v) if hasattr(v, "__dict__") else {})
+        return [_qualified(type(v)), _described(state, where, seen, depth + 1)]
     return _qualified(type(v))
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    names = vars(cls).get("__slots__", ())
+    return (names,) if isinstance(names, str) else tuple(names)
 
 
 def _qualified(obj: Any) -> str:
@@ -638,60 +650,115 @@ def _qualified(obj: Any) -> str:
 _LIBRARIES = ("torch", "transformers", "diffusers", "amxopt")
 
 
-def _model_code(module: nn.Module) -> dict[str, str]:
+def _model_code(module: nn.Module) -> dict[str, Any]:
     """A digest of the source of each class in ``module`` that is not a library's (a user's model
-    edited between runs): its file, or its compiled methods where there is no file, and the user
-    code it may call (see ``_package_files``)."""
+    edited between runs), and of each user class it inherits from: its file, or its compiled methods
+    where there is no file, the user code it may call (see ``_package_files``), the globals its
+    methods read and its class attributes (``Net.scale = 3`` at run time); and of library code
+    patched in this process (see ``_patches``)."""
     digests: dict[str, Any] = {}
     memo: dict[type, list] = {}
+    users: dict[type, str] = {}
     packages: dict[str, Any] = {}  # top-level module -> digest of its user files
     for cls in sorted({type(m) for m in module.modules()}, key=_qualified):
-        if cls.__module__.split(".")[0] in _LIBRARIES:
-            patched = _patches(cls, memo)
-            if patched:
-                digests[_qualified(cls)] = patched
-            continue
-        digest = hashlib.sha256()
-        methods = [(name, f) for name, f in sorted(vars(cls).items()) if isinstance(f, types.FunctionType)]
-        try:
-            file = inspect.getsourcefile(cls)
-            if methods and all(os.path.abspath(f.__code__.co_filename) != os.path.abspath(file) for _, f in methods):
-                raise OSError("defined by exec")  # getsourcefile names the module's file, not the exec'd text
-            digest.update(pathlib.Path(file).read_bytes())
-        except (TypeError, OSError):  # defined in a notebook or by exec
-            for name, f in methods:  # not co_filename: a notebook's names its process
-                digest.update(name.encode() + json.dumps(_code_data(f.__code__)).encode())
-        top = cls.__module__.split(".")[0]
-        if top not in packages:
-            packages[top] = _files_digest(top)
-        digest.update(packages[top].encode())
-        closures = [v for _, v in sorted(vars(cls).items()) if isinstance(v, types.FunctionType) and v.__closure__]
-        digest.update(json.dumps(_described(closures, "closures", {}), default=str).encode())
-        digest.update(json.dumps(_globals_read([f for _, f in methods]), default=str).encode())
-        digests[_qualified(cls)] = digest.hexdigest()
+        bases = cls.__mro__[:-1]  # not object
+        own = [b for b in bases if not _library_class(b)]
+        for base in own:
+            if base not in users:
+                users[base] = _class_digest(base, packages)
+        library = next((b for b in bases if _library_class(b)), None)
+        patched = _patches(library, memo) if library is not None else []
+        if own:
+            digests[_qualified(cls)] = [[_qualified(b), users[b]] for b in own] + patched
+        elif patched:
+            digests[_qualified(cls)] = patched
     return digests
+
+
+def _library_class(cls: type) -> bool:
+    return cls.__module__.split(".")[0] in _LIBRARIES
+
+
+def _class_digest(cls: type, packages: dict[str, Any]) -> str:
+    digest = hashlib.sha256()
+    methods = [(name, f) for name, f in sorted(vars(cls).items()) if isinstance(f, types.FunctionType)]
+    try:
+        file = inspect.getsourcefile(cls)
+        if methods and all(os.path.abspath(f.__code__.co_filename) != os.path.abspath(file) for _, f in methods):
+            raise OSError("defined by exec")  # getsourcefile names the module's file, not the exec'd text
+        digest.update(pathlib.Path(file).read_bytes())
+    except (TypeError, OSError):  # defined in a notebook or by exec
+        for name, f in methods:  # not co_filename: a notebook's names its process
+            digest.update(name.encode() + json.dumps(_code_data(f.__code__)).encode())
+    top = cls.__module__.split(".")[0]
+    if top not in packages:
+        packages[top] = _files_digest(top)
+    digest.update(packages[top].encode())
+    closures = [v for _, v in sorted(vars(cls).items()) if isinstance(v, types.FunctionType) and v.__closure__]
+    # a value set on the class at run time (in no file's bytes); not a method, property or other descriptor
+    data = {k: v for k, v in sorted(vars(cls).items()) if not k.startswith("__") and not hasattr(type(v), "__get__")}
+    described = _described([closures, data], "class", {})
+    digest.update(json.dumps(described, default=str).encode())
+    digest.update(json.dumps(_globals_read([f for _, f in methods]), default=str).encode())
+    return digest.hexdigest()
+
+
+_READING = threading.local()  # the functions whose globals a _globals_read on this thread is reading
 
 
 def _globals_read(functions: list[types.FunctionType]) -> list:
     """The module globals that ``functions`` read, and the user functions they call read: a plain
-    value (``SCALE = float(sys.argv[1])``, in no file's bytes) by value, a tensor by its data (export
-    stores it in the graph), anything else by its type (a logger's state is not what it computes)."""
+    value or a container of them (``SCALE = float(sys.argv[1])``, in no file's bytes) by value, a
+    tensor by its data (export stores it in the graph), anything else by its type (a logger's state
+    is not what it computes). What a function reads from a module counts too: from a user's module
+    any value (``settings.SCALE``, ``helpers.act``), from a library's a function put there in this
+    process (``torch.nn.functional.gelu = mine``)."""
+    active: set = _READING.__dict__.setdefault("functions", set())
     found: dict[tuple[str, str], Any] = {}
-    todo, seen = list(functions), set()
-    while todo and len(seen) < 256:
-        f = todo.pop()
-        if f in seen:
-            continue
-        seen.add(f)
-        for name in _global_names(f.__code__):
-            key = (str(f.__module__), name)
-            if name not in f.__globals__ or key in found:
-                continue
-            v = f.__globals__[name]
-            if isinstance(v, types.FunctionType) and str(v.__module__).split(".")[0] not in _LIBRARIES:
-                todo.append(v)
-            found[key] = _global_value(v)
+    todo = [f for f in functions if f not in active]
+    mine = set(todo)  # reading: a function reached again (f calls g calls f) is not read twice
+    active.update(mine)
+    try:
+        while todo and len(mine) < 256:
+            f = todo.pop()
+            for name, attributes in _global_loads(f.__code__):
+                if name not in f.__globals__:
+                    continue
+                value, path = f.__globals__[name], name
+                if (str(f.__module__), path) not in found:
+                    found[(str(f.__module__), path)] = _global_value(value)
+                user = True
+                for attribute in attributes:  # through modules: `helpers.act`, `torch.nn.functional.gelu`
+                    if not isinstance(value, types.ModuleType):
+                        break
+                    user = _user_module(value)
+                    value, path = getattr(value, attribute, _MISSING), f"{path}.{attribute}"
+                    if value is _MISSING or (str(f.__module__), path) in found:
+                        break
+                    if user:
+                        found[(str(f.__module__), path)] = _global_value(value)
+                    elif _code_layers(value) and not _library_code(value):
+                        found[(str(f.__module__), path)] = ["patched", _function_identity(value)]
+                if (
+                    isinstance(value, types.FunctionType)
+                    and str(value.__module__).split(".")[0] not in _LIBRARIES
+                    and value not in active
+                ):
+                    todo.append(value)
+                    mine.add(value)
+                    active.add(value)
+    finally:
+        active.difference_update(mine)
     return [[*key, found[key]] for key in sorted(found)]
+
+
+_MISSING = object()
+
+
+def _user_module(module: types.ModuleType) -> bool:
+    """A module of user code (not the stdlib, an installed package or the libraries)."""
+    file = getattr(module, "__file__", None)
+    return _real_file(file) and not _installed(file)
 
 
 def _global_value(v: Any) -> Any:
@@ -699,8 +766,8 @@ def _global_value(v: Any) -> Any:
         if v.device.type == "meta" or v.layout != torch.strided:
             return ["tensor", list(v.shape), str(v.dtype)]
         return ["tensor", list(v.shape), str(v.dtype), hashlib.sha256(_tensor_bytes(v)).hexdigest()]
-    if _plain(v):
-        return _described(v, "global", {})
+    if _plain(v) or isinstance(v, (list, dict, set, frozenset)) or _numpy(v):
+        return _described(v, "global", {}, depth=1)  # (depth 1: a tensor in it by its data)
     if isinstance(v, (types.FunctionType, type, types.ModuleType, types.BuiltinFunctionType)):
         return _described(v, "global", {})
     return _qualified(type(v))
@@ -713,11 +780,25 @@ def _plain(v: Any, depth: int = 0) -> bool:
     return isinstance(v, tuple) and depth < 2 and len(v) <= 64 and all(_plain(x, depth + 1) for x in v)
 
 
-def _global_names(code: types.CodeType) -> list[str]:
-    """The global names ``code`` and the functions defined in it load (not attribute names)."""
-    names = [i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"]
+def _numpy(v: Any) -> bool:
+    return type(v).__module__ == "numpy" and hasattr(v, "tolist")
+
+
+def _global_loads(code: types.CodeType) -> list[tuple[str, tuple[str, ...]]]:
+    """Each global name ``code`` and the functions defined in it load, with the attributes read
+    from it in a row (``torch.nn.functional.gelu``: ``("torch", ("nn", "functional", "gelu"))``)."""
+    loads: list[tuple[str, list[str]]] = []
+    chain: list[str] | None = None
+    for i in dis.get_instructions(code):
+        if i.opname == "LOAD_GLOBAL":
+            chain = []
+            loads.append((i.argval, chain))
+        elif i.opname in ("LOAD_ATTR", "LOAD_METHOD") and chain is not None:
+            chain.append(i.argval)
+        else:
+            chain = None
     nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return [*names, *(n for c in nested for n in _global_names(c))]
+    return [(name, tuple(chain)) for name, chain in loads] + [load for c in nested for load in _global_loads(c)]
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

@@ -538,6 +538,130 @@ def test_cache_key_follows_the_globals_a_forward_reads(tmp_path, monkeypatch):
     sys.modules.pop("globals_net", None)
 
 
+def _module_key(tmp_path, monkeypatch, files: dict[str, str], value: str) -> str:
+    """The cache key of ``net_key.build()`` after writing ``files`` (module name -> text), each in
+    its own directory (not a package, nor beside another: not the model's user code by location),
+    and importing them afresh with ``AMXOPT_TEST_VALUE=value``, as a new process would."""
+    monkeypatch.setenv("AMXOPT_TEST_VALUE", value)
+    for name, text in files.items():
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / f"{name}.py").write_text(text)
+        monkeypatch.syspath_prepend(str(tmp_path / name))
+        sys.modules.pop(name, None)
+    importlib.invalidate_caches()
+    try:
+        net = importlib.import_module("net_key").build()
+        return graph_store.cache_key(net, "plain", {"x": torch.randn(2, 8)}, CONFIG)
+    finally:
+        for name in files:
+            sys.modules.pop(name, None)
+
+
+_FC = (
+    "import os, torch\nVALUE = float(os.environ['AMXOPT_TEST_VALUE'])\n"
+    "class Fc(torch.nn.Module):\n    def __init__(self):\n        super().__init__(); self.fc = torch.nn.Linear(8, 8)\n"
+)
+_BUILD = "def build():\n    return Net()\n"
+
+
+@pytest.mark.parametrize(
+    "files, changed",
+    [
+        # a user base class in another file: its code, and the globals its methods read
+        (
+            {"base_key": _FC + "    def forward(self, x):\n        return torch.relu(self.fc(x))\n",
+             "net_key": "import base_key\nclass Net(base_key.Fc):\n    pass\n" + _BUILD},
+            {"base_key": _FC + "    def forward(self, x):\n        return torch.sigmoid(self.fc(x))\n"},
+        ),
+        (
+            {"base_key": _FC + "    def forward(self, x):\n        return self.fc(x) * VALUE\n",
+             "net_key": "import base_key\nclass Net(base_key.Fc):\n    pass\n" + _BUILD},
+            {},
+        ),
+        # what a forward reads through a module: a helper module's function, another module's setting
+        (
+            {"helper_key": "import torch\ndef act(x):\n    return torch.relu(x)\n",
+             "net_key": "import helper_key\n" + _FC + "    def forward(self, x):\n        return helper_key.act(self.fc(x))\n"
+                        "Net = Fc\n" + _BUILD},
+            {"helper_key": "import torch\ndef act(x):\n    return torch.sigmoid(x)\n"},
+        ),
+        (
+            {"settings_key": _FC,
+             "net_key": "import settings_key\n" + _FC + "    def forward(self, x):\n        return self.fc(x) * settings_key.VALUE\n"
+                        "Net = Fc\n" + _BUILD},
+            {},
+        ),
+        # a dict global, a class attribute, tensors in a tuple attribute, a numpy number, a slotted setting
+        (
+            {"net_key": _FC + "    def forward(self, x):\n        return self.fc(x) * OPTIONS['scale']\n"
+                        "OPTIONS = {'scale': VALUE}\nNet = Fc\n" + _BUILD},
+            {},
+        ),
+        (
+            {"net_key": _FC + "    scale = 1.0\n    def forward(self, x):\n        return self.fc(x) * self.scale\n"
+                        "Fc.scale = VALUE\nNet = Fc\n" + _BUILD},
+            {},
+        ),
+        (
+            {"net_key": _FC + "    def forward(self, x):\n        return self.fc(x) + self.feats[0][:8]\n"
+                        "def build():\n    net = Fc()\n"
+                        "    net.feats = (torch.randn(128, generator=torch.Generator().manual_seed(int(VALUE))),)\n"
+                        "    return net\n"},
+            {},
+        ),
+        (
+            {"net_key": "import numpy\n" + _FC + "    def forward(self, x):\n        return self.fc(x) * float(self.scale)\n"
+                        "def build():\n    net = Fc(); net.scale = numpy.float32(VALUE)\n    return net\n"},
+            {},
+        ),
+        (
+            {"net_key": "import dataclasses\n" + _FC + "    def forward(self, x):\n        return self.fc(x) * self.options.scale\n"
+                        "@dataclasses.dataclass(slots=True)\nclass Options:\n    scale: float\n"
+                        "def build():\n    net = Fc(); net.options = Options(VALUE)\n    return net\n"},
+            {},
+        ),
+        # a function held by the model: the globals it reads
+        (
+            {"act_key": _FC.split("class")[0] + "def act(x):\n    return x * VALUE\n",
+             "net_key": "import act_key\n" + _FC + "    def forward(self, x):\n        return self.act(self.fc(x))\n"
+                        "def build():\n    net = Fc(); net.act = act_key.act\n    return net\n"},
+            {},
+        ),
+    ],
+    ids=["base-code", "base-global", "helper-module", "module-setting", "dict-global", "class-attribute",
+         "tensor-tuple", "numpy-number", "slotted-setting", "held-function"],
+)  # fmt: skip
+def test_cache_key_follows_what_a_user_class_reads_beyond_its_file(tmp_path, monkeypatch, files, changed):
+    # Each pair computes differently with the same model file; a restored graph of the first served the second.
+    first = _module_key(tmp_path, monkeypatch, files, "1")
+    assert _module_key(tmp_path, monkeypatch, files, "1") == first
+    assert _module_key(tmp_path, monkeypatch, files | changed, "1" if changed else "2") != first
+
+
+class _Activations(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.fc(x)) + torch.nn.functional.silu(x)
+
+
+def test_cache_key_follows_a_library_function_patched_in_this_process(monkeypatch):
+    # torch.nn.functional.gelu = mine: a forward reading torch.nn.functional.gelu runs mine.
+    def key():
+        return graph_store.cache_key(_Activations(), "plain", {"x": torch.randn(2, 8)}, CONFIG)
+
+    plain, gelu, silu = key(), torch.nn.functional.gelu, torch.nn.functional.silu
+    monkeypatch.setattr(torch.nn.functional, "gelu", lambda x: gelu(x) * 0.5)
+    halved = key()
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.nn.functional, "silu", lambda x: silu(x) * 0.5)
+    assert len({plain, halved, key()}) == 3
+    monkeypatch.undo()
+    assert key() == plain
+
+
 def test_load_restores_the_saved_graph_without_capturing(tmp_path, monkeypatch):
     name = "tiny-wan"
     config = dataclasses.replace(CONFIG, keep_source=False, graph_cache=False)
