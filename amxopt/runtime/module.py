@@ -610,14 +610,15 @@ class OptimizedModule(nn.Module):
                 self.__dict__["_released_here"] = True  # (not by from_pretrained or load, which pack as they read)
                 logger.info("amxopt: released %.1f MB of packed source weights", freed / 2**20)
         # Packed weights that stayed (all with keep_source; else those a graph also reads unpacked, as
-        # a tied embedding, or packs in a computed form, as w.t()): after release, which gave them
-        # storage of their own. Under tensor parallelism every weight and buffer: the other ranks
-        # read their own copies (and rank 0 its shards), which a change here does not reach.
+        # a tied embedding, or packs in a computed form, as w.t(); a buffer, never released): after
+        # release, which gave them storage of their own. Under tensor parallelism every weight and
+        # buffer: the other ranks read their own copies (and rank 0 its shards), which a change here
+        # does not reach.
         source = self.__dict__["_source"]
         every = self.amx_config.tp != 1
         self._packed_versions = [
             (p, p._version, p.data_ptr(), packed.StorageRef(p))
-            for p in itertools.chain(source.parameters(), source.buffers() if every else ())
+            for p in itertools.chain(source.parameters(), source.buffers())
             if not p.is_inference()
             and not packed.is_released(p)
             and (every or packed.packings(p) or packed.is_derived(p))

@@ -117,6 +117,31 @@ def test_a_packing_is_not_reused_after_the_source_changes_in_place():
         torch.testing.assert_close(opt(**inputs).pooler_output, model(**inputs).pooler_output)
 
 
+class _BufferWeights(nn.Module):
+    """Weights held as buffers (a frozen projection): packed like parameters, never released."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("patch", torch.randn(8, 3, 2, 2))
+        self.register_buffer("proj", torch.randn(16, 8))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(torch.nn.functional.conv2d(x, self.patch, None, 2).flatten(2).mT, self.proj)
+
+
+@pytest.mark.parametrize("keep_source", [True, False])
+def test_a_buffer_weight_written_in_place_is_packed_again(keep_source):
+    # Only parameters' versions were watched: the graphs kept running the old packing of a buffer.
+    model, x = _BufferWeights().eval(), torch.randn(2, 3, 16, 16)
+    opt = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, provider="native", keep_source=keep_source))
+    assert opt.report.counts()["patch_embed"] == 1 and opt.report.counts()["linear"] == 1
+    with torch.no_grad():
+        model.patch.mul_(2)
+        torch.testing.assert_close(opt(x), model(x))
+        model.proj.mul_(-1)
+        torch.testing.assert_close(opt(x), model(x))
+
+
 class _TiedHead(nn.Module):
     """An embedding tied to its output head: the head's weight is packed and also read unpacked."""
 
