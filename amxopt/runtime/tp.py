@@ -22,6 +22,7 @@ nothing is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -31,6 +32,7 @@ import pathlib
 import pickle
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -335,6 +337,7 @@ class TPModule(nn.Module):
         port = _free_port()
         timeout = datetime.timedelta(seconds=config.tp_timeout_s)
         self._store = dist.TCPStore("127.0.0.1", port, tp, is_master=True, timeout=timeout, wait_for_workers=False)
+        _check_importable(model)
         context = _workers_context(model)
         self._workers = [
             context.Process(
@@ -402,12 +405,13 @@ class TPModule(nn.Module):
                 return ""  # killed, or died in a collective
         except Exception:  # noqa: BLE001 - the store may be gone with the failure being reported
             return ""
-        # Not ready: it died starting up. A spawned worker first imports the script that
-        # started it: one calling optimize() outside its main guard fails there, as Python's
-        # multiprocessing says on stderr.
+        # Not ready: it died starting up. A worker first imports the script that started it (one
+        # calling optimize() outside its main guard fails there, as Python's multiprocessing says
+        # on stderr), then unpickles the model.
         return (
-            " before reaching amxopt's code (its traceback is on stderr); a script that optimizes with tp must "
-            'do so under `if __name__ == "__main__":`'
+            " before reaching amxopt's code (its traceback is on stderr): a worker first imports the main script, "
+            'so a script that optimizes with tp must do so under `if __name__ == "__main__":`, and then the '
+            "model, whose code must be importable from its files"
         )
 
     @property
@@ -544,11 +548,48 @@ def _workers_context(model: nn.Module):
     return context
 
 
+def _check_importable(model: nn.Module) -> None:
+    """Refuse a model whose classes a worker cannot import: defined in a main script that is no file
+    (``python -c``, a script read from stdin, a notebook cell)."""
+    main = sys.modules.get("__main__")
+    if _main_file(main) is not None or getattr(main, "__spec__", None) is not None:
+        return
+    local = sorted({type(m).__qualname__ for m in model.modules() if type(m).__module__ == "__main__"})
+    if local:
+        raise RuntimeError(
+            f"amxopt: tp hands the model to worker processes, which import its classes; {', '.join(local)} "
+            "is defined in a main program that is no file (python -c, stdin, a notebook): define it in a module "
+            "and import it, or run the ranks under torchrun with AmxConfig(tp='env')"
+        )
+
+
+def _main_file(main: Any) -> str | None:
+    file = getattr(main, "__file__", None)
+    return file if isinstance(file, str) and os.path.isfile(file) else None
+
+
+@contextlib.contextmanager
+def _unimportable_main_hidden():
+    """While starting a worker: a main program whose ``__file__`` names no file (``<stdin>``) is not
+    re-imported by it, as ``python -c``'s is not (multiprocessing would run the missing path and die)."""
+    main = sys.modules.get("__main__")
+    file = getattr(main, "__file__", None)
+    if file is None or _main_file(main) is not None or getattr(main, "__spec__", None) is not None:
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = file
+
+
 def _start(worker) -> None:
     """Start a worker; its arguments (the model) are pickled, their tensors travel through shared
     memory."""
     try:
-        worker.start()
+        with _unimportable_main_hidden():
+            worker.start()
     except (pickle.PicklingError, AttributeError, TypeError) as e:
         if "pickle" not in str(e):
             raise

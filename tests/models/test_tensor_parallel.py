@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -232,6 +233,40 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     assert run.returncode != 0
     assert "rank 1 exited with code 1 before reaching amxopt's code" in run.stderr
     assert 'under `if __name__ == "__main__":`' in run.stderr
+
+
+_FROM_STDIN = """
+import sys
+sys.path.insert(0, {root!r})
+import torch, amxopt
+from amxopt import models
+from amxopt.runtime.compare import max_abs_error
+if __name__ == "__main__":
+    name = "tiny-qwen3-omni-vision"
+    model, inputs = models.build_model(name), models.example_inputs(name)
+    sharded = amxopt.optimize(model, inputs, amxopt.AmxConfig(tp=2, tp_timeout_s=60, keep_source=True))
+    with torch.no_grad():
+        print("error", max_abs_error(sharded(**inputs), model(**inputs)))
+    sharded.close()
+"""
+
+
+def test_a_script_read_from_stdin_runs_with_tp():
+    # Its __file__ is "<stdin>": a worker ran that missing path and died, told to add the guard it had.
+    run = subprocess.run(
+        [sys.executable, "-"], input=_FROM_STDIN.format(root=os.getcwd()), capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split("error")[1]) < 1e-4
+
+
+def test_a_model_class_of_a_main_program_without_a_file_is_refused_before_starting_workers(monkeypatch):
+    # python -c, a notebook: a worker cannot import the class to unpickle the model.
+    main = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    block = type("LocalBlock", (torch.nn.Module,), {"forward": lambda self, x: x * 2, "__module__": "__main__"})
+    with pytest.raises(RuntimeError, match="LocalBlock is defined in a main program that is no file"):
+        amxopt.optimize(torch.nn.Sequential(block()).eval(), (torch.randn(2, 4),), dataclasses.replace(CONFIG, tp=2))
 
 
 def test_a_hung_rank_fails_the_call_within_the_timeout():
