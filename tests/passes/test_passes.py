@@ -327,6 +327,22 @@ def test_replace_attention_sdpa(causal, gqa, scale, lk):
     assert_same(gm, gi, model)
 
 
+@pytest.mark.parametrize("provider", ["reference", "native"])
+def test_sdpa_default_scale_follows_a_head_dim_that_varies(provider, tmp_path):
+    # The op takes its scale as a number: the example's 1/sqrt(16) served a later head dim of 64.
+    config = dataclasses.replace(CONFIG, provider=provider, autotune_cache=str(tmp_path))
+    model, small = SDPA().eval(), [torch.randn(2, 4, 8, 16) for _ in range(3)]
+    for _ in range(2):  # captured, then restored from the graph cache
+        opt = amxopt.optimize(model, tuple(small), config)
+        assert opt.report.counts()["attention"] == 1
+        for d in (16, 64):
+            q, k, v = (torch.randn(2, 4, 8, d) for _ in range(3))
+            with torch.no_grad():
+                torch.testing.assert_close(opt(q, k, v), model(q, k, v), atol=1e-5, rtol=1e-5)
+        assert len(opt.graphs) == 1
+    assert any("graph cache" in note for note in opt.report.notes)
+
+
 def test_replace_attention_leaves_masked_sdpa():
     inputs = {"q": torch.randn(1, 2, 6, 8), "k": torch.randn(1, 2, 6, 8), "v": torch.randn(1, 2, 6, 8)}
     gm, _ = captured(SDPA(mask=True), inputs)
