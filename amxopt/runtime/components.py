@@ -42,9 +42,15 @@ class ComponentsReport:
 
     def __str__(self) -> str:
         width = max(map(len, [*self.optimized, *self.left]), default=0)
-        lines = [f"amxopt: {self.owner}: {len(self.optimized)} part(s) optimized, {len(self.left)} left as they are"]
+        eager = [path for path, opt in self.optimized.items() if opt.eager_reason]
+        summary = f"{len(self.optimized) - len(eager)} part(s) optimized, "
+        summary += f"{len(eager)} run as eager PyTorch (capture failed), " if eager else ""
+        lines = [f"amxopt: {self.owner}: {summary}{len(self.left)} left as they are"]
         for path, opt in self.optimized.items():
-            lines.append(f"  {path:<{width}} | optimized | adapter {opt.adapter.name}, {len(opt.graphs)} graph(s)")
+            if path in eager:
+                lines.append(f"  {path:<{width}} | eager     | capture failed (below)")
+            else:
+                lines.append(f"  {path:<{width}} | optimized | adapter {opt.adapter.name}, {len(opt.graphs)} graph(s)")
         for path, reason in self.left.items():
             lines.append(f"  {path:<{width}} | left      | {reason}")
         for path, opt in self.optimized.items():

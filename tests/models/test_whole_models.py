@@ -184,6 +184,9 @@ def test_pipeline_part_export_cannot_capture_runs_eager_and_says_why():
     opt = pipe.amxopt_report.optimized["text_encoder"]
     assert opt.eager_reason and "could not capture _DataDependent" in opt.eager_reason
     assert "runs as eager PyTorch" in str(pipe.amxopt_report)
+    # the summary does not count it as optimized
+    assert "0 part(s) optimized, 1 run as eager PyTorch (capture failed)" in str(pipe.amxopt_report)
+    assert "text_encoder | eager " in str(pipe.amxopt_report)
 
 
 def _data_dependent_hook(module, args, out):  # Python on a value: export cannot trace it
