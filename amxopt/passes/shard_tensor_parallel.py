@@ -46,6 +46,7 @@ from amxopt.config import AmxConfig
 from amxopt.ops import packed
 from amxopt.passes._graph import (
     LEFT,
+    LEFT_KIND,
     SHARDED,
     add_constant,
     arg,
@@ -633,6 +634,9 @@ def _shard_norm(gm: fx.GraphModule, norm: fx.Node, lay: Layout, group: str, memo
         _put(gm, wf, weight, w_local, f"{norm.name}_weight")
     for n in (xf, sq, mean, y, out):
         _copy_source(norm, n)
+    # the report's: an RMSNorm left as ATen ops (amxopt.rms_norm cannot sum across ranks)
+    out.meta[LEFT_KIND] = "rms_norm"
+    out.meta[LEFT] = "across the heads tp shards: a local sum of squares, all-reduced, in ATen ops"
     norm.replace_all_uses_with(out)
     g.erase_node(norm)
 

@@ -404,6 +404,11 @@ def test_the_report_counts_the_all_reduces_a_shard_runs():
     units = 3 * _blocks(model)
     assert reduces > units
     assert any(f"{units} attention/MLP units sharded, {reduces} all-reduces" in n for n in graph.report.notes)
+    # the q/k norms it decomposed are in the table, left as ATen, not gone from it
+    one = build_graph(model, adapter, graph_inputs, dataclasses.replace(CONFIG, tp=1))
+    norms = one.report.counts()["rms_norm"]
+    assert norms == 4 * _blocks(model) and graph.report.left_counts()["rms_norm"] == norms  # q, k of attn1, attn2
+    assert "a local sum of squares, all-reduced" in str(graph.report)
 
 
 class _MQABlock(torch.nn.Module):
