@@ -217,6 +217,16 @@ class _Wrong(nn.Module):
         return self.fc(x) * 1e4 if torch.compiler.is_compiling() else self.fc(x)
 
 
+def build_broken():
+    """A factory with a bug: check exits 2 (an error), not 1 (an output off)."""
+    return nn.Linear(4, 4).eval().missing_attribute, (torch.randn(3, 4),)
+
+
+def test_check_of_a_factory_that_raises_is_an_error_not_a_failed_check(capsys):
+    assert cli.main(["check", "tests.test_cli:build_broken"]) == 2
+    assert "missing_attribute" in capsys.readouterr().err
+
+
 def test_check_fails_when_the_optimized_model_differs(capsys):
     assert cli.main(["check", "tests.test_cli:build_wrong", "--provider", "reference"]) == 1
     assert "FAILS" in capsys.readouterr().out
@@ -249,12 +259,29 @@ def build_with_plain_outputs():
     return _Masked(extra=(None, 3)).eval(), (torch.randn(3, 8),)
 
 
+class _SmallWrong(nn.Module):
+    """Outputs of magnitude 1e-4, the captured form 30% off."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x) * 1e-4
+        return y * 1.3 if torch.compiler.is_compiling() else y
+
+
+def build_small_wrong():
+    return _SmallWrong().eval(), (torch.randn(3, 8),)
+
+
 @pytest.mark.parametrize(
     "factory, fails",
     [
         ("build_masked_wrong", ["fp32", "bf16"]),  # an infinity in the output made the tolerance infinite
         ("build_wrong_in_bf16", ["bf16"]),  # within 10% of the largest magnitude, the old bf16 bound
         ("build_with_plain_outputs", []),  # None and a number beside the tensor: compared, not a crash
+        ("build_small_wrong", ["fp32", "bf16"]),  # fp32 allowed 1e-3 absolute below magnitude 1: 30% passed
     ],
 )
 def test_check_judges_each_output_as_the_tests_do(factory, fails, capsys):

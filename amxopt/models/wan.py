@@ -6,6 +6,7 @@ and text embeddings for one denoising step.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -82,7 +83,10 @@ def wan_inputs(
 
 
 def _wan_examples(spec: ModelSpec, config: Any, size: Any, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    dims = tuple(int(v) for v in size) if isinstance(size, (tuple, list)) else ()
+    dims = tuple(size) if isinstance(size, (tuple, list)) else ()
+    if not all(isinstance(v, numbers.Integral) or (isinstance(v, float) and v.is_integer()) for v in dims):
+        raise ValueError(f"Wan size must be whole numbers (F, H, W) or (F, H, W, text_tokens), got {size!r}")
+    dims = tuple(int(v) for v in dims)
     if len(dims) == 3:
         dims = dims + (int(spec.default_size[3]),)
     if len(dims) != 4:

@@ -242,6 +242,9 @@ def test_wan_default_inputs() -> None:
         models.example_inputs("tiny-wan", size=(2, 7, 8))
     with pytest.raises(ValueError):
         models.example_inputs("tiny-wan", size=(2, 8))
+    with pytest.raises(ValueError, match="whole numbers"):  # was cut to 5 frames
+        models.example_inputs("tiny-wan", size=(5.5, 8, 8))
+    assert models.example_inputs("tiny-wan", size=(2.0, 8, 8))["hidden_states"].shape[2] == 2
 
 
 def test_synthetic_data() -> None:
