@@ -104,8 +104,16 @@ def _check_no_released_reads(gm: fx.GraphModule, model_name: str) -> None:
 
 def _signature(graph_inputs: dict) -> tuple:
     # A tensor by its rank: export's guards check sizes, not how many (a Wan timestep [B] or [B, T]).
+    # Any other value by its type too (a graph of scale=1 computes x * 1, not x * 1.0 or x * True),
+    # a float by its text (a NaN is itself).
     leaves, spec = pytree.tree_flatten(graph_inputs)
-    return spec, tuple({"tensor_dims": x.dim()} if isinstance(x, torch.Tensor) else x for x in leaves)
+    return spec, tuple(_signature_leaf(x) for x in leaves)
+
+
+def _signature_leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return {"tensor_dims": x.dim()}
+    return [type(x).__qualname__, repr(x) if isinstance(x, float) else x]  # (a list: as JSON reads it back)
 
 
 class _LoadWatch:

@@ -287,6 +287,24 @@ def test_an_integer_timestep_after_a_float_one_is_captured_again(tmp_path):
         opt(**{**inputs, "hidden_states": inputs["hidden_states"].bfloat16()})
 
 
+class _Times(nn.Module):
+    def forward(self, x, s):
+        return x * s
+
+
+def test_a_number_of_another_type_or_a_nan_is_captured_again(tmp_path):
+    # 1.0 == 1 == True: a graph of scale 1 served 1.0, and an int64 product came where eager's is float32.
+    model, x = _Times().eval(), torch.arange(6).reshape(2, 3)
+    opt = amxopt.optimize(model, (x, 1), dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    for s in (1, 1.0, True, float("nan"), float("nan")):
+        got, want = opt(x, s), model(x, s)
+        assert got.dtype == want.dtype and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert len(opt.graphs) == 4  # the second NaN is served the first's graph
+    again = amxopt.optimize(model, (x, 1.0), dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    assert any("graph cache" in note for note in again.report.notes)
+    assert again(x, 1.0).dtype == torch.float32 and again(x, 1).dtype == torch.int64
+
+
 def test_weights_left_on_the_meta_device_are_named_with_their_cause(tmp_path):
     model, inputs = _wan(0)
     model.proj_out.weight = torch.nn.Parameter(torch.empty_like(model.proj_out.weight, device="meta"))  # offloaded
