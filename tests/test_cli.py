@@ -227,6 +227,18 @@ def test_check_of_a_factory_that_raises_is_an_error_not_a_failed_check(capsys):
     assert "missing_attribute" in capsys.readouterr().err
 
 
+def build_whole_model():
+    from amxopt import pipelines
+
+    return pipelines.build_qwen3_vl("tiny"), {}
+
+
+def test_a_whole_model_factory_is_told_to_return_a_tower(capsys):
+    # It said "call optimize() without example inputs", which a CLI user cannot do.
+    assert cli.main(["check", "tests.test_cli:build_whole_model"]) == 2
+    assert "Qwen3VLForConditionalGeneration, a whole model" in capsys.readouterr().err
+
+
 def test_check_fails_when_the_optimized_model_differs(capsys):
     assert cli.main(["check", "tests.test_cli:build_wrong", "--provider", "reference"]) == 1
     assert "FAILS" in capsys.readouterr().out

@@ -58,6 +58,14 @@ def load_target(spec: str, dtype: torch.dtype, size: Any = None) -> tuple[nn.Mod
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
         raise ValueError(f"amxopt: {spec}() must return (model, inputs), got {type(result).__name__}")
     model, inputs = result
+    from amxopt.runtime.components import has_towers
+
+    if has_towers(model):
+        raise ValueError(
+            f"amxopt: {spec}() returned {type(model).__name__}, a whole model that optimize() takes part by part "
+            "at its first calls; the CLI captures one model with the inputs given: return a tower (an encoder, "
+            "a transformer) and its inputs"
+        )
     return model.to(dtype), cast_inputs(inputs, dtype)
 
 
