@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from amxopt import models
+from amxopt.models.build import construct_class
 
 # Special token ids of the tiny vocabularies (the released ones are 151k+, far past a tiny vocab).
 _VOCAB = 512
@@ -56,6 +57,15 @@ def _init(model: torch.nn.Module, dtype: torch.dtype | None, seed: int) -> torch
     return (model if dtype is None else model.to(dtype)).eval()
 
 
+def _built(cls: type, config: Any, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """A transformers model as ``from_pretrained(dtype=dtype)`` makes it (rotary and position tables
+    stay fp32; ``.to(dtype)`` would cast them), with the zoo's seeded weights."""
+    torch.manual_seed(seed)
+    model = construct_class(cls, "transformers", config, dtype)
+    models._reinit(model)
+    return model.eval()
+
+
 def build_qwen3_vl(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
     """``Qwen3VLForConditionalGeneration``: the ``tiny`` or ``small`` (real 2B vision tower) variant."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
@@ -64,17 +74,18 @@ def build_qwen3_vl(size: str = "tiny", dtype: torch.dtype = torch.float32, seed:
     text = _text_config(size)
     vision.out_hidden_size = text["hidden_size"]
     config = Qwen3VLConfig(vision_config=vision.to_dict(), text_config=text, tie_word_embeddings=True, **_VISION_IDS)
-    model = Qwen3VLForConditionalGeneration._from_config(config, attn_implementation="sdpa")
+    model = _built(Qwen3VLForConditionalGeneration, config, dtype, seed)
     model.model.visual.zoo_name = _VISION[size]
-    return _init(model, dtype, seed)
+    return model
 
 
-def _media(vision: Any, images: list, videos: list, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
+def _media(
+    visual: torch.nn.Module, images: list, videos: list, dtype: torch.dtype, seed: int
+) -> dict[str, torch.Tensor]:
+    vision, out = visual.config, {}
     if images:
         pics = [models.synthetic_image(h, w, seed + i) for i, (h, w) in enumerate(images)]
-        side = vision.patch_size * vision.spatial_merge_size
-        px = models.image_inputs(vision, pics, dtype, min_pixels=side * side)
+        px = models.image_inputs(visual, pics, dtype)  # (a tiny tower's minimum: one merged patch)
         out.update(pixel_values=px["hidden_states"], image_grid_thw=px["grid_thw"])
     if videos:
         # (frames, height, width) in patches; pixel patches drawn directly (no video processor offline).
@@ -102,7 +113,7 @@ def qwen3_vl_prompt(
     (``(frames, height, width)`` in patches, frames a multiple of the temporal patch size)."""
     vision = model.config.vision_config
     dtype = model.model.visual.dtype
-    media = _media(vision, images or [], videos or [], dtype, seed)
+    media = _media(model.model.visual, images or [], videos or [], dtype, seed)
     merge = vision.spatial_merge_size**2
     spans = [
         [_VISION_START] + [_IMAGE] * (int(thw.prod()) // merge) + [_VISION_END]
@@ -136,8 +147,9 @@ def build_qwen3_omni_thinker(dtype: torch.dtype = torch.float32, seed: int = 0) 
         audio_end_token_id=_AUDIO_END,
         **_VISION_IDS,
     )
-    model = Qwen3OmniMoeThinkerForConditionalGeneration._from_config(config, attn_implementation="sdpa")
-    return _init(model, dtype, seed)
+    model = _built(Qwen3OmniMoeThinkerForConditionalGeneration, config, dtype, seed)
+    model.model.visual.zoo_name, model.model.audio_tower.zoo_name = "tiny-qwen3-omni-vision", "tiny-qwen3-omni-audio"
+    return model
 
 
 def qwen3_omni_prompt(
@@ -148,7 +160,7 @@ def qwen3_omni_prompt(
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
     vision = model.config.vision_config
-    media = _media(vision, images or [], [], model.model.visual.dtype, seed)
+    media = _media(model.model.visual, images or [], [], model.model.visual.dtype, seed)
     spans = []
     for thw in media.get("image_grid_thw", []):
         spans.append([_VISION_START] + [_IMAGE] * (int(thw.prod()) // vision.spatial_merge_size**2) + [_VISION_END])

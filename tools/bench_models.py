@@ -9,8 +9,8 @@ first call and of amxopt.optimize.
 
 End-to-end rows (``E2E``) run the caller's own code on a whole model or pipeline, optimized with
 ``amxopt.optimize(model)`` (each part captured at its first call, which is the setup cost):
-Qwen3-VL ``generate`` (real 2B vision tower + a 4-layer language model at the 2B width, 448x448
-image, 8 new tokens; error on the first-token logits) and one Wan2.1-1.3B ``WanPipeline`` step
+Qwen3-VL ``generate`` (real 2B vision tower + a 4-layer language model at the 2B width with a
+512-token vocabulary, not the released 151,936: its LM head is a stand-in; 448x448 image, 8 new tokens; error on the first-token logits) and one Wan2.1-1.3B ``WanPipeline`` step
 (guidance on, so two transformer calls; a 2-layer UMT5 at XXL width; latents out, no VAE decode).
 torch.compile is not run on them (it would compile the pipeline's Python, not one module).
 

@@ -1,7 +1,8 @@
 """make demo: Qwen3-VL answers about an image, end to end, with ``amxopt.optimize(model)``.
 
 The model is ``Qwen3VLForConditionalGeneration`` with the real Qwen3-VL-2B vision tower and a small
-4-layer language model at the 2B width (random weights: no hub access). The prompt holds one
+4-layer language model at the 2B width and a 512-token vocabulary (the released one has 151,936;
+random weights: no hub access). The prompt holds one
 generated 448x448 image (784 patches, 196 image tokens). The demo
 
 1. answers with the original model in bf16 (eager), timing ``generate``;

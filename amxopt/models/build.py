@@ -65,8 +65,12 @@ def _matches_module(param_name: str, module_names: Sequence[str]) -> bool:
 def construct(family: Family, config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """Instantiate ``family``'s class from ``config`` directly in ``dtype`` without running any weight
     init (parameters hold garbage until :func:`reinit`), then upcast the keep-in-fp32 modules."""
-    cls = family.model_class()
-    if family.library == "diffusers":
+    return construct_class(family.model_class(), family.library, config, dtype)
+
+
+def construct_class(cls: type, library: str, config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """:func:`construct` for any ``transformers`` or ``diffusers`` model class (a whole model too)."""
+    if library == "diffusers":
         from diffusers.models.modeling_utils import no_init_weights
 
         with no_init_weights(), _default_dtype(dtype):

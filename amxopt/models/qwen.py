@@ -17,11 +17,12 @@ import torch
 from amxopt.models.samples import synthetic_image, synthetic_waveform
 from amxopt.models.spec import INIT_STD, Entry, Family, ModelSpec, config_of
 
-# Qwen3-VL image processor (preprocessor_config.json of the released checkpoints).
+# Qwen3-VL and Qwen3-Omni image processors (preprocessor_config.json of the released checkpoints):
+# the same mean, std and patching; their own smart-resize bounds in pixels.
 _QWEN_IMAGE_MEAN = (0.5, 0.5, 0.5)
 _QWEN_IMAGE_STD = (0.5, 0.5, 0.5)
-_QWEN_MIN_PIXELS = 65536  # 256 * 256
-_QWEN_MAX_PIXELS = 16777216  # 4096 * 4096
+_QWEN_PIXELS = (65536, 16777216)  # Qwen3-VL: 256 * 256 .. 4096 * 4096
+_OMNI_PIXELS = (3136, 12845056)  # Qwen3-Omni: 56 * 56 .. 28 * 28 * 16384 (Qwen2-VL's)
 
 # Qwen3-Omni audio front end (WhisperFeatureExtractor settings + Qwen3OmniMoeProcessor call kwargs).
 AUDIO_SAMPLING_RATE = 16000
@@ -99,10 +100,14 @@ def _omni_audio_class() -> type[torch.nn.Module]:
 # --- inputs -----------------------------------------------------------------------------------------
 
 
-def _default_min_pixels(model_or_config: Any, patch_size: int, merge_size: int) -> int:
+def _default_pixels(model_or_config: Any, patch_size: int, merge_size: int) -> tuple[int, int]:
+    """The smart-resize bounds of the processor released with the model: Qwen3-Omni's vision
+    config is its own class; a tiny zoo model's minimum is one merged patch."""
+    omni = "Omni" in type(config_of(model_or_config)).__name__
+    low, high = _OMNI_PIXELS if omni else _QWEN_PIXELS
     if str(getattr(model_or_config, "zoo_name", "")).startswith("tiny-"):  # a tiny zoo model
-        return (patch_size * merge_size) ** 2
-    return _QWEN_MIN_PIXELS
+        low = (patch_size * merge_size) ** 2
+    return low, high
 
 
 def image_inputs(
@@ -116,10 +121,10 @@ def image_inputs(
     """Preprocess images for a Qwen3-VL / Qwen3-Omni vision tower.
 
     Uses ``transformers.Qwen2VLImageProcessorPil`` (the torchvision-free backend) configured as
-    the released Qwen3-VL checkpoints: patch/temporal patch/merge sizes from the model config,
+    the released checkpoints: patch/temporal patch/merge sizes from the model config,
     mean = std = 0.5, bicubic smart-resize to multiples of ``patch_size * merge_size`` within
-    ``[min_pixels, max_pixels]`` (65536 .. 16777216; tiny zoo models use a minimum of one merged
-    patch so that small test images are not upscaled).
+    ``[min_pixels, max_pixels]`` (Qwen3-VL's 65536 .. 16777216, Qwen3-Omni's 3136 .. 12845056;
+    tiny zoo models use a minimum of one merged patch so that small test images are not upscaled).
 
     Args:
         model: a vision model (or its config, or a ``build_model`` result).
@@ -143,10 +148,9 @@ def image_inputs(
     config = config_of(model)
     patch_size = int(config.patch_size)
     merge_size = int(config.spatial_merge_size)
-    if min_pixels is None:
-        min_pixels = _default_min_pixels(model, patch_size, merge_size)
-    if max_pixels is None:
-        max_pixels = _QWEN_MAX_PIXELS
+    low, high = _default_pixels(model, patch_size, merge_size)
+    min_pixels = low if min_pixels is None else min_pixels
+    max_pixels = high if max_pixels is None else max_pixels
     processor = Qwen2VLImageProcessorPil(
         do_resize=True,
         size={"shortest_edge": int(min_pixels), "longest_edge": int(max_pixels)},

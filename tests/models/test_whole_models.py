@@ -64,6 +64,23 @@ def test_qwen3_vl_generate_same_tokens_fp32(prompt, provider):
     assert again is model and again.amxopt_report.optimized["model.visual"] is report.optimized["model.visual"]
 
 
+@pytest.mark.parametrize("build", [pipelines.build_qwen3_vl, pipelines.build_qwen3_omni_thinker])
+def test_a_bf16_whole_model_is_built_as_from_pretrained_builds_it(build):
+    # model.to(bf16) cast the rotary and position tables, which from_pretrained(dtype=bf16) keeps fp32.
+    fp32, bf16 = build(dtype=torch.float32), build(dtype=torch.bfloat16)
+    assert {n: b.dtype for n, b in bf16.named_buffers()} == {n: torch.float32 for n, _ in fp32.named_buffers()}
+    weights = dict(fp32.named_parameters())
+    assert all(torch.equal(p, weights[n].to(p.dtype)) for n, p in bf16.named_parameters())
+
+
+def test_prompts_resize_images_as_the_released_processor_does():
+    # the real 2B tower's prompts took the tiny towers' one-patch minimum: 128 x 128 gave 8 x 8 patches
+    model = pipelines.build_qwen3_vl("tiny")
+    assert pipelines.qwen3_vl_prompt(model, images=[(128, 128)])["image_grid_thw"].tolist() == [[1, 8, 8]]
+    model.model.visual.zoo_name = "qwen3-vl-2b-vision"  # the small variant's tower
+    assert pipelines.qwen3_vl_prompt(model, images=[(128, 128)])["image_grid_thw"].tolist() == [[1, 16, 16]]
+
+
 def test_a_whole_models_state_dict_round_trips_through_its_optimized_tower():
     # save_pretrained / load_state_dict of the whole model see the tower under its own names.
     eager, model = (pipelines.build_qwen3_vl("tiny", torch.float32) for _ in range(2))

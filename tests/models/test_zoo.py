@@ -277,6 +277,18 @@ def test_example_inputs_follow_the_config_the_model_is_built_with(name, config, 
         models.example_inputs("tiny-wan", config=dict(in_chans=8))
 
 
+@pytest.mark.parametrize(
+    "name, grids",
+    [
+        ("qwen3-vl-2b-vision", [[1, 28, 28], [1, 18, 16], [1, 16, 16]]),
+        ("qwen3-omni-vision", [[1, 28, 28], [1, 12, 10], [1, 6, 6]]),  # its processor's own bounds: 3136 pixels up
+    ],
+)
+def test_image_inputs_resize_as_the_released_processor_does(name, grids):
+    # Qwen3-Omni's preprocessor_config.json: min_pixels 3136, max_pixels 12845056 (Qwen3-VL's: 65536, 16777216).
+    assert [models.example_inputs(name, size=s)["grid_thw"].tolist()[0] for s in (448, (200, 160), 96)] == grids
+
+
 def test_a_clip_too_short_for_the_feature_extractor_raises() -> None:
     # Whisper's extractor reflect-pads 200 samples on each side: a shorter clip failed inside numpy/torch.
     config = models.ZOO["tiny-qwen3-omni-audio"].config()
