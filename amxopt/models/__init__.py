@@ -200,7 +200,8 @@ def example_inputs(
             a Python literal (``"448"``, ``"(5, 32, 32)"``).
         seed: seed of the synthetic images / waveforms / latents (image ``i`` uses ``seed + i``).
         config: the config values given to ``build_model(name, **config)``: inputs for that model
-            (patch sizes, channels, mel bins, text width follow them).
+            (patch sizes, mel bins, Wan's latent channels and text width follow them; the Qwen
+            image processors make RGB pixels, so a Qwen vision ``in_channels`` other than 3 does not fit).
 
     Returns:
         A dict of tensors to pass as ``model(**inputs)``.

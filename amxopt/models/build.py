@@ -80,6 +80,7 @@ def construct_class(cls: type, library: str, config: Any, dtype: torch.dtype) ->
 
         with no_init_weights():
             model = cls._from_config(config, dtype=dtype, attn_implementation=_ATTN_IMPLEMENTATION)
+        model.tie_weights()  # (init does it, which no_init_weights skips: a tied lm_head, as from_pretrained)
     keep = _keep_fp32_names(cls, dtype)
     if keep:
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):

@@ -504,7 +504,9 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         logger.info("amxopt: graph cache not used: forward hooks on %s", ", ".join(p or "the model" for p in hooks))
         return None
     try:
-        described, code, attention = _settings(module), _model_code(module), _attention_functions(module)
+        with _memo_scope():
+            described, code, attention = _settings(module), _model_code(module), _attention_functions(module)
+            configs = _model_config(module)
     except Exception as e:  # noqa: BLE001 - an attribute that cannot be read: no key, no cache
         logger.info("amxopt: graph cache not used: %s's settings cannot be described (%s)", type(module).__name__, e)
         return None
@@ -522,7 +524,7 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         "class": f"{type(module).__module__}.{type(module).__qualname__}",
         "adapter": adapter_name,
         "structure": repr(module),
-        "config": _model_config(module),
+        "config": configs,
         "attention_functions": attention,
         # what repr and the config do not show: a constant in a forward, an attention processor,
         # which submodules are in training mode; and the code of classes outside the libraries
@@ -607,12 +609,20 @@ def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
         if getattr(v, "size", 1) <= 64:
             return ["numpy", str(v.dtype), v.tolist()]
         return ["numpy", str(v.dtype), list(v.shape), hashlib.sha256(v.tobytes()).hexdigest()]
-    if isinstance(v, (tuple, list, set, frozenset)):  # a tuple read back from JSON is a list
-        items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
-        return ["sequence", [_described(x, f"{where}[{i}]", seen, depth + 1) for i, x in enumerate(items)]]
+    if isinstance(v, (tuple, list)):  # a tuple read back from JSON is a list
+        return ["sequence", [_described(x, f"{where}[{i}]", seen, depth + 1) for i, x in enumerate(v)]]
+    if isinstance(v, (set, frozenset)):  # in the order of the descriptions: not repr's (an address)
+        items = [_described(x, f"{where}{{}}", seen, depth + 1) for x in v]
+        return ["sequence", sorted(items, key=lambda d: json.dumps(d, sort_keys=True, default=str))]
     if isinstance(v, dict):
-        items = [(k, x) for k, x in v.items() if k not in _PROVENANCE]
-        return ["dict", [[repr(k), _described(x, f"{where}[{k!r}]", seen, depth + 1)] for k, x in items]]
+        items = [(k, x) for k, x in v.items() if not (isinstance(k, str) and k in _PROVENANCE)]
+        return [
+            "dict",
+            [
+                [_described(k, where, {}, depth + 1), _described(x, f"{where}[{i}]", seen, depth + 1)]
+                for i, (k, x) in enumerate(items)
+            ],
+        ]
     if isinstance(v, functools.partial):
         return ["partial", _described((v.func, v.args, v.keywords), where, seen, depth + 1)]
     if isinstance(v, (types.FunctionType, types.MethodType)):
@@ -696,8 +706,7 @@ def _class_digest(cls: type, packages: dict[str, Any]) -> str:
     digest.update(packages[top].encode())
     closures = [v for _, v in sorted(vars(cls).items()) if isinstance(v, types.FunctionType) and v.__closure__]
     # a value set on the class at run time (in no file's bytes); not a method, property or other descriptor
-    data = {k: v for k, v in sorted(vars(cls).items()) if not k.startswith("__") and not hasattr(type(v), "__get__")}
-    described = _described([closures, data], "class", {})
+    described = _described([closures, _class_data(cls)], "class", {})
     digest.update(json.dumps(described, default=str).encode())
     digest.update(json.dumps(_globals_read([f for _, f in methods]), default=str).encode())
     return digest.hexdigest()
@@ -739,14 +748,12 @@ def _globals_read(functions: list[types.FunctionType]) -> list:
                         found[(str(f.__module__), path)] = _global_value(value)
                     elif _code_layers(value) and not _library_code(value):
                         found[(str(f.__module__), path)] = ["patched", _function_identity(value)]
-                if (
-                    isinstance(value, types.FunctionType)
-                    and str(value.__module__).split(".")[0] not in _LIBRARIES
-                    and value not in active
-                ):
-                    todo.append(value)
-                    mine.add(value)
-                    active.add(value)
+                # a user function's own reads, once (not again inside each description of it)
+                for layer in _code_layers(value) if isinstance(value, types.FunctionType) else ():
+                    if _library_file(layer) is None and layer not in active:
+                        todo.append(layer)
+                        mine.add(layer)
+                        active.add(layer)
     finally:
         active.difference_update(mine)
     return [[*key, found[key]] for key in sorted(found)]
@@ -762,15 +769,43 @@ def _user_module(module: types.ModuleType) -> bool:
 
 
 def _global_value(v: Any) -> Any:
+    """A global as the key holds it; a user function by its identity (``_globals_read`` reads what
+    it reads)."""
     if isinstance(v, torch.Tensor):
         if v.device.type == "meta" or v.layout != torch.strided:
             return ["tensor", list(v.shape), str(v.dtype)]
         return ["tensor", list(v.shape), str(v.dtype), hashlib.sha256(_tensor_bytes(v)).hexdigest()]
     if _plain(v) or isinstance(v, (list, dict, set, frozenset)) or _numpy(v):
         return _described(v, "global", {}, depth=1)  # (depth 1: a tensor in it by its data)
-    if isinstance(v, (types.FunctionType, type, types.ModuleType, types.BuiltinFunctionType)):
+    if isinstance(v, types.FunctionType):
+        return ["function", _function_identity(v)]
+    if isinstance(v, type) and not _library_class(v) and not _installed_code(v):
+        # a user's class read in a forward (`Cfg.SCALE`): its data attributes, set at run time too
+        return [_qualified(v), [_described(_class_data(c), "class", {}, depth=1) for c in _user_bases(v)]]
+    if isinstance(v, (type, types.ModuleType, types.BuiltinFunctionType)):
         return _described(v, "global", {})
+    if not _installed_code(type(v)) and not _library_class(type(v)):  # a user's object: an options instance
+        return _described(v, "global", {}, depth=1)
     return _qualified(type(v))
+
+
+def _installed_code(cls: type) -> bool:
+    """A class of the stdlib, a C extension or an installed package (a logger, a lock): its state
+    is not a setting. A notebook's classes (a main module without a file) are user code."""
+    module = sys.modules.get(cls.__module__)
+    file = getattr(module, "__file__", None)
+    if file is None:
+        return module is None or cls.__module__ in sys.builtin_module_names
+    return not _real_file(file) or _installed(file)
+
+
+def _user_bases(cls: type) -> list[type]:
+    return [c for c in cls.__mro__[:-1] if not _library_class(c) and not _installed_code(c)]
+
+
+def _class_data(cls: type) -> dict[str, Any]:
+    """A class's own values that are not methods, properties or other descriptors (``scale = 1.0``)."""
+    return {k: v for k, v in sorted(vars(cls).items()) if not k.startswith("__") and not hasattr(type(v), "__get__")}
 
 
 def _plain(v: Any, depth: int = 0) -> bool:
@@ -984,10 +1019,35 @@ def _package_files(top: str) -> list[str]:
     return sorted(files)
 
 
+_MEMO = threading.local()  # within one cache_key: what was worked out already
+
+
+@contextlib.contextmanager
+def _memo_scope() -> Iterator[None]:
+    outer = getattr(_MEMO, "values", None)
+    if outer is None:
+        _MEMO.values = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _MEMO.values = None
+
+
 def _files_digest(module_name: str | None) -> str:
     """What the code of ``module_name``'s top-level module is: an installed distribution by its
-    name and version, anything else by a digest of ``_package_files``."""
+    name and version, anything else by a digest of ``_package_files`` (once per key: it walks every
+    loaded module)."""
     top = str(module_name).split(".")[0]
+    memo = getattr(_MEMO, "values", None)
+    if memo is None:
+        return _top_digest(top)
+    if ("files", top) not in memo:
+        memo[("files", top)] = _top_digest(top)
+    return memo[("files", top)]
+
+
+def _top_digest(top: str) -> str:
     file = getattr(sys.modules.get(top), "__file__", None)
     if _real_file(file) and _installed(file) and _distributions(top):
         return _distributions(top)
@@ -1054,9 +1114,13 @@ def _model_config(module: nn.Module) -> Any:
     configs = {}
     for name, m in module.named_modules():
         config = getattr(m, "config", None)
-        if config is not None:
+        if config is None:
+            continue
+        if hasattr(config, "to_dict") or isinstance(config, Mapping):  # transformers', diffusers' (a dict)
             values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
             configs[name] = {k: v for k, v in values.items() if k not in _PROVENANCE}
+        else:  # a user's: a dataclass, a SimpleNamespace
+            configs[name] = _described(config, f"{name}.config", {}, depth=1)
     return configs
 
 

@@ -334,10 +334,10 @@ class TPModule(nn.Module):
         self._state = {"calls": 0, "group": False, "in_step": False}
         # One call at a time: every rank must see the calls, and their collectives, in one order.
         self._calls = threading.Lock()
+        _check_importable(model)
         port = _free_port()
         timeout = datetime.timedelta(seconds=config.tp_timeout_s)
         self._store = dist.TCPStore("127.0.0.1", port, tp, is_master=True, timeout=timeout, wait_for_workers=False)
-        _check_importable(model)
         context = _workers_context(model)
         self._workers = [
             context.Process(

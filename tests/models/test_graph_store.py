@@ -627,15 +627,86 @@ _BUILD = "def build():\n    return Net()\n"
                         "def build():\n    net = Fc(); net.act = act_key.act\n    return net\n"},
             {},
         ),
+        # a global class's attribute, a global options object
+        (
+            {"net_key": _FC + "    def forward(self, x):\n        return self.fc(x) * Options.scale\n"
+                        "class Options:\n    scale = 1.0\nOptions.scale = VALUE\nNet = Fc\n" + _BUILD},
+            {},
+        ),
+        (
+            {"net_key": "import dataclasses\n" + _FC + "    def forward(self, x):\n        return self.fc(x) * ARGS.scale\n"
+                        "@dataclasses.dataclass\nclass Args:\n    scale: float\nARGS = Args(VALUE)\nNet = Fc\n" + _BUILD},
+            {},
+        ),
     ],
     ids=["base-code", "base-global", "helper-module", "module-setting", "dict-global", "class-attribute",
-         "tensor-tuple", "numpy-number", "slotted-setting", "held-function"],
+         "tensor-tuple", "numpy-number", "slotted-setting", "held-function", "global-class", "global-object"],
 )  # fmt: skip
 def test_cache_key_follows_what_a_user_class_reads_beyond_its_file(tmp_path, monkeypatch, files, changed):
     # Each pair computes differently with the same model file; a restored graph of the first served the second.
     first = _module_key(tmp_path, monkeypatch, files, "1")
     assert _module_key(tmp_path, monkeypatch, files, "1") == first
     assert _module_key(tmp_path, monkeypatch, files | changed, "1" if changed else "2") != first
+
+
+_CHAIN = "import torch\n" + "".join(f"def h{i}(x):\n    return h{i + 1}(x) + {i}\n" for i in range(16)) + (
+    "def h16(x):\n    return x\n"
+    "class Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__(); self.fc = torch.nn.Linear(8, 8)\n"
+    "    def forward(self, x):\n        return h0(self.fc(x))\n"
+    "REGISTRY = {h0: 'first', h16: 'last'}\n"
+)
+
+
+def test_cache_key_reads_each_helper_once_and_no_address(tmp_path, monkeypatch):
+    # Each description of a helper read the helpers it calls again (2^16 reads for a chain of 16),
+    # and a dict keyed by functions put their addresses (repr) into the key.
+    (tmp_path / "chain_key.py").write_text(_CHAIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    net = importlib.import_module("chain_key").Net()
+    calls = {"globals": 0, "files": 0}
+    reads, digest = graph_store._globals_read, graph_store._top_digest
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(graph_store, "_globals_read", counted("globals", reads))
+    monkeypatch.setattr(graph_store, "_top_digest", counted("files", digest))
+    assert graph_store.cache_key(net, "plain", {"x": torch.randn(2, 8)}, CONFIG) is not None
+    assert calls["globals"] <= 4 and calls["files"] <= 4, calls
+    described = json.dumps(graph_store._global_value(sys.modules["chain_key"].REGISTRY), default=str)
+    assert "0x" not in described and "chain_key.h16" in described
+    sys.modules.pop("chain_key", None)
+
+
+@dataclasses.dataclass
+class _Options:
+    width: int = 8
+
+
+class _OptionsConfigured(torch.nn.Module):
+    """A model whose ``config`` is a dataclass, not a transformers or diffusers config."""
+
+    def __init__(self):
+        super().__init__()
+        self.config, self.fc = _Options(), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_a_model_with_a_dataclass_config_is_cached(tmp_path):
+    # dict(config) raised TypeError out of optimize().
+    model, x = _OptionsConfigured().eval(), torch.randn(2, 8)
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path))
+    amxopt.optimize(model, (x,), config)
+    again = amxopt.optimize(model, (x,), config)
+    assert any(RESTORED in n for n in again.report.notes)
+    model.config.width = 16
+    assert not any(RESTORED in n for n in amxopt.optimize(model, (x,), config).report.notes)
 
 
 class _Activations(torch.nn.Module):
