@@ -209,8 +209,6 @@ def sdpa_replacement(q, k, v, *, scale: float | None, causal: bool, provider: st
     kp = k.transpose(1, 2).reshape(b * sk, hk, d)
     vp = v.transpose(1, 2).reshape(b * sk, hk, v.shape[3])
     steps = torch.arange(b + 1, dtype=torch.int32, device=q.device)
-    if scale is None and isinstance(d, torch.SymInt):  # the op's scale is a number: 1/sqrt(D) of the
-        qp, scale = qp * d**-0.5, 1.0  # example would serve every head dim; SDPA's follows D
     out = amx.varlen_attention(
         qp, kp, vp, steps * s, steps * sk, s, sk, d**-0.5 if scale is None else scale, causal, provider
     )

@@ -83,6 +83,11 @@ def _sdpa_refusal(match: Match) -> str | None:
         return f"head counts q {q.shape[1]}, k {k.shape[1]}, v {v.shape[1]} are not a grouping"
     if match["is_causal"] and not statically_known_true(q.shape[2] == k.shape[2]):
         return "causal with query/key lengths that may differ (SDPA aligns the mask top-left)"
+    if match["scale"] is None and isinstance(q.shape[3], torch.SymInt):
+        # The op takes its scale as a number: 1/sqrt(D) of the example would serve every head dim.
+        # (Scaling q in the graph instead hid a rotary embedding from fuse_rotary.) A model's head
+        # dim comes from its weights and is static.
+        return f"no scale, and a head dim {q.shape[3]} that varies with the input (SDPA's default scale follows it)"
     return None
 
 
