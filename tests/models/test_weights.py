@@ -142,6 +142,18 @@ def test_a_buffer_weight_written_in_place_is_packed_again(keep_source):
         torch.testing.assert_close(opt(x), model(x))
 
 
+def test_a_weight_given_new_data_is_packed_again():
+    # w.data = ... bumps no version: only the storage tells (a check nothing tested).
+    model, x = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)).eval(), torch.randn(3, 16)
+    opt = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, provider="native"))
+    with torch.no_grad():
+        opt(x)
+        old = model[0].weight.data  # kept alive: its storage is not freed, only no longer the weight's
+        model[0].weight.data = torch.randn(16, 16)
+        torch.testing.assert_close(opt(x), model(x))
+    del old
+
+
 class _TiedHead(nn.Module):
     """An embedding tied to its output head: the head's weight is packed and also read unpacked."""
 
