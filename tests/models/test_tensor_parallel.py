@@ -452,6 +452,15 @@ class _NormedKBlock(torch.nn.Module):
         return x + self.o(o.transpose(1, 2).reshape(b, s, -1))
 
 
+class _LayerNormedKBlock(_NormedKBlock):
+    """6 q / 6 kv heads with a LayerNorm over all k heads: its mean and variance span the ranks' shards,
+    which a local sum of squares, all-reduced (an RMSNorm's), does not give."""
+
+    def __init__(self) -> None:
+        super().__init__(kv_heads=6)
+        self.norm_k = torch.nn.LayerNorm(48, eps=1e-6)
+
+
 class _OwnResidualMLP(torch.nn.Module):
     """``h + fc2(h)``: replace_linear fuses h, the row Linear's own (sharded) input, as its residual."""
 
@@ -491,6 +500,7 @@ class _Blocks(torch.nn.Module):
 _UNSHARDABLE = {  # block, what the report says of it
     "one kv head": (_MQABlock, "do not reach the attention along its heads dim"),
     "norm across duplicated kv heads": (_NormedKBlock, "kv heads that ranks keep per q head"),
+    "LayerNorm across heads": (_LayerNormedKBlock, "a LayerNorm across heads"),
     "residual is the row's input": (_OwnResidualMLP, "adds a sharded residual"),
     "fused gate and up": (_FusedGateUpMLP, "the ops between its Linears are not all elementwise (aten.slice"),
 }
