@@ -162,8 +162,9 @@ def _cmd_check(args) -> int:
 
 
 # fp32: kernels differ from ATen's only in summation order: max abs error per output, times its
-# largest finite magnitude (taken as at least 0.01: an output of all but zeros allows 1e-5). bf16, as the tests judge it: each output of the optimized
-# model within 1.5x eager bf16's error against the same weights in fp32, or 2% of its magnitude.
+# largest finite magnitude (taken as at least 0.01: an output of all but zeros allows 1e-5).
+# bf16, as the tests judge it: each output of the optimized model within 1.5x eager bf16's error
+# against the same weights in fp32, or 2% of its magnitude.
 _FP32_TOLERANCE, _FP32_SMALLEST = 1e-3, 1e-2
 _BF16_OVER_EAGER, _BF16_FLOOR = 1.5, 2e-2
 

@@ -600,9 +600,11 @@ def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
     if isinstance(v, (torch.dtype, torch.device, bytes)):
         return repr(v)
     if isinstance(v, torch.Tensor):
-        if depth == 0 or v.device.type == "meta" or v.layout != torch.strided:
+        readable = v.device.type != "meta" and v.layout == torch.strided
+        if depth == 0 or not readable:
             # an attribute of a module: the graph reads it from the model (a small one is a setting)
-            return ["tensor", list(v.shape), str(v.dtype), v.tolist() if v.numel() <= 64 and depth == 0 else None]
+            small = readable and v.numel() <= 64
+            return ["tensor", list(v.shape), str(v.dtype), v.tolist() if small and depth == 0 else None]
         # in a container or a closure: export makes it a constant of the graph
         return ["tensor", list(v.shape), str(v.dtype), hashlib.sha256(_tensor_bytes(v)).hexdigest()]
     if _numpy(v):  # a numpy number or array

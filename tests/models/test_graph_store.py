@@ -585,13 +585,15 @@ _BUILD = "def build():\n    return Net()\n"
         # what a forward reads through a module: a helper module's function, another module's setting
         (
             {"helper_key": "import torch\ndef act(x):\n    return torch.relu(x)\n",
-             "net_key": "import helper_key\n" + _FC + "    def forward(self, x):\n        return helper_key.act(self.fc(x))\n"
+             "net_key": "import helper_key\n" + _FC
+                        + "    def forward(self, x):\n        return helper_key.act(self.fc(x))\n"
                         "Net = Fc\n" + _BUILD},
             {"helper_key": "import torch\ndef act(x):\n    return torch.sigmoid(x)\n"},
         ),
         (
             {"settings_key": _FC,
-             "net_key": "import settings_key\n" + _FC + "    def forward(self, x):\n        return self.fc(x) * settings_key.VALUE\n"
+             "net_key": "import settings_key\n" + _FC
+                        + "    def forward(self, x):\n        return self.fc(x) * settings_key.VALUE\n"
                         "Net = Fc\n" + _BUILD},
             {},
         ),
@@ -614,12 +616,14 @@ _BUILD = "def build():\n    return Net()\n"
             {},
         ),
         (
-            {"net_key": "import numpy\n" + _FC + "    def forward(self, x):\n        return self.fc(x) * float(self.scale)\n"
+            {"net_key": "import numpy\n" + _FC
+                        + "    def forward(self, x):\n        return self.fc(x) * float(self.scale)\n"
                         "def build():\n    net = Fc(); net.scale = numpy.float32(VALUE)\n    return net\n"},
             {},
         ),
         (
-            {"net_key": "import dataclasses\n" + _FC + "    def forward(self, x):\n        return self.fc(x) * self.options.scale\n"
+            {"net_key": "import dataclasses\n" + _FC
+                        + "    def forward(self, x):\n        return self.fc(x) * self.options.scale\n"
                         "@dataclasses.dataclass(slots=True)\nclass Options:\n    scale: float\n"
                         "def build():\n    net = Fc(); net.options = Options(VALUE)\n    return net\n"},
             {},
@@ -638,8 +642,10 @@ _BUILD = "def build():\n    return Net()\n"
             {},
         ),
         (
-            {"net_key": "import dataclasses\n" + _FC + "    def forward(self, x):\n        return self.fc(x) * ARGS.scale\n"
-                        "@dataclasses.dataclass\nclass Args:\n    scale: float\nARGS = Args(VALUE)\nNet = Fc\n" + _BUILD},
+            {"net_key": "import dataclasses\n" + _FC
+                        + "    def forward(self, x):\n        return self.fc(x) * ARGS.scale\n"
+                        "@dataclasses.dataclass\nclass Args:\n    scale: float\n"
+                        "ARGS = Args(VALUE)\nNet = Fc\n" + _BUILD},
             {},
         ),
     ],
@@ -658,7 +664,8 @@ _CHAIN = (
     + "".join(f"def h{i}(x):\n    return h{i + 1}(x) + {i}\n" for i in range(16))
     + (
         "def h16(x):\n    return x\n"
-        "class Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__(); self.fc = torch.nn.Linear(8, 8)\n"
+        "class Net(torch.nn.Module):\n    def __init__(self):\n"
+        "        super().__init__(); self.fc = torch.nn.Linear(8, 8)\n"
         "    def forward(self, x):\n        return h0(self.fc(x))\n"
         "REGISTRY = {h0: 'first', h16: 'last'}\n"
     )
@@ -776,3 +783,10 @@ def test_graphs_of_two_input_regions_are_both_kept_in_the_cache(tmp_path, caplog
             opt(**inputs), opt(**two)
         assert caplog.text.count("restored from the graph cache") == 2 * run
     assert len(list((tmp_path / "graphs").glob("*.json"))) == 2
+
+
+def test_a_meta_tensor_attribute_is_described_without_its_values():
+    # .tolist() of a small meta tensor raised, and the key (the cache) was silently off.
+    net = _Scaled(2.0)
+    net.table = torch.empty(3, device="meta")
+    assert graph_store.cache_key(net, "plain", {"x": torch.randn(2, 8)}, CONFIG) is not None
