@@ -74,6 +74,7 @@ _FUNCTIONS = {
                                        torch.sym_ite, torch.sym_sum)
 }  # fmt: skip
 _FUNCTION_NAMES = {f: name for name, f in _FUNCTIONS.items()}
+_RESTORED = "graph restored from "  # how a restored graph's report note begins
 
 
 class GraphStoreError(ValueError):
@@ -297,7 +298,10 @@ def restore(
     report["choices"] = [
         (w, t if timed_now or t.endswith(" [cached]") else f"{t} [cached]") for w, t in report["choices"]
     ]
-    report["notes"] = [*report["notes"], f"graph restored from {origin}: not captured or rewritten in this process"]
+    # One origin: a graph stored after it was itself restored (from the capture child, then the cache, then an
+    # artifact) carries the earlier origin's note, which this one replaces.
+    earlier = [n for n in report["notes"] if not n.startswith(_RESTORED)]
+    report["notes"] = [*earlier, f"{_RESTORED}{origin}: not captured or rewritten in this process"]
     spec, constants = entry["signature"]
     captured = Captured(gm, entry["dynamic"], GuardCheck(entry["guards"]), entry["note"], list(entry["guards"]))
     return GraphEntry(
