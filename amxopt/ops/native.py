@@ -11,13 +11,13 @@ fp32: on CPUs without bf16 dot products eager bf16 is emulated and several times
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -151,18 +151,29 @@ def amx_schedule_matters(rows: int, k: int) -> bool:
     return _ops().amx_schedule_matters(rows, k)
 
 
-@contextlib.contextmanager
-def use_amx_schedule(schedule: str):
+class Setting:
+    """A process-wide setting, applied when it is called, as ``torch.set_grad_enabled`` is: a bare
+    call keeps it for the rest of the process; ``with`` keeps it for the block and then puts the
+    earlier value back."""
+
+    def __init__(self, restore: Callable[[], None]):
+        self._restore = restore  # puts the earlier value back
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+
+def use_amx_schedule(schedule: str) -> Setting:
     """Pin the amx tier's tile GEMM to ``schedule`` (process-wide, over every linear's own choice),
-    e.g. to compare the two in one process."""
+    e.g. to compare the two in one process; ``with`` pins it for a block (:class:`Setting`)."""
     if schedule not in AMX_SCHEDULES:
         raise ValueError(f"amxopt: unknown AMX GEMM schedule {schedule!r}; known: {AMX_SCHEDULES}")
     previous = _ops().amx_schedule()  # "default" where nothing was pinned
     _ops().set_amx_schedule(schedule)
-    try:
-        yield
-    finally:
-        _ops().set_amx_schedule(previous)
+    return Setting(lambda: _ops().set_amx_schedule(previous))
 
 
 def gemm_engine(tier: str, rows: int) -> str:
@@ -194,20 +205,16 @@ def output_pool_enabled() -> bool:
     return bool(load()[0] and _ops().output_pool_enabled())
 
 
-@contextlib.contextmanager
-def use_output_pool(enabled: bool):
-    """Switch the native ops' output pool on or off (process-wide) inside the block, e.g. to time a
-    model with and without it in one process. Switched off, new large outputs come from ATen's
-    allocator (fresh pages); the pool keeps what it holds for later and still takes back the outputs
-    it gave (``release_output_pool()`` gives its memory back). ``AMXOPT_OUTPUT_POOL_MB=0`` keeps it off."""
+def use_output_pool(enabled: bool) -> Setting:
+    """Switch the native ops' output pool on or off (process-wide; ``with``: for a block, see
+    :class:`Setting`), e.g. to time a model with and without it in one process. Switched off, new
+    large outputs come from ATen's allocator (fresh pages); the pool keeps what it holds for later
+    and still takes back the outputs it gave (``release_output_pool()`` gives its memory back).
+    ``AMXOPT_OUTPUT_POOL_MB=0`` keeps it off."""
     if not load()[0]:
-        yield
-        return
+        return Setting(lambda: None)
     previous = _ops().set_output_pool_enabled(enabled)
-    try:
-        yield
-    finally:
-        _ops().set_output_pool_enabled(previous)
+    return Setting(lambda: _ops().set_output_pool_enabled(previous))
 
 
 class WorkSplit(NamedTuple):
@@ -243,19 +250,20 @@ def attention_work_split(q_lens: list[int], heads: int, bf16: bool, threads: int
 _cap = TIERS[0]  # the cap set by max_tier (the C++ side holds the same value)
 
 
-@contextlib.contextmanager
-def max_tier(tier: str):
-    """Run the kernels at ``tier`` at most (process-wide), e.g. the fp32 tier on an AMX machine."""
+def max_tier(tier: str) -> Setting:
+    """Run the kernels at ``tier`` at most (process-wide; ``with``: for a block, see :class:`Setting`),
+    e.g. the fp32 tier on an AMX machine."""
     if tier not in TIERS:
         raise ValueError(f"amxopt: unknown tier {tier!r}; known: {TIERS}")
+    previous = _cap
+    _set_cap(tier)
+    return Setting(lambda: _set_cap(previous))
+
+
+def _set_cap(tier: str) -> None:
     global _cap
-    previous, _cap = _cap, tier
     _ops().set_max_tier(tier)
-    try:
-        yield
-    finally:
-        _cap = previous
-        _ops().set_max_tier(previous)
+    _cap = tier
 
 
 @functools.cache

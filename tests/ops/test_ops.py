@@ -734,6 +734,11 @@ def test_amx_schedule_is_checked(provider):
     with native.use_amx_schedule("rows"):
         assert native.amx_schedule() == "rows" and native.amx_schedule_pinned()
     assert (native.amx_schedule(), native.amx_schedule_pinned()) == before  # unpinned again
+    native.use_amx_schedule("rows")  # a bare call pins it for good
+    try:
+        assert native.amx_schedule() == "rows" and native.amx_schedule_pinned()
+    finally:
+        native._ops().set_amx_schedule("default")
     # linear's own choice, on every provider (the others take no notice of a valid one)
     x, w = torch.randn(3, 8), torch.randn(4, 8)
     with pytest.raises(ValueError, match="amx_schedule must be one of default, groups, rows, got 'cols'"):

@@ -96,6 +96,12 @@ def test_pool_switched_off_and_on(empty_pool):
     assert native.output_pool_bytes() == ONE
     del again
     assert native.output_pool_bytes() == 2 * ONE
+    native.use_output_pool(False)  # a bare call switches it off for good
+    try:
+        assert not native.output_pool_enabled()
+    finally:
+        native.use_output_pool(True)
+    assert native.output_pool_enabled()
 
 
 # ids as the provider fixture's: native-amx also runs on software tiles (test_providers.py)

@@ -35,6 +35,12 @@ def test_max_tier_caps_and_restores():
     with native.max_tier("fp32"):
         assert native.active_tier() == "fp32"
     assert native.active_tier() == best
+    native.max_tier("fp32")  # a bare call, as torch.set_grad_enabled: for the rest of the process
+    try:
+        assert native.active_tier() == "fp32"
+    finally:
+        native.max_tier(best)
+    assert native.active_tier() == best
     with pytest.raises(ValueError, match="unknown tier 'avx9'"):
         with native.max_tier("avx9"):
             pass
