@@ -24,6 +24,8 @@ from amxopt.ops import native, reference
 # and the activations a GEMM's epilogue fuses (defined by the reference implementations).
 DTYPES = (torch.float32, torch.bfloat16)
 ACTIVATIONS = tuple(reference.ACTIVATIONS)
+# The largest |scale| of an attention: the kernels' softmax multiplies it by log2(e) in float32 (csrc/ops.cpp kMaxScale).
+MAX_SCALE = torch.finfo(torch.float32).max / 2
 _NB = 32  # packed weight: output columns per VNNI block (csrc/common.h kNB)
 
 _lib = torch.library.Library("amxopt", "DEF")
@@ -197,7 +199,7 @@ def _check_attention_shapes(q, k, v, scale):
         op,
         f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads",
     )
-    _check(math.isfinite(scale), op, f"scale must be finite, got {scale}")
+    _check(abs(scale) <= MAX_SCALE, op, f"scale must be finite, at most {MAX_SCALE:.6g} in magnitude, got {scale}")
 
 
 def _check_attention_rotary(q, k, cos, sin, interleaved):
@@ -303,6 +305,7 @@ def _check_conv2d(x, weight, bias, stride, padding, dilation, groups, activation
         f"stride, padding and dilation need 2 entries each, got {list(stride)}, {list(padding)}, {list(dilation)}",
     )
     _check(weight.shape[0] != 0, op, f"weight {tuple(weight.shape)} has no output channels")
+    _check(weight.shape[2] != 0 and weight.shape[3] != 0, op, f"weight {tuple(weight.shape)} has an empty kernel")
     for d in range(2):
         _check(
             stride[d] > 0 and padding[d] >= 0 and dilation[d] > 0,
@@ -326,8 +329,9 @@ def _check_conv2d(x, weight, bias, stride, padding, dilation, groups, activation
         )
 
 
-def _check_norm(op, x, params):
+def _check_norm(op, x, params, eps):
     _check(x.dim() >= 1, op, f"x has shape {tuple(x.shape)}; it needs at least one dim")
+    _check(math.isfinite(eps) and eps >= 0, op, f"eps must be finite and not negative, got {eps}")
     _check_float(op, "x", x)
     for name, p in params:
         if p is not None:
@@ -348,9 +352,9 @@ def _check_broadcast(op, name, p, x, width):
     _check(ok, op, f"{name} has shape {tuple(p.shape)}, which does not broadcast to {want} for x {tuple(x.shape)}")
 
 
-def _check_norm_modulate(x, weight, bias, scale, shift, rms):
+def _check_norm_modulate(x, weight, bias, scale, shift, eps, rms):
     op = "norm_modulate"
-    _check_norm(op, x, (("weight", weight), ("bias", bias)))
+    _check_norm(op, x, (("weight", weight), ("bias", bias)), eps)
     _check(not (rms and bias is not None), op, "an RMSNorm has no bias")
     _check_broadcast(op, "scale", scale, x, x.shape[-1])
     _check_broadcast(op, "shift", shift, x, x.shape[-1])
@@ -456,19 +460,19 @@ def _(x, weight, bias, stride, padding, dilation, groups, activation="none", pro
 
 @torch.library.register_fake("amxopt::layer_norm", lib=_lib)
 def _(x, weight, bias, eps, provider="auto"):
-    _check_norm("layer_norm", x, (("weight", weight), ("bias", bias)))
+    _check_norm("layer_norm", x, (("weight", weight), ("bias", bias)), eps)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("amxopt::rms_norm", lib=_lib)
 def _(x, weight, eps, provider="auto"):
-    _check_norm("rms_norm", x, (("weight", weight),))
+    _check_norm("rms_norm", x, (("weight", weight),), eps)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("amxopt::norm_modulate", lib=_lib)
 def _(x, weight, bias, scale, shift, eps, rms, provider="auto"):
-    _check_norm_modulate(x, weight, bias, scale, shift, rms)
+    _check_norm_modulate(x, weight, bias, scale, shift, eps, rms)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -530,17 +534,17 @@ def _ref_conv2d(x, weight, bias, stride, padding, dilation, groups, activation="
 
 
 def _ref_layer_norm(x, weight, bias, eps):
-    _check_norm("layer_norm", x, (("weight", weight), ("bias", bias)))
+    _check_norm("layer_norm", x, (("weight", weight), ("bias", bias)), eps)
     return reference.layer_norm(x, weight, bias, eps)
 
 
 def _ref_rms_norm(x, weight, eps):
-    _check_norm("rms_norm", x, (("weight", weight),))
+    _check_norm("rms_norm", x, (("weight", weight),), eps)
     return reference.rms_norm(x, weight, eps)
 
 
 def _ref_norm_modulate(x, weight, bias, scale, shift, eps, rms):
-    _check_norm_modulate(x, weight, bias, scale, shift, rms)
+    _check_norm_modulate(x, weight, bias, scale, shift, eps, rms)
     return reference.norm_modulate(x, weight, bias, scale, shift, eps, rms)
 
 

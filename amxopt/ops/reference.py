@@ -72,7 +72,7 @@ def varlen_attention(
         if k1 == k0 or (mask is not None and not mask.any(dim=1).all()):
             # Rows that see no key: define their output as zeros (flash-attention's convention).
             seg = _masked_attention(qs, ks, vs, mask, seg_scale, gqa)
-        elif causal and q1 - q0 == k1 - k0:
+        elif causal and q1 - q0 == k1 - k0 and scale != 0:  # (ATen's causal kernel gives NaN at scale 0)
             seg = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=seg_scale, enable_gqa=gqa)
         else:
             seg = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=seg_scale, enable_gqa=gqa)

@@ -164,7 +164,7 @@ def _norm_takes(x, params) -> bool:
 
 
 def layer_norm(x, weight, bias, eps):
-    library._check_norm("layer_norm", x, (("weight", weight), ("bias", bias)))
+    library._check_norm("layer_norm", x, (("weight", weight), ("bias", bias)), eps)
     if weight is None or not _norm_takes(x, (weight, bias)):
         return torch.ops.amxopt.layer_norm(x, weight, bias, eps, provider="native")
     x2 = x.reshape(-1, x.shape[-1])
@@ -173,7 +173,7 @@ def layer_norm(x, weight, bias, eps):
 
 
 def rms_norm(x, weight, eps):
-    library._check_norm("rms_norm", x, (("weight", weight),))
+    library._check_norm("rms_norm", x, (("weight", weight),), eps)
     if weight is None or not _norm_takes(x, (weight,)):
         return torch.ops.amxopt.rms_norm(x, weight, eps, provider="native")
     x2 = x.reshape(-1, x.shape[-1])

@@ -844,6 +844,21 @@ def test_attention_negative_scale_is_correct(provider, dtype, causal):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_zero_scale_is_the_mean_of_the_visible_values(provider, dtype, causal):
+    # (The reference gave NaN rows here, causal: ATen's causal SDPA kernel at scale 0.)
+    q, k, v, cu_q, cu_k, mq, mk, _, _, _ = _varlen_args(provider, [6, 9], [6, 9], 2, 1, 16, causal, dtype)
+    out = ops.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, 0.0, causal, provider)
+    want = torch.empty(out.shape, dtype=torch.float64)
+    for s in range(2):
+        q0, q1 = int(cu_q[s]), int(cu_q[s + 1])
+        for i in range(q0, q1):
+            seen = v[q0 : (i + 1 if causal else q1)].double()  # equal lengths: causal sees itself and before
+            want[i] = seen.mean(0).repeat_interleave(q.shape[1] // k.shape[1], 0)
+    assert_close_dtype(out, want.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_weight_with_wrong_in_features_raises(provider, dtype):
     # Odd K and K + 1 must not share a packed shape: the weight packed for one is refused for the other.
     for k in (5, 6):
@@ -893,7 +908,19 @@ ERROR_CASES_NATIVE_ENTRY = {
     ),
     "scale-nan": (
         lambda p: ops.varlen_attention(_Q, _K, _K, _CU, _CU, 0, 0, float("nan"), False, p),
-        r"amxopt\.varlen_attention: scale must be finite, got nan",
+        r"amxopt\.varlen_attention: scale must be finite, at most 1\.70141e\+38 in magnitude, got nan",
+    ),
+    "scale-past-float": (  # finite as a double, inf as the kernels' float
+        lambda p: ops.varlen_attention(_Q, _K, _K, _CU, _CU, 0, 0, -1e39, False, p),
+        r"amxopt\.varlen_attention: scale must be finite, at most 1\.70141e\+38 in magnitude, got -1e\+39",
+    ),
+    "norm-eps-negative": (
+        lambda p: ops.layer_norm(_NX, None, None, -1e-6, p),
+        r"amxopt\.layer_norm: eps must be finite and not negative, got -1e-06",
+    ),
+    "norm-eps-nan": (
+        lambda p: ops.rms_norm(_NX, None, float("nan"), p),
+        r"amxopt\.rms_norm: eps must be finite and not negative, got nan",
     ),
     "zero-out-features": (lambda p: _lin(p, out_features=0), r"amxopt\.linear: out_features must be positive, got 0"),
 }
@@ -1027,6 +1054,12 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params, act):
             ),
             r"amxopt\.conv2d: weight \(0, 1, 1, 1\) has no output channels",
         ),
+        (
+            lambda p: ops.conv2d(
+                torch.randn(1, 1, 5, 5), torch.randn(4, 1, 0, 3), None, [1, 1], [0, 0], [1, 1], 1, provider=p
+            ),
+            r"amxopt\.conv2d: weight \(4, 1, 0, 3\) has an empty kernel",
+        ),
     ],
     ids=[
         "3d-x",
@@ -1038,6 +1071,7 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params, act):
         "dilated-window",
         "stride",
         "no-output-channels",
+        "empty-kernel",
     ],
 )
 def test_conv2d_bad_input_raises(provider, call, match):

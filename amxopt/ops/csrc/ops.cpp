@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -21,6 +22,9 @@ namespace amxopt {
 namespace {
 
 #define AMX_CHECK(cond, op, ...) TORCH_CHECK_VALUE(cond, "amxopt.", op, ": ", __VA_ARGS__)
+
+// The largest |scale| of an attention: the softmax multiplies it by log2(e) in float (library.py MAX_SCALE).
+constexpr double kMaxScale = std::numeric_limits<float>::max() / 2.0;
 
 // Shapes and dtypes as Python prints them, so a message reads the same from every provider.
 std::string shape(at::IntArrayRef s) {
@@ -246,6 +250,7 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<
             "stride, padding and dilation need 2 entries each, got ", list(stride.vec()), ", ", list(padding.vec()),
             ", ", list(dilation.vec()));
   AMX_CHECK(w.size(0) > 0, op, "weight ", shape(w.sizes()), " has no output channels");
+  AMX_CHECK(w.size(2) > 0 && w.size(3) > 0, op, "weight ", shape(w.sizes()), " has an empty kernel");
   for (int d = 0; d < 2; ++d) {
     AMX_CHECK(stride[d] > 0 && padding[d] >= 0 && dilation[d] > 0, op,
               "stride and dilation must be positive and padding not negative, got stride ", list(stride.vec()),
@@ -342,7 +347,7 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
   AMX_CHECK(k.size(1) > 0, op, "k and v have no heads: ", shape(k.sizes()));
   AMX_CHECK(q.size(1) % k.size(1) == 0, op, q.size(1), " query heads are not a multiple of ", k.size(1),
             " key/value heads");
-  AMX_CHECK(std::isfinite(scale), op, "scale must be finite, got ", scale);
+  AMX_CHECK(std::abs(scale) <= kMaxScale, op, "scale must be finite, at most ", kMaxScale, " in magnitude, got ", scale);
   const auto bq = checked_bounds(op, "cu_seqlens_q", cu_q, q.size(0), max_q, "max_seqlen_q");
   const auto bk = checked_bounds(op, "cu_seqlens_k", cu_k, k.size(0), max_k, "max_seqlen_k");
   AMX_CHECK(bq.size() == bk.size(), op, bq.size() - 1, " query segments but ", bk.size() - 1, " key segments");
@@ -354,8 +359,9 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // --- norms ------------------------------------------------------------------------------------------
 
 void check_norm(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& w,
-                const std::optional<at::Tensor>& b) {
+                const std::optional<at::Tensor>& b, double eps) {
   AMX_CHECK(x.dim() >= 1, op, "x has shape ", shape(x.sizes()), "; it needs at least one dim");
+  AMX_CHECK(std::isfinite(eps) && eps >= 0, op, "eps must be finite and not negative, got ", eps);
   check_float(op, "x", x);
   for (auto [name, p] : {std::pair<const char*, const std::optional<at::Tensor>&>{"weight", w}, {"bias", b}}) {
     if (!p.has_value()) continue;
@@ -372,7 +378,7 @@ at::Tensor layer_norm(const at::Tensor& x, const std::optional<at::Tensor>& w, c
     return python_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
                                    const std::optional<at::Tensor>&, double)>(*impl)
         .call(x, w, b, eps);
-  check_norm(op, x, w, b);
+  check_norm(op, x, w, b, eps);
   return norm_native(x, w, b, eps, false);
 }
 
@@ -381,7 +387,7 @@ at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& w, dou
   if (auto impl = delegate(provider, op, true))
     return python_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, double)>(*impl)
         .call(x, w, eps);
-  check_norm(op, x, w, std::nullopt);
+  check_norm(op, x, w, std::nullopt, eps);
   return norm_native(x, w, std::nullopt, eps, true);
 }
 
@@ -407,7 +413,7 @@ at::Tensor norm_modulate(const at::Tensor& x, const std::optional<at::Tensor>& w
                                    const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, double,
                                    bool)>(*impl)
         .call(x, w, b, scale, shift, eps, rms);
-  check_norm(op, x, w, b);
+  check_norm(op, x, w, b, eps);
   AMX_CHECK(!(rms && b.has_value()), op, "an RMSNorm has no bias");
   check_broadcast(op, "scale", scale, x, x.size(-1));
   check_broadcast(op, "shift", shift, x, x.size(-1));
