@@ -58,6 +58,8 @@ class WanAdapter(Adapter):
                 f"{who}: attention_kwargs are not supported, got {call['attention_kwargs']} (for a LoRA scale, "
                 "set it with set_adapters(names, weights) on the model or pipeline: the next call captures it)"
             )
+        if "attention_kwargs" in call:  # empty: the call without it, whose graph serves (as for None)
+            call = {k: v for k, v in call.items() if k != "attention_kwargs"}
         return call
 
     def dynamic_shapes(self, graph_inputs: dict[str, Any]) -> dict[str, Any]:

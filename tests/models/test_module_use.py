@@ -397,4 +397,6 @@ def test_an_argument_given_as_its_default_none_takes_the_same_graph(tmp_path):
     opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
     explicit = {**inputs, "attention_kwargs": None, "encoder_hidden_states_image": None}
     assert max_abs_error(_run(opt, explicit), _run(_wan()[0], inputs)) == 0.0
+    empty = {**inputs, "attention_kwargs": {}}  # no kwargs at all, as None (it captured again)
+    assert max_abs_error(_run(opt, empty), _run(_wan()[0], inputs)) == 0.0
     assert len(opt.graphs) == 1
