@@ -36,6 +36,9 @@ class Adapter:
     """
 
     name = "plain"
+    # The caller's argument a graph input is computed from, where their names differ (messages name
+    # what the caller passed: the Omni audio tower's padded_feature comes from input_features).
+    arguments: dict[str, str] = {}
 
     def __init__(self, model: nn.Module) -> None:
         self.model_name = type(model).__name__

@@ -173,6 +173,7 @@ class QwenAudioAdapter(_QwenAdapter):
     name = "qwen3_omni_audio"
     classes = ("Qwen3OmniMoeAudioEncoder",)
     dynamic_dims = {"padded_feature": (0, 2), "chunk_lengths": (0,), "valid_indices": (0,), "cu_seqlens": (0,)}
+    arguments = {"padded_feature": "input_features"}
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)

@@ -810,6 +810,9 @@ class OptimizedModule(nn.Module):
             try:
                 graph = self._recapture(graph_inputs)
             except CaptureError as e:
+                refusal = self._dtype_refusal(graph_inputs, e)
+                if refusal is not None:
+                    raise TypeError(refusal) from e
                 if not self.eager_fallback or self._graphs:
                     raise
                 source = self.__dict__["_source"]
@@ -841,8 +844,8 @@ class OptimizedModule(nn.Module):
 
     def check_inputs(self, *args: Any, **kwargs: Any) -> None:
         """Raise what a call with these arguments would raise before running anything: arguments
-        the model does not take, an input in another dtype than the model was optimized for or that
-        requires grad, a change to the source a graph cannot follow."""
+        the model does not take, an input that requires grad, a change to the source a graph cannot
+        follow."""
         if self.eager_reason is None:
             self._check_source()  # a tensor-parallel module refuses a change here, before any rank runs
             self._check_call(self.adapter.graph_inputs(self.adapter.bind(args, kwargs)))
@@ -853,33 +856,31 @@ class OptimizedModule(nn.Module):
                 f"amxopt: {self.adapter.model_name} is in training mode (.train() was called after optimize), and "
                 "its graphs compute inference (no dropout, no gradients): call .eval() on it"
             )
-        self._check_dtypes(graph_inputs)
         if torch.is_grad_enabled():
             wants_grad = [k for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
             if wants_grad:
+                arg = self.adapter.arguments.get(wants_grad[0], wants_grad[0])
                 raise RuntimeError(
-                    f"amxopt: {self.adapter.model_name} runs inference only, and {wants_grad[0]} requires grad: call "
+                    f"amxopt: {self.adapter.model_name} runs inference only, and {arg} requires grad: call "
                     "it under torch.no_grad() or with a detached input"
                 )
 
-    def _check_dtypes(self, graph_inputs: dict) -> None:
-        if not self._graphs:
-            return
-        # A floating input in a floating dtype that is neither the model's nor one a graph was
-        # captured with (fp64 into a bf16 model) is refused. The model's own after another (a bf16
-        # Omni thinker takes fp32 features, as its processor gives them, and bf16 ones) is captured
-        # again, as eager takes both; so is another kind (a scheduler's integer timestep where a
-        # float one was captured).
-        for name, dtype in self._graphs[0].dtypes.items():
+    def _dtype_refusal(self, graph_inputs: dict, error: Exception) -> str | None:
+        """Why a call whose capture failed is refused, where it has a floating input in a dtype no
+        graph took: a call in another floating dtype is captured again, as eager takes it (a bf16
+        Omni tower takes the processor's fp32 features and bf16 ones); where eager cannot run it
+        either (fp32 latents into a bf16 Wan), the capture's error is told as the input's dtype."""
+        for name, dtype in self._graphs[0].dtypes.items() if self._graphs else ():
             got = graph_inputs.get(name)
             if not (isinstance(got, torch.Tensor) and got.is_floating_point() and dtype.is_floating_point):
                 continue
-            # (the model's dtype last: diffusers' ModelMixin.dtype walks every module)
-            if all(g.dtypes.get(name) != got.dtype for g in self._graphs) and got.dtype != self._dtype():
-                raise TypeError(
-                    f"amxopt: {self.adapter.model_name} was optimized for {name} in {dtype}, got {got.dtype}; "
-                    f"cast {name} to {dtype}, or optimize a {got.dtype} model"
+            if all(g.dtypes.get(name) != got.dtype for g in self._graphs):
+                arg = self.adapter.arguments.get(name, name)
+                return (
+                    f"amxopt: {self.adapter.model_name} was optimized for {arg} in {dtype}, got {got.dtype}, and "
+                    f"its capture in {got.dtype} failed (cast {arg} to {dtype}): {error}"
                 )
+        return None
 
     def _recapture(self, graph_inputs: dict) -> GraphEntry:
         model = self.__dict__["_source"]
