@@ -32,12 +32,13 @@ def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
 
 
 def prepare(model: nn.Module, example_inputs: Any) -> tuple[Adapter, dict[str, Any]]:
-    """The adapter for ``model`` and the graph inputs of one call (the eager, data-dependent part run)."""
+    """The adapter for ``model`` and the graph inputs of one call (the eager, data-dependent part
+    run; of a call the adapter splits, its first part's: the graph that serves the parts)."""
     adapter = find_adapter(model)(model)
     args, kwargs = split_inputs(example_inputs)
     call = adapter.bind(args, kwargs)
     adapter.output_options(call)  # the graph returns the default output; options apply per call
-    return adapter, adapter.graph_inputs(call)
+    return adapter, adapter.graph_inputs(adapter.split(call)[0])
 
 
 def capture(model: nn.Module, example_inputs: Any, config: AmxConfig | None = None) -> fx.GraphModule:

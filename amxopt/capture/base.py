@@ -81,6 +81,16 @@ class Adapter:
             return out.to_tuple()  # transformers ModelOutput and diffusers BaseOutput alike
         return out
 
+    def split(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """The call as independent calls whose outputs :meth:`join` makes its output: one graph
+        then serves inputs of any size where the model's own code would unroll a loop over them."""
+        return [call]
+
+    def join(self, outputs: list[Any]) -> Any:
+        """The output of a call :meth:`split` cut, from its parts' outputs."""
+        (out,) = outputs
+        return out
+
     def graph_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
         """The eager part of a call: returns the keyword inputs of the exported graph."""
         return call

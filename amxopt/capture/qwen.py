@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from amxopt.capture.attention import routed_attention
@@ -181,6 +182,55 @@ class QwenAudioAdapter(_QwenAdapter):
         self.n_mels = cfg.num_mel_bins
         self.n_window = cfg.n_window
         self.n_window_infer = cfg.n_window_infer
+        self.conv_chunksize = model.conv_chunksize
+
+    def split(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """Calls of at most ``conv_chunksize`` chunks each. The forward runs its convolutions over
+        the chunks in a Python loop of ``conv_chunksize`` at a time, which export unrolls: a graph
+        of one round takes no call of more chunks, and past 500 s of audio (one clip or a batch)
+        every 500 s cost two more graphs until ``max_recaptures`` refused the call. Every chunk's
+        convolutions and every attention window are independent, so clips are grouped, and a clip
+        longer than a call is cut at attention-window boundaries: the parts' tokens, in order, are
+        the call's."""
+        feats, lens = call.get("input_features"), call.get("feature_lens")
+        chunk = 2 * self.n_window
+        if not isinstance(feats, torch.Tensor) or not isinstance(lens, torch.Tensor) or lens.dim() != 1:
+            return [call]  # (graph_inputs says what is wrong)
+        window = self.n_window_infer // chunk  # chunks of one attention window
+        if self.n_window_infer % chunk or window == 0 or self.conv_chunksize < window:
+            return [call]  # (no cut that keeps the windows: not a released config)
+        most = self.conv_chunksize // window * window  # chunks of a cut clip's part
+        parts: list[list[int]] = [[]]
+        for n in lens.tolist():
+            while -(-n // chunk) > self.conv_chunksize:
+                parts.append([most * chunk])
+                n -= most * chunk
+            if sum(-(-m // chunk) for m in parts[-1]) + -(-n // chunk) > self.conv_chunksize:
+                parts.append([])
+            parts[-1].append(n)
+        parts = [p for p in parts if p]
+        if len(parts) == 1:
+            return [call]
+        frames = feats.split([sum(p) for p in parts], dim=1)
+        return [
+            {**call, "input_features": f, "feature_lens": torch.tensor(p, dtype=lens.dtype)}
+            for f, p in zip(frames, parts)
+        ]
+
+    def join(self, outputs: list[Any]) -> Any:
+        if len(outputs) == 1:
+            return outputs[0]
+        # Every field is per token (pooler_output is last_hidden_state itself): concatenated, one
+        # tensor where the parts' fields were one.
+        leaves, spec = pytree.tree_flatten(outputs[0])
+        rest = [pytree.tree_leaves(o) for o in outputs[1:]]
+        joined: dict[int, torch.Tensor] = {}
+        out = []
+        for i, leaf in enumerate(leaves):
+            if id(leaf) not in joined:
+                joined[id(leaf)] = torch.cat([leaf, *(r[i] for r in rest)])
+            out.append(joined[id(leaf)])
+        return pytree.tree_unflatten(out, spec)
 
     def graph_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
         from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qo

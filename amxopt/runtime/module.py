@@ -662,7 +662,9 @@ class OptimizedModule(nn.Module):
             by_shape: one row per op and input shapes instead of per op.
 
         Returns:
-            A :class:`~amxopt.runtime.profile.Profile`; ``print(profile)`` shows the table.
+            A :class:`~amxopt.runtime.profile.Profile`; ``print(profile)`` shows the table. Of a
+            call the model runs in parts (the Omni audio tower's past ``conv_chunksize`` chunks),
+            the first part's.
 
         Example::
 
@@ -673,7 +675,7 @@ class OptimizedModule(nn.Module):
         self(*args, **kwargs)  # captures (or re-captures) the graph this call runs
         if self.eager_reason is not None:
             raise RuntimeError(f"amxopt profile: {self.adapter.model_name} runs as eager PyTorch ({self.eager_reason})")
-        graph_inputs = self.adapter.graph_inputs(self.adapter.bind(args, kwargs))
+        graph_inputs = self._graph_calls(args, kwargs)[1][0]  # (of a call cut in parts, the first)
         graph = next(g for g in self._graphs if _accepts(g, graph_inputs))
         return profile_graph(graph.captured.gm, graph_inputs, repeats=repeats, by_shape=by_shape)
 
@@ -787,18 +789,27 @@ class OptimizedModule(nn.Module):
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
         self._check_source()
+        options, parts = self._graph_calls(args, kwargs)
+        outputs = []
+        with torch.no_grad():
+            for graph_inputs in parts:
+                graph = next((g for g in self._graphs if _accepts(g, graph_inputs)), None)
+                if graph is None:
+                    with _CAPTURING.setdefault(self, threading.RLock()):
+                        graph = self._capture_for(graph_inputs)
+                    if graph is None:
+                        return self._run_eagerly(args, kwargs)
+                outputs.append(graph.captured.gm(**graph_inputs))
+            return self.adapter.format_output(self.adapter.join(outputs), options)
+
+    def _graph_calls(self, args: tuple, kwargs: dict) -> tuple[dict, list[dict]]:
+        """A call's output options and the graph inputs of its parts (``Adapter.split``), checked."""
         call = self.adapter.bind(args, kwargs)
         options = self.adapter.output_options(call)
-        graph_inputs = self.adapter.graph_inputs(call)
-        self._check_call(graph_inputs)
-        with torch.no_grad():
-            graph = next((g for g in self._graphs if _accepts(g, graph_inputs)), None)
-            if graph is None:
-                with _CAPTURING.setdefault(self, threading.RLock()):
-                    graph = self._capture_for(graph_inputs)
-                if graph is None:
-                    return self._run_eagerly(args, kwargs)
-            return self.adapter.format_output(graph.captured.gm(**graph_inputs), options)
+        parts = [self.adapter.graph_inputs(part) for part in self.adapter.split(call)]
+        for graph_inputs in parts:
+            self._check_call(graph_inputs)
+        return options, parts
 
     def _capture_for(self, graph_inputs: dict) -> GraphEntry | None:
         """A graph for a call no graph took: another thread's capture of the same shapes, done
@@ -848,7 +859,7 @@ class OptimizedModule(nn.Module):
         follow."""
         if self.eager_reason is None:
             self._check_source()  # a tensor-parallel module refuses a change here, before any rank runs
-            self._check_call(self.adapter.graph_inputs(self.adapter.bind(args, kwargs)))
+            self._graph_calls(args, kwargs)
 
     def _check_call(self, graph_inputs: dict) -> None:
         if self.training:

@@ -419,3 +419,23 @@ def test_an_argument_given_as_its_default_none_takes_the_same_graph(tmp_path):
     empty = {**inputs, "attention_kwargs": {}}  # no kwargs at all, as None (it captured again)
     assert max_abs_error(_run(opt, empty), _run(_wan()[0], inputs)) == 0.0
     assert len(opt.graphs) == 1
+
+
+def test_long_audio_and_large_batches_take_one_graph(tmp_path):
+    # The forward convolves conv_chunksize chunks at a time in a Python loop, which export unrolls:
+    # each longer call took new graphs (two per 500 s of audio) until max_recaptures refused it.
+    model = models.build_model("tiny-qwen3-omni-audio", torch.float32, conv_chunksize=9)
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True)
+    gen = torch.Generator().manual_seed(0)
+
+    def audio(lens):
+        return {"input_features": torch.randn(128, sum(lens), generator=gen), "feature_lens": torch.tensor(lens)}
+
+    opt = amxopt.optimize(model, audio([200]), config)
+    # a clip cut at attention windows (30 chunks of 9 at most), clips grouped, both, a window's tail
+    for lens in ([3000], [100] * 12, [250, 1000, 30, 905], [880, 810]):
+        inputs = audio(lens)
+        got, want = _run(opt, inputs), _run(model, inputs)
+        assert got.pooler_output is got.last_hidden_state
+        assert max_abs_error(got, want) <= 1e-5, lens
+    assert len(opt.graphs) == 1
