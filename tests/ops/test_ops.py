@@ -1215,6 +1215,22 @@ def test_attention_of_huge_finite_scores_is_the_softmax(provider, dtype, scale):
     assert_close_dtype(got, attention_oracle(q, k, v, cu, cu, scale, False), dtype)
 
 
+@pytest.mark.parametrize("d", [5, 37, 1152])
+def test_layer_norm_of_a_small_spread_beside_a_large_mean(provider, d):
+    # 300 +- 1e-3 in fp32: the rounded mean alone is off by up to 2% of the spread (0.07 off at D = 5,
+    # as ATen's own layer_norm is: 0.09-0.16, hence no reference here); the deviations' sum corrects it.
+    if provider == "reference":
+        pytest.skip("ATen's layer_norm, the reference, loses the spread beside a large mean")
+    g = torch.Generator().manual_seed(0)
+    x = (300 + 1e-3 * torch.randn(8, d, generator=g, dtype=torch.float64)).float()
+    w, b = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    want = F.layer_norm(x.double(), (d,), w.double(), b.double(), 1e-12)
+    assert (ops.layer_norm(x, w, b, 1e-12, provider).double() - want).abs().max() < 1e-5
+    scale, shift = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    got = ops.norm_modulate(x, w, b, scale, shift, 1e-12, False, provider)
+    assert (got.double() - (want * (1 + scale.double()) + shift.double())).abs().max() < 1e-5
+
+
 def test_gelu_of_huge_negative_values_is_zero(provider):
     # gelu(v) -> -0 as v -> -inf; v times the capped erf tail grew with |v| (-1.3 at -1e36).
     x = torch.tensor([[-13.0, -1e10, -1e30, -1e36, -3e38] + [-20.0] * 11])
