@@ -258,6 +258,22 @@ def test_a_part_optimized_and_assigned_by_the_caller_keeps_its_class_in_the_pipe
     assert isinstance(pipe.transformer, amxopt.OptimizedModule) and "transformer" in pipe.amxopt_report.optimized
 
 
+def test_a_pipeline_built_from_an_optimized_ones_parts_is_routed_by_optimizing_it(tmp_path):
+    # diffusers' from_pipe (or Cls(**pipe.components)) records OptimizedModule as the parts' class, and
+    # its LoRA and save methods skip them: optimize() routes it, keeping the parts as optimized.
+    from diffusers import WanPipeline
+
+    pipe = amxopt.optimize(pipelines.build_wan_pipeline("tiny-wan", torch.float32), config=CONFIG)
+    derived = WanPipeline.from_pipe(pipe)
+    assert derived.config.transformer == ("amxopt.runtime.module", "OptimizedModule")  # diffusers' record
+    assert amxopt.optimize(derived) is derived
+    assert derived.config.transformer == ("diffusers", "WanTransformer3DModel"), derived.config.transformer
+    assert derived.transformer is pipe.transformer and type(derived).__name__ == "WanPipeline"
+    assert type(derived) is not WanPipeline  # its LoRA methods and save_pretrained reach the sources
+    derived.save_pretrained(tmp_path)
+    assert (tmp_path / "transformer").is_dir()
+
+
 def test_an_optimized_pipeline_saves_its_parts_as_their_source_models(tmp_path):
     from diffusers import WanPipeline
 
