@@ -547,7 +547,11 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
 
 def _shape_of(name: str, t: Any) -> tuple:
     # (a state dict may hold other values: torch.ao's quantized Linear stores its dtype)
-    return (name, list(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else (name, repr(t))
+    if not isinstance(t, torch.Tensor):
+        return (name, repr(t))
+    # Released (amxopt.from_pretrained packs every weight as it reads it): a graph optimize() stored
+    # may read unpacked a weight autotune left to ATen, which a loaded model no longer has.
+    return (name, list(t.shape), str(t.dtype), *(["released"] if packed.is_released(t) else []))
 
 
 def _tied(module: nn.Module) -> list[list[str]]:

@@ -21,7 +21,7 @@ import amxopt
 from amxopt import models
 from amxopt.capture import prepare
 from amxopt.capture.base import export
-from amxopt.runtime import graph_store
+from amxopt.runtime import graph_store, weights
 from amxopt.runtime import module as runtime_module
 from tests.helpers import CONFIG
 
@@ -200,6 +200,11 @@ def test_cache_key_follows_structure_and_options_not_weights():
         assert key(a, tuned) != at_two and key(a) == untuned
     finally:
         torch.set_num_threads(threads)
+    # A released weight (amxopt.from_pretrained packs them as it reads them): a graph optimize()
+    # stored may read it unpacked where autotune left its Linear to ATen ("unusable", a warning).
+    proj, before = b.blocks[0].attn1.to_q, key(b)
+    proj.weight = weights.placeholder(proj.weight, {})
+    assert key(b) != before
 
 
 _KEY_OF_TINY_MODELS = """
