@@ -193,9 +193,8 @@ class QwenAudioAdapter(_QwenAdapter):
         longer than a call is cut at attention-window boundaries: the parts' tokens, in order, are
         the call's."""
         feats, lens = call.get("input_features"), call.get("feature_lens")
+        self._validate(feats, lens)  # (the caller's whole input, before it is cut)
         chunk = 2 * self.n_window
-        if not isinstance(feats, torch.Tensor) or not isinstance(lens, torch.Tensor) or lens.dim() != 1:
-            return [call]  # (graph_inputs says what is wrong)
         window = self.n_window_infer // chunk  # chunks of one attention window
         if self.n_window_infer % chunk or window == 0 or self.conv_chunksize < window:
             return [call]  # (no cut that keeps the windows: not a released config)

@@ -172,8 +172,13 @@ def _optimize_pipeline(pipe: Any, part: Callable) -> ComponentsReport:
             if isinstance(component, OptimizedModule):
                 # Assigned by the caller (pipe.transformer = amxopt.optimize(...)): diffusers recorded
                 # OptimizedModule as the part's class, which save_pretrained would write to
-                # model_index.json and from_pretrained cannot load. Record the source's class instead.
-                setattr(pipe, name, component.__dict__["_source"])
+                # model_index.json and from_pretrained cannot load (or (None, None), once a save
+                # skipped it: setattr then keeps that). Record the source's class instead.
+                register = getattr(pipe, "register_modules", None)
+                if register is not None:
+                    register(**{name: component.__dict__["_source"]})
+                else:
+                    setattr(pipe, name, component.__dict__["_source"])
             # Not setattr: diffusers would record the new class in the pipeline's config.
             pipe.__dict__[name] = opt
             report.optimized[name] = opt

@@ -823,6 +823,8 @@ class OptimizedModule(nn.Module):
             except CaptureError as e:
                 refusal = self._dtype_refusal(graph_inputs, e)
                 if refusal is not None:
+                    # the next call in these dtypes is refused at once (no export; at tp, before any rank runs)
+                    self.__dict__.setdefault("_refused_dtypes", {})[_floating_dtypes(graph_inputs)] = refusal
                     raise TypeError(refusal) from e
                 if not self.eager_fallback or self._graphs:
                     raise
@@ -867,6 +869,9 @@ class OptimizedModule(nn.Module):
                 f"amxopt: {self.adapter.model_name} is in training mode (.train() was called after optimize), and "
                 "its graphs compute inference (no dropout, no gradients): call .eval() on it"
             )
+        refused = self.__dict__.get("_refused_dtypes")
+        if refused and _floating_dtypes(graph_inputs) in refused:
+            raise TypeError(refused[_floating_dtypes(graph_inputs)])
         if torch.is_grad_enabled():
             wants_grad = [k for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
             if wants_grad:
@@ -925,6 +930,10 @@ class OptimizedModule(nn.Module):
         graph = build_graph(model, self.adapter, graph_inputs, self.amx_config)
         self._add(graph)
         return graph
+
+
+def _floating_dtypes(graph_inputs: dict) -> tuple:
+    return tuple((k, v.dtype) for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point())
 
 
 def _accepts(graph: GraphEntry, graph_inputs: dict) -> bool:

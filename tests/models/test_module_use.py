@@ -285,6 +285,9 @@ def test_an_input_in_a_dtype_eager_refuses_is_told_as_its_dtype(tmp_path):
         opt(**{**inputs, "hidden_states": inputs["hidden_states"].bfloat16()})
     assert len(opt.graphs) == 1
     assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0  # and it still runs
+    # Once refused, refused before running anything (it exported again at every call; at tp, on every rank)
+    with pytest.raises(TypeError, match=r"its capture in torch.bfloat16 failed"):
+        opt.check_inputs(**{**inputs, "hidden_states": inputs["hidden_states"].bfloat16()})
 
 
 def test_an_audio_input_is_named_as_the_caller_passed_it(tmp_path):
@@ -439,3 +442,5 @@ def test_long_audio_and_large_batches_take_one_graph(tmp_path):
         assert got.pooler_output is got.last_hidden_state
         assert max_abs_error(got, want) <= 1e-5, lens
     assert len(opt.graphs) == 1
+    with pytest.raises(ValueError, match=r"feature_lens \[1000\] sum to 1000 frames but input_features has 900"):
+        _run(opt, {"input_features": torch.randn(128, 900), "feature_lens": torch.tensor([1000])})  # checked uncut

@@ -266,12 +266,14 @@ def test_a_pipeline_built_from_an_optimized_ones_parts_is_routed_by_optimizing_i
     pipe = amxopt.optimize(pipelines.build_wan_pipeline("tiny-wan", torch.float32), config=CONFIG)
     derived = WanPipeline.from_pipe(pipe)
     assert derived.config.transformer == ("amxopt.runtime.module", "OptimizedModule")  # diffusers' record
+    derived.save_pretrained(tmp_path / "skipped")  # diffusers skips the parts and records (None, None)
+    assert derived.config.transformer == (None, None)
     assert amxopt.optimize(derived) is derived
     assert derived.config.transformer == ("diffusers", "WanTransformer3DModel"), derived.config.transformer
     assert derived.transformer is pipe.transformer and type(derived).__name__ == "WanPipeline"
     assert type(derived) is not WanPipeline  # its LoRA methods and save_pretrained reach the sources
-    derived.save_pretrained(tmp_path)
-    assert (tmp_path / "transformer").is_dir()
+    derived.save_pretrained(tmp_path / "routed")
+    assert (tmp_path / "routed" / "transformer").is_dir()
 
 
 def test_an_optimized_pipeline_saves_its_parts_as_their_source_models(tmp_path):
