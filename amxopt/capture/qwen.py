@@ -188,7 +188,7 @@ class QwenAudioAdapter(_QwenAdapter):
         """Calls of at most ``conv_chunksize`` chunks each. The forward runs its convolutions over
         the chunks in a Python loop of ``conv_chunksize`` at a time, which export unrolls: a graph
         of one round takes no call of more chunks, and past 500 s of audio (one clip or a batch)
-        every 500 s cost two more graphs until ``max_recaptures`` refused the call. Every chunk's
+        every 500 s cost one or two more graphs until ``max_recaptures`` refused the call. Every chunk's
         convolutions and every attention window are independent, so clips are grouped, and a clip
         longer than a call is cut at attention-window boundaries: the parts' tokens, in order, are
         the call's."""

@@ -857,8 +857,8 @@ class OptimizedModule(nn.Module):
 
     def check_inputs(self, *args: Any, **kwargs: Any) -> None:
         """Raise what a call with these arguments would raise before running anything: arguments
-        the model does not take, an input that requires grad, a change to the source a graph cannot
-        follow."""
+        the model does not take, an input that requires grad or in dtypes a capture failed on
+        before, a change to the source a graph cannot follow."""
         if self.eager_reason is None:
             self._check_source()  # a tensor-parallel module refuses a change here, before any rank runs
             self._graph_calls(args, kwargs)
