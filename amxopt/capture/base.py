@@ -168,11 +168,23 @@ def export(
         return Captured(gm=gm, dynamic=dyn, guards=guards, note="; ".join(notes), guard_code=_guard_code(ep, gm))
     hint = ""
     if any("data-dependent" in e or "DataDependent" in e for e in errors):
-        hint = (
-            ". The model computes shapes or Python control flow from tensor values (e.g. grid_thw.tolist() "
-            "in a vision tower's metadata): an amxopt adapter must compute those eagerly before the graph, "
-            "as amxopt/capture/qwen.py does for the Qwen3 towers"
-        )
+        # Hooks and replaced forwards are traced too: a cache hook (diffusers' enable_cache) that
+        # decides from tensor values is the likelier cause where the model has one.
+        altered = repeated.hooked(model, recorders=False) + [
+            p or "the model" for p, m in model.named_modules() if "forward" in vars(m)
+        ]
+        if altered:
+            hint = (
+                f". Forward hooks or replaced forwards on {', '.join(altered[:4])}{', ...' if len(altered) > 4 else ''}"
+                " are traced with the model, and one computes Python control flow from tensor values (a cache "
+                "hook such as diffusers' enable_cache decides per call): remove them before amxopt runs it"
+            )
+        else:
+            hint = (
+                ". The model computes shapes or Python control flow from tensor values (e.g. grid_thw.tolist() "
+                "in a vision tower's metadata): an amxopt adapter must compute those eagerly before the graph, "
+                "as amxopt/capture/qwen.py does for the Qwen3 towers"
+            )
     raise CaptureError(
         f"amxopt: torch.export could not capture {adapter.model_name} as one graph "
         f"(adapter {adapter.name!r}): " + "; ".join(errors) + hint

@@ -152,3 +152,16 @@ def test_misspelt_config_key_is_named():
     with pytest.raises(KeyError, match=r"tiny-qwen3-vl-vision.*Qwen3VLVisionConfig has no 'depht'"):
         models.build_model("tiny-qwen3-vl-vision", depht=1)
     assert len(models.build_model("tiny-qwen3-vl-vision", depth=1).blocks) == 1
+
+
+def test_a_capture_failing_in_a_hook_names_the_hook():
+    # A cache hook (diffusers' enable_cache after a first call) decides from tensor values: the
+    # message pointed at amxopt's adapters, not at the hook.
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).eval()
+
+    def skip_when_small(module, args):
+        return (args[0] * 2,) if bool(args[0].sum() > 0) else None
+
+    model[2].register_forward_pre_hook(skip_when_small)
+    with pytest.raises(amxopt.CaptureError, match=r"Forward hooks or replaced forwards on 2 are traced with the model"):
+        amxopt.optimize(model, (torch.randn(4, 8),), CONFIG)
