@@ -200,13 +200,16 @@ class QwenAudioAdapter(_QwenAdapter):
             return [call]  # (no cut that keeps the windows: not a released config)
         most = self.conv_chunksize // window * window  # chunks of a cut clip's part
         parts: list[list[int]] = [[]]
+        used = 0  # chunks in parts[-1]
         for n in lens.tolist():
             while -(-n // chunk) > self.conv_chunksize:
                 parts.append([most * chunk])
-                n -= most * chunk
-            if sum(-(-m // chunk) for m in parts[-1]) + -(-n // chunk) > self.conv_chunksize:
+                used, n = most, n - most * chunk
+            if used + -(-n // chunk) > self.conv_chunksize:
                 parts.append([])
+                used = 0
             parts[-1].append(n)
+            used += -(-n // chunk)
         parts = [p for p in parts if p]
         if len(parts) == 1:
             return [call]

@@ -869,9 +869,9 @@ class OptimizedModule(nn.Module):
                 f"amxopt: {self.adapter.model_name} is in training mode (.train() was called after optimize), and "
                 "its graphs compute inference (no dropout, no gradients): call .eval() on it"
             )
-        refused = self.__dict__.get("_refused_dtypes")
-        if refused and _floating_dtypes(graph_inputs) in refused:
-            raise TypeError(refused[_floating_dtypes(graph_inputs)])
+        refused = self.__dict__.get("_refused_dtypes", {}).get(_floating_dtypes(graph_inputs))
+        if refused is not None:
+            raise TypeError(refused)
         if torch.is_grad_enabled():
             wants_grad = [k for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
             if wants_grad:
