@@ -430,10 +430,27 @@ def released_source(node: fx.Node) -> bool:
 DEFER_RECOMPILE = "_amxopt_defer_recompile"
 
 
+# Calls kept for what they do to torch's own state although no node reads their result: export
+# brackets a vmap (flex attention's block mask is one) with its level counter, and without them the
+# vmap's batch dims are left unpaired and the graph fails at every call.
+_STATEFUL_MODULES = frozenset({"torch._functorch.predispatch"})
+
+
+def _impure(node: fx.Node) -> bool:
+    return node.is_impure() or (
+        node.op == "call_function" and getattr(node.target, "__module__", None) in _STATEFUL_MODULES
+    )
+
+
+def drop_dead_code(gm: fx.GraphModule) -> None:
+    """``eliminate_dead_code``, keeping the calls made for their effect on torch's state."""
+    gm.graph.eliminate_dead_code(is_impure_node=_impure)
+
+
 def cleanup(gm: fx.GraphModule) -> None:
     """Shared end of every pass: drop dead nodes, check the graph, regenerate code (unless the pass
     runs inside run_passes, which regenerates it once after the last pass)."""
-    gm.graph.eliminate_dead_code()
+    drop_dead_code(gm)
     reshape_stale_views(gm)
     gm.graph.lint()
     if not getattr(gm, DEFER_RECOMPILE, False):

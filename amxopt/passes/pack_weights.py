@@ -20,6 +20,7 @@ from amxopt.ops import packed
 from amxopt.passes._graph import (
     add_constant,
     cleanup,
+    drop_dead_code,
     drop_unread,
     evaluate_constant,
     fetch,
@@ -99,7 +100,7 @@ def pack_weights(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
     if not n_packed:
         return PassResult(gm, False)
     memo.clear()
-    gm.graph.eliminate_dead_code()
+    drop_dead_code(gm)
     if config.release_weights:
         drop_unread(gm, {src.target for src in sources if src is not None}, "unpacked copy kept")
     cleanup(gm)

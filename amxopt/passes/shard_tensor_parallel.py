@@ -51,6 +51,7 @@ from amxopt.passes._graph import (
     add_constant,
     arg,
     cleanup,
+    drop_dead_code,
     drop_unread,
     evaluate_constant,
     fetch,
@@ -711,7 +712,7 @@ def shard_tensor_parallel(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
             note = f"replicated across tp ranks: {source.name if source else 'q'}: {reason}"
             leave(node, f"{node.meta[LEFT]}; {note}" if LEFT in node.meta else note)
     if n_sharded:
-        gm.graph.eliminate_dead_code()
+        drop_dead_code(gm)
         if config.release_weights:
             drop_unread(gm, sliced, "full copy kept")
         cleanup(gm)

@@ -89,6 +89,23 @@ def test_remove_dropout_keeps_a_dropout_that_drops():
     assert sum(count(gm, d) for d in _DROPOUTS) == 0
 
 
+class Vmapped(nn.Module):
+    """A row-wise op written with ``torch.vmap`` between two Linears (flex attention's block mask is built so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.vmap(lambda row: row * row.softmax(-1))(self.fc(x)))
+
+
+def test_passes_keep_the_calls_that_bracket_a_vmap():
+    # Export's vmap level counter calls have no users; dead-code removal dropped them, and the
+    # rewritten graph failed at every call with a functorch error.
+    check_rewrite(Vmapped().eval(), {"x": torch.randn(6, 16)}, {"linear": 2})
+
+
 # --- replace_linear ----------------------------------------------------------------------------
 
 
