@@ -19,11 +19,11 @@ def replacing(path: pathlib.Path) -> Iterator[pathlib.Path]:
         staged = pathlib.Path(f.name)
     try:
         yield staged
+        staged.chmod(0o666 & ~_umask())
+        os.replace(staged, path)
     except BaseException:
         staged.unlink(missing_ok=True)
         raise
-    staged.chmod(0o666 & ~_umask())
-    os.replace(staged, path)
 
 
 def _umask() -> int:

@@ -260,6 +260,11 @@ def max_tier(tier: str) -> Setting:
     return Setting(lambda: _set_cap(previous))
 
 
+def capped() -> bool:
+    """Whether :func:`max_tier` holds the kernels below the best tier this CPU runs."""
+    return active_tier() != cpu_tier()
+
+
 def _set_cap(tier: str) -> None:
     global _cap
     _ops().set_max_tier(tier)

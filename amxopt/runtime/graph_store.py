@@ -238,6 +238,9 @@ def check(entry: dict) -> None:
     """
     if entry.get("format") != FORMAT:
         raise GraphStoreError(f"stored graph format {entry.get('format')} (this amxopt reads {FORMAT})")
+    ops = [node[0] for node in entry["nodes"]]
+    if ops.count("output") != 1 or ops[-1] != "output":
+        raise GraphStoreError(f"stored graph has {ops.count('output')} output node(s), not one at its end")
     for op, _, target, _, _ in entry["nodes"]:
         if op == "call_function":
             _resolve(target)

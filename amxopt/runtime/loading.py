@@ -683,7 +683,12 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
             f"amxopt: {weights} is truncated or replaced: the manifest says {manifest['file_bytes']} bytes, found {got}"
         )
     module_name, _, cls_name = manifest["class"].rpartition(".")
-    cls = getattr(importlib.import_module(module_name), cls_name)
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise CheckpointError(
+            f"amxopt: {directory}: the manifest's class {manifest['class']!r} is not found: {e}"
+        ) from None
     model = _build_empty(cls, _config_from_dict(cls, manifest["config"]), _DTYPES[manifest["dtype"]])
     for name, dtype in manifest.get("buffer_dtypes", {}).items():
         buffer = model.get_buffer(name)
@@ -698,9 +703,15 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
     for name, like in expected.items():
         key = stored[name]
         entry = manifest["tensors"].get(key)
-        if entry is None or entry["shape"] != list(like.shape) or entry.get("dtype") not in _DTYPES:
+        if entry is None or entry.get("shape") != list(like.shape) or entry.get("dtype") not in _DTYPES:
             raise CheckpointError(
                 f"amxopt: {weights}: manifest entry for {key} is {entry}, model has {tuple(like.shape)}"
+            )
+        kept = [_PACKED_PREFIX + key] if entry.get("packed") else []
+        kept += [key] if not entry.get("packed") or entry.get("plain") else []
+        if missing := [k for k in kept if k not in tensors]:
+            raise CheckpointError(
+                f"amxopt: {weights}: the manifest stores {key} as {' and '.join(kept)}; {missing[0]} is not in the file"
             )
         if id(like) not in done:
             # In the dtype it was saved in: the model may have been cast whole (``.to(bf16)``), modules
@@ -783,6 +794,18 @@ def _digest(values: dict) -> str:
 
 
 def _check_manifest(manifest: dict, config: AmxConfig, directory: pathlib.Path) -> None:
+    fields = {"class": str, "config": dict, "dtype": str, "file_bytes": int, "tensors": dict, "graphs": list}
+    for field, kind in fields.items():
+        if not isinstance(manifest.get(field, [] if field == "graphs" else None), kind):
+            raise CheckpointError(
+                f"amxopt: {directory}/{MANIFEST} is damaged: its field {field!r} is {manifest.get(field)!r}, "
+                f"not a {kind.__name__}"
+            )
+    entries = [*manifest["tensors"].values(), *manifest.get("graphs", [])]
+    if manifest["dtype"] not in _DTYPES or not all(isinstance(e, dict) for e in entries):
+        raise CheckpointError(
+            f"amxopt: {directory}/{MANIFEST} is damaged: its dtype, tensor or graph entries are not amxopt's"
+        )
     here = native.active_tier() if config.provider == "native" else config.provider
     problems = []
     if manifest.get("layout_version") != LAYOUT_VERSION:
@@ -790,7 +813,10 @@ def _check_manifest(manifest: dict, config: AmxConfig, directory: pathlib.Path) 
     if manifest.get("provider") != config.provider:
         problems.append(f"provider {manifest.get('provider')!r} (this run uses {config.provider!r})")
     elif manifest.get("tier") != here:
-        problems.append(f"tier {manifest.get('tier')!r} (this CPU runs {here!r})")
+        capped = config.provider == "native" and native.capped()
+        problems.append(
+            f"tier {manifest.get('tier')!r} ({'max_tier holds this run at' if capped else 'this CPU runs'} {here!r})"
+        )
     if problems:
         raise CheckpointError(f"amxopt: {directory} was saved for " + ", ".join(problems) + "; re-create it here")
     if manifest.get("torch_version") != torch.__version__:

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3VLVisionModel
 
 import amxopt
-from amxopt import models
-from amxopt.ops import packed
+from amxopt import files, models
+from amxopt.ops import native, packed
 from amxopt.runtime import loading, max_abs_error
 from tests.helpers import CONFIG
 
@@ -129,6 +129,15 @@ def test_load_refuses_another_machine_or_layout(artifact, values, message):
         amxopt.load(artifact, RELEASE)
 
 
+@pytest.mark.skipif(not native.available()[0] or native.cpu_tier() == "fp32", reason="needs a native bf16 tier")
+def test_load_under_max_tier_says_the_cap_holds_it(checkpoint, tmp_path):
+    config = dataclasses.replace(RELEASE, provider="native")
+    opt = amxopt.from_pretrained(Qwen3VLVisionModel, checkpoint, torch.bfloat16, config)
+    artifact = opt.save(tmp_path / "artifact")
+    with native.max_tier("fp32"), pytest.raises(amxopt.CheckpointError, match=r"\(max_tier holds this run at 'fp32'\)"):
+        amxopt.load(artifact, config)
+
+
 def test_load_refuses_tensor_parallelism_before_reading(tmp_path):
     # (an empty directory: the refusal comes before the manifest is read)
     with pytest.raises(ValueError, match=r"amxopt.load: tensor parallelism \(tp='env'\) slices the source weights"):
@@ -151,6 +160,56 @@ def test_load_refuses_truncated_or_incomplete_artifacts(artifact):
     (artifact / loading.MANIFEST).write_text("{not json")
     with pytest.raises(amxopt.CheckpointError, match="not an amxopt artifact"):
         amxopt.load(artifact, RELEASE)
+
+
+def _rename_packed_tensor(directory):
+    stored = load_file(directory / loading.WEIGHTS)
+    stored["blocks.0.attn.qkv.weight"] = stored.pop("packed::blocks.0.attn.qkv.weight")
+    save_file(stored, directory / loading.WEIGHTS)
+    return {"file_bytes": (directory / loading.WEIGHTS).stat().st_size}
+
+
+def _entry_unpacked(directory):
+    manifest = json.loads((directory / loading.MANIFEST).read_text())
+    manifest["tensors"]["blocks.0.attn.qkv.weight"]["packed"] = False
+    return {"tensors": manifest["tensors"]}
+
+
+def _graph_without_output(directory):
+    graphs = json.loads((directory / loading.MANIFEST).read_text())["graphs"]
+    del graphs[0]["nodes"][-1]
+    return {"graphs": graphs}
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        # A packed tensor under its plain name, or an entry that says unpacked: a KeyError.
+        (_rename_packed_tensor, r"stores blocks.0.attn.qkv.weight as packed::blocks.0.attn.qkv.weight; .* not in the"),
+        (_entry_unpacked, r"stores blocks.0.attn.qkv.weight as blocks.0.attn.qkv.weight; .* not in the file"),
+        # Fields gone or of another type: a KeyError, an AttributeError.
+        (lambda d: {"file_bytes": None}, r"field 'file_bytes' is None, not a int"),
+        (lambda d: {"graphs": {"0": {}}}, r"field 'graphs' is \{'0': \{\}\}, not a list"),
+        (lambda d: {"dtype": "F33"}, r"its dtype, tensor or graph entries are not amxopt's"),
+        (lambda d: {"class": "transformers.NoSuchModel"}, r"class 'transformers.NoSuchModel' is not found"),
+        # A graph without its output node was restored, and every call returned None.
+        (_graph_without_output, r"saved graph 0 cannot be restored: stored graph has 0 output node\(s\)"),
+    ],
+    ids=["packed-renamed", "entry-unpacked", "no-file-bytes", "graphs-dict", "dtype", "class", "no-output-node"],
+)
+def test_a_damaged_manifest_is_a_checkpoint_error_naming_what(tmp_path, edit, message):
+    inputs = models.example_inputs("tiny-qwen3-vl-vision")
+    artifact = _optimized_and_called(models.build_model("tiny-qwen3-vl-vision"), inputs).save(tmp_path / "a")
+    _edit_manifest(artifact, **edit(artifact))
+    with torch.no_grad(), pytest.raises(amxopt.CheckpointError, match=message):
+        amxopt.load(artifact, RELEASE)(**inputs)
+
+
+def test_a_save_that_fails_at_the_rename_leaves_no_staged_file(tmp_path):
+    (tmp_path / "weights.safetensors").mkdir()  # (os.replace of a file over a directory fails)
+    with pytest.raises(IsADirectoryError), files.replacing(tmp_path / "weights.safetensors") as staged:
+        staged.write_bytes(b"x" * 100)
+    assert [p.name for p in tmp_path.iterdir()] == ["weights.safetensors"]
 
 
 def test_save_before_the_first_call_says_why(tmp_path):
@@ -339,6 +398,14 @@ def test_a_damaged_graph_cache_entry_is_captured_again(tmp_path, caplog):
     with torch.no_grad():
         torch.testing.assert_close(amxopt.optimize(model, (x,), config)(x), expected)
     assert "unusable" in caplog.text
+
+    # Valid JSON, but the graph lost its output node: it was restored, and the call returned None.
+    for path in (tmp_path / "graphs").glob("*.json"):
+        entry = json.loads(path.read_text())
+        del entry["nodes"][-1]
+        path.write_text(json.dumps(entry))
+    with torch.no_grad():
+        torch.testing.assert_close(amxopt.optimize(model, (x,), config)(x), expected)
 
 
 def test_a_packing_is_not_reused_after_the_weight_changes():

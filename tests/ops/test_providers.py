@@ -34,6 +34,7 @@ def test_max_tier_caps_and_restores():
     best = native.active_tier()
     with native.max_tier("fp32"):
         assert native.active_tier() == "fp32"
+        assert native.capped() == (native.cpu_tier() != "fp32")
     assert native.active_tier() == best
     native.max_tier("fp32")  # a bare call, as torch.set_grad_enabled: for the rest of the process
     try:
