@@ -97,13 +97,17 @@ def _timing(activation: str, residual: bool, match: Match, fn, config) -> _autot
     if released_source(match["weight"]):
         return None
     xv, wv, bias = val(match["x"]), val(match["weight"]), match["bias"]
-    x = _autotune.materialize(xv).flatten(0, -2) if xv.dim() > 1 else _autotune.materialize(xv)[None]
+    x = _autotune.materialize(xv)
+    # Rows as one matrix (one key for every batch shape), unless x is a view that flattening would
+    # copy (a transpose): the kernels on both sides then see the strides the graph gives them.
+    x = x[None] if x.dim() == 1 else x.flatten(0, -2) if x.is_contiguous() else x
+    rows = x.numel() // x.shape[-1]
     w = _autotune.materialize(wv, scale=x.shape[-1] ** -0.5)
     b = _autotune.materialize(val(bias))
     packed = torch.ops.amxopt.pack_linear_weight(w, config.provider)
     extra = {}
     if residual:
-        extra["residual"] = r = _autotune.materialize(val(_residual(match))).reshape(x.shape[0], w.shape[0])
+        extra["residual"] = r = _autotune.materialize(val(_residual(match))).reshape(*x.shape[:-1], w.shape[0])
         op, aten = f"linear [{_autotune.describe(x, w, b)}] + residual", lambda: torch.nn.functional.linear(x, w, b) + r
     else:
         act = reference.ACTIVATIONS[activation]
@@ -126,7 +130,7 @@ def _timing(activation: str, residual: bool, match: Match, fn, config) -> _autot
         )
 
     # Only a VNNI-packed (bf16) weight runs the tile GEMM: an fp32 Linear runs alike in both schedules.
-    order = _autotune.amx_schedule(op, config, x.shape[0], x.shape[1], amxopt) if packed.dim() == 3 else None
+    order = _autotune.amx_schedule(op, config, rows, x.shape[-1], amxopt) if packed.dim() == 3 else None
     if order and order.choice == "rows":
         return _autotune.compare(f"{op}, AMX rows schedule", config, amxopt("rows"), aten, order)
     return _autotune.compare(op, config, amxopt(), aten, order)

@@ -264,6 +264,31 @@ def test_timed_inputs_have_the_layout_of_the_graph():
     assert _autotune.describe(contiguous) == "2x6x4x5:float32"
 
 
+class _TwoLayouts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(32, 64)
+
+    def forward(self, x, y):
+        return self.a(x) + self.b(y.transpose(1, 2))
+
+
+def test_a_linear_of_a_transposed_input_is_timed_in_its_layout(tmp_path):
+    # Flattened for the timing, a transposed x was copied to a contiguous one: both Linears shared
+    # one key and one decision, timed without the cost ATen pays on the strided input.
+    model = _TwoLayouts().to(torch.bfloat16).eval()
+    x, y = torch.randn(2, 8, 32, dtype=torch.bfloat16), torch.randn(2, 32, 8, dtype=torch.bfloat16)
+    config = amxopt.AmxConfig(provider="native", autotune_cache=str(tmp_path), keep_source=True, graph_cache=False)
+    opt = amxopt.optimize(model, (x, y), config)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x, y), model(x, y), rtol=2e-2, atol=2e-2)
+    ops = sorted(t.split("]")[0] for _, t in opt.report.choices)
+    assert ops == [
+        "linear [16x32:bfloat16, 64x32:bfloat16, 64:bfloat16",
+        "linear [2x8x32:bfloat16:strides 256x1x8, 64x32:bfloat16, 64:bfloat16",
+    ], str(opt.report)
+
+
 def test_an_artifact_loaded_without_autotune_drops_the_saved_decisions(tmp_path, monkeypatch):
     # Saved where ATen won every timing; AmxConfig(autotune=False) asks for every kernel amxopt has.
     from amxopt import models
