@@ -880,6 +880,17 @@ class OptimizedModule(nn.Module):
                     f"amxopt: {self.adapter.model_name} runs inference only, and {arg} requires grad: call "
                     "it under torch.no_grad() or with a detached input"
                 )
+            if not self.__dict__.get("_told_no_grad") and any(
+                p.requires_grad for p in self.__dict__["_source"].parameters()
+            ):
+                # Eager's output would carry a gradient to the parameters; the graphs' does not.
+                self.__dict__["_told_no_grad"] = True
+                logger.warning(
+                    "amxopt: %s was called with grad enabled and parameters that require grad; its graphs "
+                    "compute inference, so the output carries no gradient (backward() through it fails): call it "
+                    "under torch.no_grad() or torch.inference_mode()",
+                    self.adapter.model_name,
+                )
 
     def _dtype_refusal(self, graph_inputs: dict, error: Exception) -> str | None:
         """Why a call whose capture failed is refused, where it has a floating input in a dtype no

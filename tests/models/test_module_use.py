@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import logging
 
 import pytest
 import torch
@@ -100,7 +101,7 @@ def test_a_refused_load_writes_nothing_where_the_root_holds_no_tensor(tmp_path):
     assert torch.equal(_run(opt, {"x": x}), before)
 
 
-def test_copies_casts_moves_and_grads(tmp_path):
+def test_copies_casts_moves_and_grads(tmp_path, caplog):
     model, inputs = _wan()
     opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
     assert not opt.training
@@ -116,6 +117,9 @@ def test_copies_casts_moves_and_grads(tmp_path):
     wants_grad = {**inputs, "hidden_states": inputs["hidden_states"].clone().requires_grad_()}
     with pytest.raises(RuntimeError, match=r"runs inference only, and hidden_states requires grad"):
         opt(**wants_grad)
+    with caplog.at_level(logging.WARNING):  # grad on, parameters that require it: no gradient, said once
+        opt(**inputs), opt(**inputs)
+    assert caplog.text.count("the output carries no gradient (backward() through it fails)") == 1
     with pytest.raises(ValueError, match=r"given an OptimizedModule, a model amxopt already optimized"):
         amxopt.optimize(opt, inputs, CONFIG)
 
