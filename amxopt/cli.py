@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats {args.repeats}: at least 1")
     if args.command == "profile" and args.json and not pathlib.Path(args.json).resolve().parent.is_dir():
         parser.error(f"--json {args.json}: its directory does not exist")
-    if args.command == "info" and (args.threads < 0 or args.tp < 0):
-        parser.error("--threads and --tp are counts (>= 0)")
+    if args.command == "info" and not (0 <= args.threads <= _MAX_COUNT and 0 <= args.tp <= _MAX_COUNT):
+        parser.error(f"--threads {args.threads} --tp {args.tp}: counts from 0 to {_MAX_COUNT}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.fn(args)
@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         traceback.print_exc()
         return 2
+
+
+_MAX_COUNT = 1 << 16  # --threads, --tp: a thread or rank count, past any machine's
 
 
 def _parse_size(text: str):

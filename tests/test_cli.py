@@ -161,6 +161,14 @@ def test_bad_arguments_are_refused_before_anything_is_built(args, error, capsys)
     assert exit_.value.code == 2 and error in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args", [["--threads", "-1"], ["--threads", "99999999999999999999"], ["--tp", "70000"]])
+def test_info_refuses_counts_out_of_range(args, capsys):
+    # 2**64 and more reached the C++ work-split as a pybind11 cast error naming no flag.
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["info", *args])
+    assert exit_.value.code == 2 and "counts from 0 to 65536" in capsys.readouterr().err
+
+
 def test_info_prints_the_cores_of_tp_ranks(capsys):
     assert cli.main(["info", "--tp", "2"]) == 0
     assert "provider reference" in capsys.readouterr().out

@@ -289,7 +289,7 @@ def each_in_its_own_process(names: list[str], argv: list[str]) -> list[dict]:
     return results
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join([*DEFAULT_MODELS, *E2E]))
     parser.add_argument("--repeats", type=int, default=5)
@@ -348,6 +348,14 @@ def main() -> None:
             parser.error(f"--config: {value!r} is not a Python literal (in {item!r})")
     if (config or args.size) and (len(args.models.split(",")) > 1 or args.models in E2E):
         parser.error("--size / --config: name one zoo model with --models")
+    if unknown := [n for n in args.models.split(",") if n not in models.ZOO and n not in E2E]:
+        parser.error(f"--models: unknown {unknown}; known: {[*models.ZOO, *E2E]}")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
+    if args.json and not pathlib.Path(args.json).resolve().parent.is_dir():
+        parser.error(f"--json {args.json}: its directory does not exist")
+    if config or args.size:
+        _check_model_options(parser, args.models, args.size, config)
     if args.pinned_schedules and native.active_tier() != "amx":
         parser.error(
             f"--pinned-schedules: the GEMM schedules order the amx tier, and this CPU runs {native.active_tier()}"
@@ -385,7 +393,25 @@ def main() -> None:
             ]
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+    failed = [r["model"] for r in results if "failed" in r]
+    if failed:
+        print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _check_model_options(parser: argparse.ArgumentParser, name: str, size: str | None, config: dict) -> None:
+    """Before anything is built: ``--config`` keys the model's config has, of the type its value
+    has there (a count or size at least 1), and a ``--size`` its family takes."""
+    real = models.ZOO[name].config()
+    for key, value in config.items():
+        default = real.get(key) if isinstance(real, dict) else getattr(real, key, None)
+        if type(default) is int and (type(value) is not int or value < 1):
+            parser.error(f"--config {key}={value!r}: {name}'s {key} is a count or size, an integer >= 1")
+    try:
+        models.example_inputs(name, size=size, config=config)
+    except (KeyError, ValueError, TypeError) as e:
+        parser.error(f"--size / --config: {e.args[0] if isinstance(e, KeyError) else e}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
