@@ -158,6 +158,8 @@ def bench_model(
     pool_off: bool = False,
 ) -> dict:
     default_size, default_what = DEFAULT_MODELS.get(name, (None, ""))
+    if size is None:  # a zoo model without a benchmark default: the zoo's own
+        size = models.ZOO[name].default_size
     what = default_what if size == default_size else f"size {size}"
     print(f"\n## {name}: {what}{f', config {config}' if config else ''}", flush=True)
     fp32 = models.build_model(name, torch.float32, **(config or {}))

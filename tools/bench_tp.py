@@ -113,14 +113,15 @@ def main() -> None:
     config = amxopt.AmxConfig(keep_source=True, autotune=False, graph_cache=False)
     rows = {"eager": _median_s(lambda: model(**inputs), args.repeat)}
     one = amxopt.optimize(model, inputs, config)
-    rows["amxopt tp=1 (2 cores)"] = _median_s(lambda: one(**inputs), args.repeat)
+    single = f"amxopt tp=1 ({torch.get_num_threads()} threads)"
+    rows[single] = _median_s(lambda: one(**inputs), args.repeat)
     two = amxopt.optimize(model, inputs, dataclasses.replace(config, tp=2))
     try:
         rows["amxopt tp=2 (1 core per rank)"] = _median_s(lambda: two(**inputs), args.repeat)
         comm, total, reduced = _collective_share(two, inputs)
     finally:
         two.close()
-    base = rows["amxopt tp=1 (2 cores)"]
+    base = rows[single]
     print(f"\n## {args.model} ({args.dtype}), median of {args.repeat}\n")
     print("| run | median s | vs eager | vs tp=1 |")
     print("|---|---|---|---|")
