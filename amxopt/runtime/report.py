@@ -28,6 +28,15 @@ _OTHER_COMPUTE = (
     aten.addmm.default,
 )
 
+# Ops of a replaceable kind that no amxopt op takes: left, with the reason, rather than not counted.
+_NO_OP_YET = {
+    torch.ops.higher_order.flex_attention: (
+        "attention",
+        "flex attention (a score_mod or block mask function) has no amxopt op; the SDPA backend is replaced "
+        "(diffusers: set_attention_backend('native'); transformers: attn_implementation='sdpa')",
+    ),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
@@ -101,6 +110,9 @@ class Report:
             elif node.target in _TARGET_KIND:
                 reason = node.meta.get(LEFT, "no pass matched it")
                 left.append(Entry(_TARGET_KIND[node.target], node.name, op_name(node.target), reason))
+            elif node.target in _NO_OP_YET:
+                kind, reason = _NO_OP_YET[node.target]
+                left.append(Entry(kind, node.name, op_name(node.target), node.meta.get(LEFT, reason)))
             elif node.target in _OTHER_COMPUTE:
                 other[op_name(node.target)] += 1
         # one all-reduce per unit, and one per norm across the heads a unit shards (Wan's q/k norm)

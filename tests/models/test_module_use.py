@@ -448,3 +448,14 @@ def test_long_audio_and_large_batches_take_one_graph(tmp_path):
     assert len(opt.graphs) == 1
     with pytest.raises(ValueError, match=r"feature_lens \[1000\] sum to 1000 frames but input_features has 900"):
         _run(opt, {"input_features": torch.randn(128, 900), "feature_lens": torch.tensor([1000])})  # checked uncut
+
+
+def test_wan_under_flex_attention_runs_and_reports_its_attention_left(tmp_path):
+    # Flex builds its block mask through torch.vmap: dead-code removal dropped export's vmap level
+    # calls, and every call failed; its attention nodes were counted nowhere.
+    model, inputs = _wan()
+    model.set_attention_backend("flex")
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    torch.testing.assert_close(_run(opt, inputs), _run(model, inputs))
+    left = [e for e in opt.report.left if e.kind == "attention"]
+    assert len(left) == 2 * model.config.num_layers and all("flex attention" in e.detail for e in left), left
