@@ -168,6 +168,10 @@ class _VisionGraph(nn.Module):
         )
 
 
+# A part of a call QwenAudioAdapter.split cut: the whole call's chunk width (graph_inputs pads to it).
+_WIDTH = "_amxopt_chunk_width"
+
+
 class QwenAudioAdapter(_QwenAdapter):
     """Qwen3-Omni audio encoder: ``(input_features [mel, frames], feature_lens [batch])``."""
 
@@ -214,8 +218,9 @@ class QwenAudioAdapter(_QwenAdapter):
         if len(parts) == 1:
             return [call]
         frames = feats.split([sum(p) for p in parts], dim=1)
+        width = min(chunk, int(lens.max()))  # the call's longest chunk, which eager pads every chunk to
         return [
-            {**call, "input_features": f, "feature_lens": torch.tensor(p, dtype=lens.dtype)}
+            {**call, "input_features": f, "feature_lens": torch.tensor(p, dtype=lens.dtype), _WIDTH: width}
             for f, p in zip(frames, parts)
         ]
 
@@ -237,14 +242,25 @@ class QwenAudioAdapter(_QwenAdapter):
     def graph_inputs(self, call: dict[str, Any]) -> dict[str, Any]:
         from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qo
 
+        width = call.pop(_WIDTH, None)
         self._reject_extras(call, {"input_features", "feature_lens"})
         feats, lens = call.get("input_features"), call.get("feature_lens")
         self._validate(feats, lens)
         padded, chunk_lengths = qo.chunk_and_pad_features(feats, lens, self.n_window)
+        valid_indices = qo.get_valid_indices(chunk_lengths, self.n_window)
+        if width is not None and width > padded.shape[-1]:
+            # A part of a cut call whose chunks are all shorter than the call's longest: eager pads
+            # every chunk to that one, and the convolutions' biases make the padding nonzero, which
+            # the stride-2 convolutions carry into each clip's last token. So the part is padded so
+            # too, and its valid tokens are indexed in the wider grid.
+            padded = torch.nn.functional.pad(padded, (0, width - padded.shape[-1]))
+            tokens = qo._get_feat_extract_output_lengths(chunk_lengths, self.n_window)
+            grid = int(qo._get_feat_extract_output_lengths(torch.tensor(width), self.n_window))
+            valid_indices = (torch.arange(grid) < tokens[:, None]).flatten().nonzero().squeeze(-1)
         return {
             "padded_feature": padded,
             "chunk_lengths": chunk_lengths,
-            "valid_indices": qo.get_valid_indices(chunk_lengths, self.n_window),
+            "valid_indices": valid_indices,
             "cu_seqlens": qo.get_audio_cu_seqlens(chunk_lengths, lens, self.n_window_infer, self.n_window),
         }
 

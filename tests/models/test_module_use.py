@@ -432,15 +432,19 @@ def test_long_audio_and_large_batches_take_one_graph(tmp_path):
     # The forward convolves conv_chunksize chunks at a time in a Python loop, which export unrolls:
     # each longer call took new graphs (two per 500 s of audio) until max_recaptures refused it.
     model = models.build_model("tiny-qwen3-omni-audio", torch.float32, conv_chunksize=9)
-    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True)
     gen = torch.Generator().manual_seed(0)
+    for conv in (model.conv2d1, model.conv2d2, model.conv2d3):  # (the zoo's are zero) eager's padding is
+        conv.bias.data = torch.randn(conv.bias.shape, generator=gen)  # then nonzero: a part must pad alike
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True)
 
     def audio(lens):
         return {"input_features": torch.randn(128, sum(lens), generator=gen), "feature_lens": torch.tensor(lens)}
 
     opt = amxopt.optimize(model, audio([200]), config)
     # a clip cut at attention windows (30 chunks of 9 at most), clips grouped, both, a window's tail
-    for lens in ([3000], [100] * 12, [250, 1000, 30, 905], [880, 810]):
+    # [850] and [850, 30]: a last part of chunks all shorter than the call's longest, whose last
+    # token was off (padded to its own width, not the call's)
+    for lens in ([3000], [100] * 12, [250, 1000, 30, 905], [880, 810], [850], [850, 30]):
         inputs = audio(lens)
         got, want = _run(opt, inputs), _run(model, inputs)
         assert got.pooler_output is got.last_hidden_state
@@ -453,9 +457,15 @@ def test_long_audio_and_large_batches_take_one_graph(tmp_path):
 def test_wan_under_flex_attention_runs_and_reports_its_attention_left(tmp_path):
     # Flex builds its block mask through torch.vmap: dead-code removal dropped export's vmap level
     # calls, and every call failed; its attention nodes were counted nowhere.
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
     model, inputs = _wan()
-    model.set_attention_backend("flex")
-    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
-    torch.testing.assert_close(_run(opt, inputs), _run(model, inputs))
+    active = _AttentionBackendRegistry.get_active_backend()[0]
+    model.set_attention_backend("flex")  # (for every diffusers model: it sets the active backend too)
+    try:
+        opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+        torch.testing.assert_close(_run(opt, inputs), _run(model, inputs))
+    finally:
+        _AttentionBackendRegistry.set_active_backend(active)
     left = [e for e in opt.report.left if e.kind == "attention"]
     assert len(left) == 2 * model.config.num_layers and all("flex attention" in e.detail for e in left), left
