@@ -247,8 +247,15 @@ def _worker(rank: int, world: int, port: int, cores, model, example_inputs, conf
                 failed = True
             store.set(_DONE.format(rank), str(call))
         dist.destroy_process_group()
-    except BaseException:
-        store.set(_ERROR.format(rank), traceback.format_exc()[-4000:])
+    except BaseException as e:
+        try:
+            store.set(_ERROR.format(rank), traceback.format_exc()[-4000:])
+        except Exception:  # noqa: BLE001 - rank 0's store is gone: rank 0 left, and reports nothing more
+            pass
+        if _collective_failure(e):
+            # Out of step with the others (rank 0 stopped mid-call: Ctrl-C, a timeout): rank 0 says
+            # so, naming this rank's error from the store; no traceback of a peer's closed connection.
+            sys.exit(1)
         raise
 
 
