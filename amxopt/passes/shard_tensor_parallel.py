@@ -566,7 +566,8 @@ def _const(gm: fx.GraphModule, node: fx.Node, memo: dict, sliced: set) -> torch.
     if src is not None and packed.is_released(fetch(gm, src.target)):
         raise RuntimeError(
             f"amxopt: {src.target} was released after an earlier capture, and tensor parallelism must shard it "
-            "again for this graph: optimize with AmxConfig(keep_source=True)"
+            "again for this graph (a call no earlier graph takes: an input in another dtype, or a shape outside "
+            "their guards): optimize with AmxConfig(keep_source=True), or call in the dtype and shapes captured"
         )
     if src is not None:
         packed.mark_sharded(fetch(gm, src.target))

@@ -530,6 +530,17 @@ def test_every_rank_refuses_a_norm_across_kv_heads_kept_per_q_head(rank):
     assert any("kv heads that ranks keep per q head" in n for n in report.notes), report.notes
 
 
+def test_a_recapture_of_released_weights_says_which_calls_need_keep_source():
+    # A rank's second graph (another dtype, a shape outside the guards) must shard the weights again.
+    model, inputs = models.build_model("tiny-wan"), models.example_inputs("tiny-wan")
+    with torch.no_grad():
+        amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, keep_source=False))(**inputs)
+    adapter, graph_inputs = prepare(model, inputs)
+    config = dataclasses.replace(CONFIG, keep_source=False, tp=2, tp_rank=0, tp_group="unused")
+    with pytest.raises(RuntimeError, match=r"was released .* an input in another dtype, or a shape outside their"):
+        build_graph(model, adapter, graph_inputs, config)
+
+
 def test_a_rank_outside_tp_is_refused():
     model = _Blocks(_OwnResidualMLP()).eval()
     adapter, graph_inputs = prepare(model, (torch.randn(2, 10, 48),))
