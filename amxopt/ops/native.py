@@ -60,7 +60,13 @@ def tier_supported(tier: str) -> tuple[bool, str]:
     if tier == "amx" and _software_tiles():
         return True, ""
     missing = [f for f in TIER_FLAGS[tier] if f not in cpu_flags()]
-    return (not missing, f"CPU lacks {', '.join(missing)}" if missing else "")
+    if missing:
+        return False, f"CPU lacks {', '.join(missing)}"
+    if available()[0] and TIERS.index(tier) < TIERS.index(cpu_tier()):
+        # The instructions are there, oneDNN's kernels of the tier are not (the C++ side asks it).
+        capped = {k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA") if os.environ.get(k)}
+        return False, f"oneDNN does not run its {tier} kernels here ({capped or 'not capped'})"
+    return True, ""
 
 
 @functools.cache

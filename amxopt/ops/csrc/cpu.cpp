@@ -42,10 +42,30 @@ bool has_amx() {
   return ok;
 }
 
+// Whether oneDNN generates its bf16 brgemm here, which the avx512_bf16 tier's GEMMs and attention
+// run: ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 switches it off on a CPU that has the instructions
+// (every bf16 attention then failed with "could not generate a kernel"). oneDNN's own ISA query is
+// not exported from libtorch, so this asks the way the kernels will: one small brgemm.
+bool onednn_runs_bf16() {
+  static const bool ok = [] {
+    at::BFloat16 a[2] = {1.f, 1.f}, b[2 * 16];  // A 1 x 2, B 2 x 16 in VNNI pairs
+    for (auto& x : b) x = 1.f;
+    float c[16];
+    try {
+      at::native::cpublas::brgemm(1, 16, 2, 2, 16, 16, false, a, b, c, true);
+      at::native::cpublas::brgemm_release(true);
+    } catch (const std::exception&) {
+      return false;
+    }
+    return c[0] == 2.f;
+  }();
+  return ok;
+}
+
 Tier detect_tier() {
   const bool emulated = amx_emulated();  // first, so that a bad AMXOPT_EMULATE_AMX fails on every CPU
   if (has_amx() || emulated) return Tier::Amx;
-  return has_avx512_bf16() ? Tier::Avx512Bf16 : Tier::Fp32;
+  return has_avx512_bf16() && onednn_runs_bf16() ? Tier::Avx512Bf16 : Tier::Fp32;
 }
 
 std::atomic<int> max_tier{int(Tier::Amx)};
