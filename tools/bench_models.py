@@ -407,8 +407,8 @@ def _check_model_options(parser: argparse.ArgumentParser, name: str, size: str |
     real = models.ZOO[name].config()
     for key, value in config.items():
         default = real.get(key) if isinstance(real, dict) else getattr(real, key, None)
-        if type(default) is int and (type(value) is not int or value < 1):
-            parser.error(f"--config {key}={value!r}: {name}'s {key} is a count or size, an integer >= 1")
+        if type(default) is int and default >= 1 and (type(value) is not int or value < 1):
+            parser.error(f"--config {key}={value!r}: {name}'s {key} is a count or size ({default}), an integer >= 1")
     try:
         models.example_inputs(name, size=size, config=config)
     except (KeyError, ValueError, TypeError) as e:

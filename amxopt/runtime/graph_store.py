@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch._functorch import predispatch
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
 from amxopt.capture import Captured
@@ -72,6 +73,10 @@ _FUNCTIONS = {
 } | {
     f"torch.{f.__name__}": f for f in (torch.sym_max, torch.sym_min, torch.sym_float, torch.sym_int, torch.sym_not,
                                        torch.sym_ite, torch.sym_sum)
+} | {  # a vmap as export writes it (its level counter and batch dims; passes/_graph.py keeps them)
+    f"torch._functorch.predispatch.{f.__name__}": f
+    for f in (predispatch.lazy_load_decompositions, predispatch._vmap_increment_nesting,
+              predispatch._vmap_decrement_nesting, predispatch._add_batch_dim, predispatch._remove_batch_dim)
 }  # fmt: skip
 _FUNCTION_NAMES = {f: name for name, f in _FUNCTIONS.items()}
 _RESTORED = "graph restored from "  # how a restored graph's report note begins

@@ -100,10 +100,15 @@ class Vmapped(nn.Module):
         return self.fc2(torch.vmap(lambda row: row * row.softmax(-1))(self.fc(x)))
 
 
-def test_passes_keep_the_calls_that_bracket_a_vmap():
+def test_passes_keep_the_calls_that_bracket_a_vmap(tmp_path):
     # Export's vmap level counter calls have no users; dead-code removal dropped them, and the
-    # rewritten graph failed at every call with a functorch error.
-    check_rewrite(Vmapped().eval(), {"x": torch.randn(6, 16)}, {"linear": 2})
+    # rewritten graph failed at every call with a functorch error. Kept, they are stored too (else
+    # the graph was captured twice, in the capture child and again here, and never cached).
+    model, inputs = Vmapped().eval(), {"x": torch.randn(6, 16)}
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), isolate_capture=True)
+    check_rewrite(model, inputs, {"linear": 2}, config)
+    again = check_rewrite(model, inputs, {"linear": 2}, config)
+    assert any(n.startswith("graph restored from the graph cache") for n in again.report.notes), again.report.notes
 
 
 # --- replace_linear ----------------------------------------------------------------------------
