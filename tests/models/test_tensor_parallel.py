@@ -473,6 +473,18 @@ class _OwnResidualMLP(torch.nn.Module):
         return h + self.fc2(h)
 
 
+class _GainedMLP(torch.nn.Module):
+    """``fc2(gelu(fc1(x)) * gain)``: a replicated parameter across the hidden dim the shard splits."""
+
+    def __init__(self, dim: int = 48, hidden: int = 96) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(dim, hidden), torch.nn.Linear(hidden, dim)
+        self.gain = torch.nn.Parameter(torch.randn(hidden))
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)) * self.gain)
+
+
 class _FusedGateUpMLP(torch.nn.Module):
     """One Linear computing gate and up, sliced apart: not elementwise between the Linears."""
 
@@ -503,6 +515,8 @@ _UNSHARDABLE = {  # block, what the report says of it
     "LayerNorm across heads": (_LayerNormedKBlock, "a LayerNorm across heads"),
     "residual is the row's input": (_OwnResidualMLP, "adds a sharded residual"),
     "fused gate and up": (_FusedGateUpMLP, "the ops between its Linears are not all elementwise (aten.slice"),
+    # untested: sharded, every call failed (48 against 96)
+    "replicated operand across the hidden dim": (_GainedMLP, "spans the sharded dim"),
 }
 
 

@@ -143,3 +143,64 @@ def test_fuse_rotary_runs_after_attention_and_glue():
     names = [p.__name__ for p in DEFAULT_PASSES]
     assert names.index("replace_attention") < names.index("fuse_rotary")
     assert names.index("replace_glue") < names.index("fuse_rotary") < names.index("shard_tensor_parallel")
+
+
+def _rotate(x, cos, sin):
+    return x * cos + torch.cat((-x[..., 8:], x[..., :8]), -1) * sin
+
+
+class _ShiftedKeys(nn.Module):
+    """q at positions 0..S-1, k at 1..S: slices of one angle table at different offsets."""
+
+    def forward(self, q, k, v, freqs):
+        s, emb = q.shape[0], torch.cat((freqs, freqs), dim=-1)
+        cq, ck = emb[0:s], emb[1 : s + 1]
+        q, k = _rotate(q, cq.cos()[:, None], cq.sin()[:, None]), _rotate(k, ck.cos()[:, None], ck.sin()[:, None])
+        return F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), scale=0.25)
+
+
+class _CrossPerSampleAngle(nn.Module):
+    """Cross-attention [B, S, H, D], q and k rotated by one angle per sample."""
+
+    def forward(self, q, k, v, angle):
+        cos, sin = angle.cos()[:, None, None], angle.sin()[:, None, None]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), scale=0.25)
+
+
+class _PerHeadAngle(nn.Module):
+    """[T, H, D] with another angle for every head."""
+
+    def forward(self, q, k, v, freqs):
+        emb = torch.cat((freqs, freqs), dim=-1)
+        q, k = _rotate(q, emb.cos(), emb.sin()), _rotate(k, emb.cos(), emb.sin())
+        return F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), scale=0.25)
+
+
+def _r(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    "model, inputs, reason",
+    [
+        (_ShiftedKeys(), {"q": _r(6, 2, 16), "k": _r(6, 2, 16, seed=1), "v": _r(6, 2, 16, seed=2), "freqs": _r(8, 8)},
+         "q and k are rotated by different cos / sin"),
+        (_CrossPerSampleAngle(), {"q": _r(2, 3, 2, 16), "k": _r(2, 5, 2, 16, seed=1), "v": _r(2, 5, 2, 16, seed=2),
+                                  "angle": _r(2, 16)},
+         "are not the same tokens (not a self-attention)"),
+        (_PerHeadAngle(), {"q": _r(6, 2, 16), "k": _r(6, 2, 16, seed=1), "v": _r(6, 2, 16, seed=2),
+                           "freqs": _r(6, 2, 8)}, "is not one angle per token for every head"),
+    ],
+    ids=["shifted-slices-of-one-table", "cross-attention", "angle-per-head"],
+)  # fmt: skip
+def test_fuse_rotary_leaves_pairs_it_cannot_take_with_the_reason(model, inputs, reason):
+    # Each survived a mutation of its check (stop 50): k rotated by q's angles (2.0 off), or a crash.
+    gm, gi = _rewrite(model.eval(), inputs, NATIVE, dynamic=False)
+    assert _rotaries(gm) == 2
+    assert not fuse_rotary(gm, NATIVE).modified
+    reasons = [n.meta[LEFT] for n in gm.graph.nodes if LEFT in n.meta]
+    assert len(reasons) == 1 and reason in reasons[0], reasons
+    gm.recompile()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(**gi), model(**inputs))

@@ -316,6 +316,33 @@ def test_a_rotary_of_heads_first_q_and_k_into_sdpa(config, rotary):
     assert count(opt.graph_module, amx.varlen_attention.default) == 1
 
 
+class _Modulate(nn.Module):
+    """An adaLN window, ``(norm(x.float()) * (1 + scale) + shift).type_as(x)``, of either norm."""
+
+    def __init__(self, norm: str, eps: float):
+        super().__init__()
+        self.norm, self.eps = norm, eps
+
+    def forward(self, x, scale, shift):
+        norm = F.rms_norm if self.norm == "rms" else F.layer_norm
+        return (norm(x.float(), (x.shape[-1],), eps=self.eps) * (1 + scale) + shift).type_as(x)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_a_modulated_norm_keeps_its_kind_and_eps(norm):
+    # Wan's (LayerNorm, eps 1e-6, unit variance) was the only case: a rewrite running every window as
+    # a LayerNorm, or with fp32's default eps, passed. Rows of small spread make eps count (0.28 off).
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 6, 32, generator=g) * 0.01 + 0.3).bfloat16()
+    inputs = {"x": x, "scale": torch.randn(1, 1, 32, generator=g), "shift": torch.randn(1, 1, 32, generator=g)}
+    model = _Modulate(norm, eps=1e-2).eval()
+    gm, gi = captured(model, inputs, dynamic=False)
+    assert replace_glue(gm, CONFIG).modified and count(gm, amx.norm_modulate.default) == 1
+    gm.recompile()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(**gi), model(**inputs), atol=0.02, rtol=0.02)
+
+
 # --- look-alikes: a rule's graph up to one detail, which changes the result ----------------------
 
 

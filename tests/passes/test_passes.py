@@ -366,16 +366,18 @@ def test_sdpa_without_a_scale_on_a_head_dim_that_varies_is_left(provider):
     assert run(replace_attention, gm)
 
 
+# Static captures with a scale: a dynamic one without is refused first for its varying head dim,
+# and the guard a test is named for went untested (a mutation dropping it survived).
 def test_replace_attention_leaves_masked_sdpa():
     inputs = {"q": torch.randn(1, 2, 6, 8), "k": torch.randn(1, 2, 6, 8), "v": torch.randn(1, 2, 6, 8)}
-    gm, _ = captured(SDPA(mask=True), inputs)
+    gm, _ = captured(SDPA(mask=True, scale=0.3), inputs, dynamic=False)
     assert not run(replace_attention, gm)
     assert "attention mask" in left_reasons(gm, aten.scaled_dot_product_attention.default)[0]
 
 
 def test_replace_attention_leaves_causal_cross_attention():
     inputs = {"q": torch.randn(1, 2, 6, 8), "k": torch.randn(1, 2, 9, 8), "v": torch.randn(1, 2, 9, 8)}
-    gm, _ = captured(SDPA(causal=True), inputs)
+    gm, _ = captured(SDPA(causal=True, scale=0.3), inputs, dynamic=False)
     assert not run(replace_attention, gm)
     assert "causal" in left_reasons(gm, aten.scaled_dot_product_attention.default)[0]
 
@@ -549,6 +551,32 @@ def test_replace_conv2d_without_fuse_activation_keeps_the_activation():
     assert replace_conv2d(gm, dataclasses.replace(CONFIG, fuse_activation=False)).modified
     assert count(gm, amx.conv2d.default) == 2 and count(gm, aten.gelu.default) == 2
     assert_same(gm, gi, model)
+
+
+@pytest.mark.parametrize(
+    "conv", [nn.Conv2d(4, 8, 3, padding=2, dilation=2), nn.Conv2d(4, 8, 2, stride=2, dilation=2)], ids=["3x3", "k=s"]
+)
+def test_replace_conv2d_keeps_the_dilation(conv):
+    # Untested: a rewrite without it gave another output shape (12x12 -> 14x14) and values.
+    gm, gi = captured(conv.eval(), {"input": torch.randn(1, 4, 12, 12)}, dynamic=False)
+    run(replace_patch_embed, gm), run(replace_conv2d, gm)
+    assert count(gm, amx.conv2d.default) == 1
+    assert_same(gm, gi, conv)
+
+
+class FlatWeight(nn.Module):
+    """One flat parameter read as the weights of two Linears of other shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(64) * 0.3)
+
+    def forward(self, x, y):
+        return F.linear(x, self.p.view(4, 16)), F.linear(y, self.p.view(16, 4))
+
+
+def test_two_views_of_one_parameter_are_packed_apart():
+    check_rewrite(FlatWeight().eval(), {"x": torch.randn(3, 16), "y": torch.randn(3, 4)}, {"linear": 2}, NATIVE)
 
 
 def test_replace_conv2d_leaves_string_padding():
