@@ -85,6 +85,15 @@ def _run_in_fresh_process(code: str, **env: str) -> None:
 
 
 _SOFTWARE_TILES = native.amx_emulated()
+# A bf16 varlen attention (GQA, two segments, causal) against the reference, in a fresh process's code.
+_BF16_ATTENTION = (
+    "q, k, v = torch.randn(90, 4, 64).bfloat16(), torch.randn(90, 2, 64).bfloat16(), torch.randn(90, 2, 64).bfloat16()\n"
+    "cu = torch.tensor([0, 40, 90], dtype=torch.int32)\n"
+    "args = (q, k, v, cu, cu, 50, 50, 0.125, True)\n"
+    "o = torch.ops.amxopt.varlen_attention(*args)\n"
+    "ref = torch.ops.amxopt.varlen_attention(*args, provider='reference')\n"
+    "torch.testing.assert_close(o.float(), ref.float(), atol=0.03, rtol=0.02)\n"
+)
 
 
 @pytest.mark.skipif(
@@ -99,14 +108,8 @@ def test_onednn_capped_below_amx_runs_the_avx512_tier():
         "assert native.cpu_tier() == 'avx512_bf16', native.cpu_tier()\n"
         "x, w = torch.randn(100, 64).bfloat16(), torch.randn(96, 64).bfloat16()\n"
         "y = torch.ops.amxopt.linear(x, torch.ops.amxopt.pack_linear_weight(w), None, 'none', 96)\n"
-        "torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=0.1, rtol=0.02)\n"
-        # attention: oneDNN's AVX-512-BF16 brgemm, not amxopt's tile kernel (GQA, two segments)
-        "q, k, v = torch.randn(90, 4, 64).bfloat16(), torch.randn(90, 2, 64).bfloat16(), torch.randn(90, 2, 64).bfloat16()\n"
-        "cu = torch.tensor([0, 40, 90], dtype=torch.int32)\n"
-        "args = (q, k, v, cu, cu, 50, 50, 0.125, True)\n"
-        "o = torch.ops.amxopt.varlen_attention(*args)\n"
-        "ref = torch.ops.amxopt.varlen_attention(*args, provider='reference')\n"
-        "torch.testing.assert_close(o.float(), ref.float(), atol=0.03, rtol=0.02)\n"
+        "torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=0.1, rtol=0.02)\n" + _BF16_ATTENTION
+        # attention: oneDNN's AVX-512-BF16 brgemm, not amxopt's tile kernel
     )
     _run_in_fresh_process(code, ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
 
@@ -121,13 +124,7 @@ def test_onednn_capped_below_bf16_runs_the_fp32_tier():
         "from amxopt.ops import native\n"
         "assert native.cpu_tier() == 'fp32', native.cpu_tier()\n"
         "ok, why = native.tier_supported('avx512_bf16')\n"
-        "assert not ok and 'oneDNN does not run its avx512_bf16 kernels' in why, why\n"
-        "q, k, v = torch.randn(90, 4, 64).bfloat16(), torch.randn(90, 2, 64).bfloat16(), torch.randn(90, 2, 64).bfloat16()\n"
-        "cu = torch.tensor([0, 40, 90], dtype=torch.int32)\n"
-        "args = (q, k, v, cu, cu, 50, 50, 0.125, True)\n"
-        "o = torch.ops.amxopt.varlen_attention(*args)\n"
-        "ref = torch.ops.amxopt.varlen_attention(*args, provider='reference')\n"
-        "torch.testing.assert_close(o.float(), ref.float(), atol=0.03, rtol=0.02)\n"
+        "assert not ok and 'oneDNN does not run its avx512_bf16 kernels' in why, why\n" + _BF16_ATTENTION
     )
     _run_in_fresh_process(code, ONEDNN_MAX_CPU_ISA="AVX512_CORE")
 
