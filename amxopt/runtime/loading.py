@@ -674,6 +674,8 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"amxopt: {directory} is not an amxopt artifact ({MANIFEST}: {e})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"amxopt: {directory} is not an amxopt artifact ({MANIFEST} holds no object)")
     config = dataclasses.replace(config, provider=resolve(config.provider))
     _check_manifest(manifest, config, directory)
     weights = directory / WEIGHTS
@@ -794,18 +796,6 @@ def _digest(values: dict) -> str:
 
 
 def _check_manifest(manifest: dict, config: AmxConfig, directory: pathlib.Path) -> None:
-    fields = {"class": str, "config": dict, "dtype": str, "file_bytes": int, "tensors": dict, "graphs": list}
-    for field, kind in fields.items():
-        if not isinstance(manifest.get(field, [] if field == "graphs" else None), kind):
-            raise CheckpointError(
-                f"amxopt: {directory}/{MANIFEST} is damaged: its field {field!r} is {manifest.get(field)!r}, "
-                f"not a {kind.__name__}"
-            )
-    entries = [*manifest["tensors"].values(), *manifest.get("graphs", [])]
-    if manifest["dtype"] not in _DTYPES or not all(isinstance(e, dict) for e in entries):
-        raise CheckpointError(
-            f"amxopt: {directory}/{MANIFEST} is damaged: its dtype, tensor or graph entries are not amxopt's"
-        )
     here = native.active_tier() if config.provider == "native" else config.provider
     problems = []
     if manifest.get("layout_version") != LAYOUT_VERSION:
@@ -819,6 +809,19 @@ def _check_manifest(manifest: dict, config: AmxConfig, directory: pathlib.Path) 
         )
     if problems:
         raise CheckpointError(f"amxopt: {directory} was saved for " + ", ".join(problems) + "; re-create it here")
+    # (after those: an artifact of another layout is told as such, not as damaged)
+    fields = {"class": str, "config": dict, "dtype": str, "file_bytes": int, "tensors": dict, "graphs": list}
+    for field, kind in fields.items():
+        if not isinstance(manifest.get(field, [] if field == "graphs" else None), kind):
+            raise CheckpointError(
+                f"amxopt: {directory}/{MANIFEST} is damaged: its field {field!r} is {manifest.get(field)!r}, "
+                f"not a {kind.__name__}"
+            )
+    entries = [*manifest["tensors"].values(), *manifest.get("graphs", [])]
+    if manifest["dtype"] not in _DTYPES or not all(isinstance(e, dict) for e in entries):
+        raise CheckpointError(
+            f"amxopt: {directory}/{MANIFEST} is damaged: its dtype, tensor or graph entries are not amxopt's"
+        )
     if manifest.get("torch_version") != torch.__version__:
         logger.warning(
             "amxopt: %s was saved with torch %s, this is %s",

@@ -157,9 +157,10 @@ def test_load_refuses_truncated_or_incomplete_artifacts(artifact):
     _edit_manifest(artifact, file_bytes=weights.stat().st_size)
     with pytest.raises(amxopt.CheckpointError, match=r"missing 1 tensor\(s\) \['blocks.0.attn.qkv.weight'\]"):
         amxopt.load(artifact, RELEASE)
-    (artifact / loading.MANIFEST).write_text("{not json")
-    with pytest.raises(amxopt.CheckpointError, match="not an amxopt artifact"):
-        amxopt.load(artifact, RELEASE)
+    for text in ("{not json", "[1, 2]"):
+        (artifact / loading.MANIFEST).write_text(text)
+        with pytest.raises(amxopt.CheckpointError, match="not an amxopt artifact"):
+            amxopt.load(artifact, RELEASE)
 
 
 def _rename_packed_tensor(directory):
