@@ -128,6 +128,8 @@ def dump(graph: GraphEntry, module: nn.Module, for_cache: bool, live: bool) -> t
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             t = fetch(gm, node.target)
+            if not isinstance(t, torch.Tensor):  # a subgraph (flex attention's score_mod, a cond's branch)
+                raise GraphStoreError(f"node {node.name}: reads {type(t).__name__} {node.target}, not a tensor")
             entry = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
             if id(t) in names:
                 entry["source"] = names[id(t)]
