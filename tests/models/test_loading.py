@@ -647,7 +647,6 @@ def test_tensors_the_class_declares_ignorable_are_not_unexpected(tmp_path):
         torch.testing.assert_close(loaded(**inputs).sample, model(**inputs).sample)
 
 
-
 def _optimized_and_called(model, inputs):
     opt = amxopt.optimize(model, config=RELEASE)
     with torch.no_grad():
