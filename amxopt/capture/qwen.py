@@ -247,7 +247,6 @@ class QwenAudioAdapter(_QwenAdapter):
         feats, lens = call.get("input_features"), call.get("feature_lens")
         self._validate(feats, lens)
         padded, chunk_lengths = qo.chunk_and_pad_features(feats, lens, self.n_window)
-        valid_indices = qo.get_valid_indices(chunk_lengths, self.n_window)
         if width is not None and width > padded.shape[-1]:
             # A part of a cut call whose chunks are all shorter than the call's longest: eager pads
             # every chunk to that one, and the convolutions' biases make the padding nonzero, which
@@ -257,6 +256,8 @@ class QwenAudioAdapter(_QwenAdapter):
             tokens = qo._get_feat_extract_output_lengths(chunk_lengths, self.n_window)
             grid = int(qo._get_feat_extract_output_lengths(torch.tensor(width), self.n_window))
             valid_indices = (torch.arange(grid) < tokens[:, None]).flatten().nonzero().squeeze(-1)
+        else:
+            valid_indices = qo.get_valid_indices(chunk_lengths, self.n_window)
         return {
             "padded_feature": padded,
             "chunk_lengths": chunk_lengths,
