@@ -544,7 +544,7 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         # which submodules are in training mode; and the code of classes outside the libraries
         "settings": described,
         "model_code": code,
-        "tensors": [_shape_of(n, t) for n, t in module.state_dict(keep_vars=True).items()],
+        "tensors": [_shape_of(n, t) for n, t in _tensors(module)],
         "tied": _tied(module),  # the graph reads a tied weight by one of its names
         "inputs": [
             str(spec),
@@ -553,6 +553,13 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         "options": {k: v for k, v in dataclasses.asdict(config).items() if k not in ("autotune_cache", "graph_cache")},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, Any]]:
+    """The state dict's entries, and the buffers it leaves out (``persistent=False``: a forward may
+    read a shape of one)."""
+    state = module.state_dict(keep_vars=True)
+    return [*state.items(), *((n, b) for n, b in module.named_buffers(remove_duplicate=False) if n not in state)]
 
 
 def _shape_of(name: str, t: Any) -> tuple:
@@ -690,18 +697,24 @@ def _model_code(module: nn.Module) -> dict[str, Any]:
     memo: dict[type, list] = {}
     users: dict[type, str] = {}
     packages: dict[str, Any] = {}  # top-level module -> digest of its user files
-    for cls in sorted({type(m) for m in module.modules()}, key=_qualified):
+    library_code: set[types.FunctionType] = set()  # the library functions the classes' methods run
+    # the modules' classes, and those of the callable objects they hold (a diffusers attention processor)
+    held = {type(v) for m in module.modules() for v in vars(m).values() if _callable_instance(v)}
+    for cls in sorted({type(m) for m in module.modules()} | held, key=_qualified):
         bases = cls.__mro__[:-1]  # not object
         own = [b for b in bases if not _library_class(b)]
         for base in own:
             if base not in users:
                 users[base] = _class_digest(base, packages)
         library = next((b for b in bases if _library_class(b)), None)
-        patched = _patches(library, memo) if library is not None else []
+        patched = _patches(library, memo, library_code) if library is not None else []
         if own:
             digests[_qualified(cls)] = [[_qualified(b), users[b]] for b in own] + patched
         elif patched:
             digests[_qualified(cls)] = patched
+    reads = _patched_reads(library_code)
+    if reads:
+        digests["library functions replaced"] = reads
     return digests
 
 
@@ -839,7 +852,8 @@ def _numpy(v: Any) -> bool:
     return type(v).__module__ == "numpy" and hasattr(v, "tolist")
 
 
-def _global_loads(code: types.CodeType) -> list[tuple[str, tuple[str, ...]]]:
+@functools.lru_cache(maxsize=16384)
+def _global_loads(code: types.CodeType) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """Each global name ``code`` and the functions defined in it load, with the attributes read
     from it in a row (``torch.nn.functional.gelu``: ``("torch", ("nn", "functional", "gelu"))``)."""
     loads: list[tuple[str, list[str]]] = []
@@ -853,19 +867,19 @@ def _global_loads(code: types.CodeType) -> list[tuple[str, tuple[str, ...]]]:
         else:
             chain = None
     nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return [(name, tuple(chain)) for name, chain in loads] + [load for c in nested for load in _global_loads(c)]
+    return (*[(name, tuple(chain)) for name, chain in loads], *[load for c in nested for load in _global_loads(c)])
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _patches(cls: type, memo: dict[type, list]) -> list:
+def _patches(cls: type, memo: dict[type, list], library_code: set[types.FunctionType]) -> list:
     """What replaced a library class's code in this process: each method of it (or of its library
-    bases) whose code is not the library's, and each global a method reads that is now a function
-    from outside the libraries (``transformers...modeling_x.apply_rotary_pos_emb = mine``). A
-    decorated function counts by every function it wraps (``torch.no_grad()(mine)`` is not torch's),
-    and a library function put in another's place (``MLP.forward = nn.Identity.forward``) by its name."""
+    bases) whose code is not the library's. A decorated function counts by every function it wraps
+    (``torch.no_grad()(mine)`` is not torch's), and a library function put in another's place
+    (``MLP.forward = nn.Identity.forward``) by its name. The library functions the methods run are
+    added to ``library_code``, for ``_patched_reads``."""
     found = []
     for base in cls.__mro__[:-1]:  # not object
         if base not in memo:
@@ -875,12 +889,52 @@ def _patches(cls: type, memo: dict[type, list]) -> list:
                 own = any(layer.__code__.co_qualname == f"{base.__qualname__}.{name}" for layer in layers)
                 if layers and not (own and _library_code(f)):
                     memo[base].append([name, _function_identity(f)])
-                for layer, g_name in ((layer, g_name) for layer in layers for g_name in layer.__code__.co_names):
-                    g = layer.__globals__.get(g_name)
-                    if _code_layers(g) and not _library_code(g):
-                        memo[base].append([f"{name}: {g_name}", _function_identity(g)])
+                library_code.update(layer for layer in layers if _library_file(layer) is not None)
         found += memo[base]
     return found
+
+
+# The libraries whose functions _patched_reads follows into the functions they call (torch's own
+# are not followed: what a model runs of them, it reaches through these or by a name they read).
+_FOLLOWED = (f"transformers{os.sep}", f"diffusers{os.sep}")
+_MAX_FOLLOWED = 8192
+
+
+def _patched_reads(functions: set[types.FunctionType]) -> list:
+    """Each function from outside the libraries put in a library module's place in this process and
+    read by library ``functions`` as a module global, directly or through modules
+    (``torch.nn.functional.scaled_dot_product_attention = sageattn`` read as
+    ``F.scaled_dot_product_attention``, ``modeling_qwen3_vl.rotate_half = mine``), or by the
+    transformers and diffusers functions they read, and those read in turn: by the reader's name and
+    the path it reads, and the replacement's identity (see ``_function_identity``)."""
+    found: dict[str, Any] = {}
+    todo = sorted(functions, key=lambda f: (f.__module__ or "", f.__code__.co_qualname))
+    seen = set(todo)
+    while todo and len(seen) < _MAX_FOLLOWED:
+        f = todo.pop()
+        for name, attributes in _global_loads(f.__code__):
+            value, path, holder = f.__globals__.get(name, _MISSING), name, None
+            for attribute in attributes:  # through modules: `F.scaled_dot_product_attention`
+                if not isinstance(value, types.ModuleType):
+                    break
+                holder, value, path = value, getattr(value, attribute, _MISSING), f"{path}.{attribute}"
+            layers = _code_layers(value) if value is not _MISSING else []
+            if layers and not _library_code(value):
+                # a user's function, or another package's in a library module's place (an installed
+                # package's that a library imports, `safetensors.torch.load_file`, is not a patch)
+                if _user_code(layers) or (holder is not None and _library_path(str(holder.__file__))):
+                    found[f"{f.__module__}.{f.__code__.co_qualname}: {path}"] = _function_identity(value)
+                continue
+            for layer in layers:
+                if layer not in seen and (_library_file(layer) or "").startswith(_FOLLOWED):
+                    seen.add(layer)
+                    todo.append(layer)
+    return [[reader, found[reader]] for reader in sorted(found)]
+
+
+def _user_code(layers: list[types.FunctionType]) -> bool:
+    """Whether a function of ``layers`` is a user's (not the stdlib's, an installed package's or a library's)."""
+    return any(not _installed(layer.__code__.co_filename) for layer in layers)
 
 
 def _code_layers(fn: Any) -> list[types.FunctionType]:
@@ -933,6 +987,8 @@ def _library_file(fn: types.FunctionType) -> str | None:
 
 @functools.lru_cache(maxsize=4096)
 def _library_path(filename: str) -> str | None:
+    if filename.startswith("<frozen "):  # the stdlib's frozen modules (os, posixpath, genericpath)
+        return filename
     for root in _library_roots():
         if filename.startswith(root):
             where = os.path.relpath(filename, os.path.dirname(root.rstrip(os.sep)))
@@ -1115,19 +1171,37 @@ def _in_site_packages(path: str) -> bool:
 
 def _attention_functions(module: nn.Module) -> dict[str, Any]:
     """The functions transformers' registries hold under the attention implementations the model's
-    configs name (a user may register their own, or replace ``sdpa``'s)."""
-    names = {getattr(m.config, "_attn_implementation", None) for m in module.modules() if hasattr(m, "config")}
-    names.discard(None)
-    if not names or "transformers" not in sys.modules:
-        return {}
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    configs name (a user may register their own, or replace ``sdpa``'s), and those diffusers' holds
+    under the backends its attention processors dispatch to; with what replaced library functions
+    they read (see ``_patched_reads``)."""
     found = {}
-    for kind, registry in (("attention", ALL_ATTENTION_FUNCTIONS), ("mask", ALL_MASK_ATTENTION_FUNCTIONS)):
-        for name in sorted(n for n in names if isinstance(n, str) and n in registry):
-            found[f"{kind}:{name}"] = _function_identity(registry[name])
+    for kind, name, fn in _registered_attention(module):
+        found[f"{kind}:{name}"] = [
+            _function_identity(fn),
+            _patched_reads({f for f in _code_layers(fn) if _library_file(f)}),
+        ]
     return found
+
+
+def _registered_attention(module: nn.Module) -> Iterator[tuple[str, str, Any]]:
+    names = {getattr(m.config, "_attn_implementation", None) for m in module.modules() if hasattr(m, "config")}
+    names = sorted(n for n in names if isinstance(n, str))
+    if names and "transformers" in sys.modules:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        for kind, registry in (("attention", ALL_ATTENTION_FUNCTIONS), ("mask", ALL_MASK_ATTENTION_FUNCTIONS)):
+            yield from ((kind, name, registry[name]) for name in names if name in registry)
+    processors = [m.processor for m in module.modules() if hasattr(getattr(m, "processor", None), "__call__")]
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+    if processors and dispatch is not None:
+        registry = dispatch._AttentionBackendRegistry
+        # a processor's own backend (set_attention_backend), else the process's active one
+        backends = {getattr(p, "_attention_backend", None) or registry._active_backend for p in processors}
+        for backend in sorted({str(getattr(b, "value", b)) for b in backends}):
+            fn = registry._backends.get(dispatch.AttentionBackendName(backend))
+            if fn is not None:
+                yield "diffusers backend", backend, fn
 
 
 def _model_config(module: nn.Module) -> Any:

@@ -87,8 +87,17 @@ def _capture_and_rewrite(
         passes=[(r.name, r.modified) for r in records],
         notes=notes,
     )
-    dtypes = {k: v.dtype for k, v in graph_inputs.items() if isinstance(v, torch.Tensor)}
-    return GraphEntry(captured, dtypes, _signature(graph_inputs), report, records)
+    return GraphEntry(captured, _tensor_dtypes(graph_inputs), _signature(graph_inputs), report, records)
+
+
+def _tensor_dtypes(graph_inputs: dict) -> dict[str, torch.dtype]:
+    """Each tensor input's dtype by its name, one in a tuple, list or dict by its path (``extra[0]``)."""
+    dtypes = {}
+    for name, value in graph_inputs.items():
+        for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+            if isinstance(leaf, torch.Tensor):
+                dtypes[name + pytree.keystr(path)] = leaf.dtype
+    return dtypes
 
 
 def _check_no_released_reads(gm: fx.GraphModule, model_name: str) -> None:
@@ -915,8 +924,8 @@ class OptimizedModule(nn.Module):
         shapes = {k: tuple(v.shape) for k, v in graph_inputs.items() if isinstance(v, torch.Tensor)}
         if len(self._graphs) >= self.amx_config.max_recaptures:
             raise RuntimeError(
-                f"amxopt: {self.adapter.model_name}: {len(self._graphs)} graphs cached (max_recaptures) and "
-                f"none accepts inputs {shapes}"
+                f"amxopt: {self.adapter.model_name}: {len(self._graphs)} graphs cached and none accepts inputs "
+                f"{shapes} (AmxConfig(max_recaptures=...) allows more)"
             )
         on_meta = next(
             (n for n, p in model.named_parameters() if p.device.type == "meta" and not packed.is_released(p)), None
@@ -951,7 +960,7 @@ def _accepts(graph: GraphEntry, graph_inputs: dict) -> bool:
     if _signature(graph_inputs) != graph.signature:
         return False
     # export's guards check sizes, not dtypes: a graph traced on a float timestep is not one for an int
-    if any(isinstance(v, torch.Tensor) and graph.dtypes.get(k, v.dtype) != v.dtype for k, v in graph_inputs.items()):
+    if any(graph.dtypes.get(k, dtype) != dtype for k, dtype in _tensor_dtypes(graph_inputs).items()):
         return False
     try:
         graph.captured.check(graph_inputs)

@@ -341,9 +341,9 @@ def test_cache_key_follows_a_class_built_by_exec_in_a_module():
     assert len(keys) == 2
 
 
-def _vision_key(model: torch.nn.Module | None = None) -> str:
-    """The graph cache key of tiny Qwen3-VL vision (built anew unless given), as optimize computes it."""
-    name = "tiny-qwen3-vl-vision"
+def _vision_key(model: torch.nn.Module | None = None, name: str = "tiny-qwen3-vl-vision") -> str:
+    """The graph cache key of a tiny model, Qwen3-VL vision unless named (built anew unless given),
+    as optimize computes it."""
     model = model or models.build_model(name, torch.float32)
     adapter, graph_inputs = prepare(model, models.example_inputs(name, torch.float32))
     return graph_store.cache_key(adapter.export_module(model), adapter.name, graph_inputs, CONFIG)
@@ -752,6 +752,71 @@ def test_cache_key_follows_a_library_function_patched_in_this_process(monkeypatc
     assert len({plain, halved, key()}) == 3
     monkeypatch.undo()
     assert key() == plain
+
+
+def test_cache_key_follows_library_functions_the_library_reads_elsewhere(monkeypatch):
+    # F.scaled_dot_product_attention = sageattn, as attention-kernel packages advise: diffusers reads
+    # it in the backend its processors dispatch to (found through its registry), transformers in the
+    # function registered as "sdpa"; F.gelu in diffusers' GELU; rotate_half two calls below the
+    # attention's forward. A graph captured before any of these patches computes without them.
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
+
+    wan = functools.partial(_vision_key, name="tiny-wan")
+    plain = {"wan": wan(), "vl": _vision_key()}
+    sdpa, gelu, rotate = torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.gelu, qwen.rotate_half
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: sdpa(*a, **k) * 2)
+    assert wan() != plain["wan"] and _vision_key() != plain["vl"]
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.nn.functional, "gelu", lambda x, approximate="none": gelu(x, approximate=approximate))
+    assert wan() != plain["wan"]
+    monkeypatch.undo()
+    monkeypatch.setattr(qwen, "rotate_half", lambda x: rotate(x) * 2)
+    assert _vision_key() != plain["vl"]
+    monkeypatch.undo()
+    assert {"wan": wan(), "vl": _vision_key()} == plain
+
+
+def test_cache_key_follows_the_code_of_an_attention_processor(monkeypatch):
+    # A processor is no module: its class's code (a user's, or a library's patched here) is keyed as
+    # a module class's is.
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    key = functools.partial(_vision_key, name="tiny-wan")
+    plain = key()
+    call = WanAttnProcessor.__call__
+    monkeypatch.setattr(WanAttnProcessor, "__call__", lambda self, *a, **k: call(self, *a, **k) * 2)
+    assert key() != plain
+    monkeypatch.undo()
+    keys = {plain}
+    for factor in (1, 2):
+        scope = {"WanAttnProcessor": WanAttnProcessor}
+        exec(  # a user's processor, as a notebook cell defines it
+            "class Mine(WanAttnProcessor):\n"
+            f"    def __call__(self, *a, **k):\n        return super().__call__(*a, **k) * {factor}\n",
+            scope,
+        )
+        model = models.build_model("tiny-wan", torch.float32)
+        model.set_attn_processor(scope["Mine"]())
+        keys.add(key(model))
+    assert len(keys) == 3
+
+
+class _Windowed(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+        self.register_buffer("window", torch.ones(width), persistent=False)
+
+    def forward(self, x):
+        return self.fc(x)[:, : self.window.shape[0]]
+
+
+def test_cache_key_follows_the_shapes_of_buffers_left_out_of_the_state_dict():
+    # The graph reads only the buffer's shape, so a restore on another one would check nothing.
+    def key(width):
+        return graph_store.cache_key(_Windowed(width), "plain", {"x": torch.randn(2, 16)}, CONFIG)
+
+    assert key(8) == key(8) != key(12)
 
 
 def test_load_restores_the_saved_graph_without_capturing(tmp_path, monkeypatch):
