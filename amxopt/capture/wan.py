@@ -2,7 +2,9 @@
 
 Stock Wan exports as one graph (dense SDPA attention, no data-dependent Python), so this adapter
 only checks the call against the model's config, so that a wrong latent shape fails with a clear
-message instead of deep inside export, and keeps the batch dim static.
+message instead of deep inside export. The batch dim is dynamic from 2 up (export fixes a batch-1
+example's: the next call of a larger batch is captured again, and that graph takes every batch of 2
+or more: a guidance batch, several videos per prompt).
 """
 
 from __future__ import annotations
@@ -64,8 +66,19 @@ class WanAdapter(Adapter):
 
     def dynamic_shapes(self, graph_inputs: dict[str, Any]) -> dict[str, Any]:
         # Frames, height and width vary as multiples of the patch (so the patchify stays exact and
-        # replace_patch_embed can prove it); text length varies freely; everything else is static.
+        # replace_patch_embed can prove it); text length varies freely; the batch from 2 up (one dim
+        # for every input that has it); everything else is static.
         shapes: dict[str, Any] = {k: ({} if isinstance(v, torch.Tensor) else None) for k, v in graph_inputs.items()}
+        if graph_inputs["hidden_states"].shape[0] > 1:
+            batch = torch.export.Dim("batch", min=2)
+            for name in ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"):
+                value = graph_inputs.get(name)
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim()
+                    and value.shape[0] == graph_inputs["hidden_states"].shape[0]
+                ):
+                    shapes[name] = {0: batch}
         latent = {}
         example = graph_inputs["hidden_states"].shape
         for axis, (name, p) in enumerate(zip(("frames", "height", "width"), self.patch), start=2):
@@ -73,6 +86,6 @@ class WanAdapter(Adapter):
                 continue
             dim = torch.export.Dim(f"latent_{name}_patches", min=1, max=self.rope_len)
             latent[axis] = dim * p if p > 1 else dim
-        shapes["hidden_states"] = latent
-        shapes["encoder_hidden_states"] = {1: torch.export.Dim.AUTO}
+        shapes["hidden_states"] = {**shapes["hidden_states"], **latent}
+        shapes["encoder_hidden_states"] = {**shapes["encoder_hidden_states"], 1: torch.export.Dim.AUTO}
         return shapes

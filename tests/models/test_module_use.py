@@ -54,7 +54,7 @@ def test_a_copy_watches_its_own_source_and_the_source_still_pickles(tmp_path):
 
 def test_a_copy_of_a_model_whose_weights_were_released_captures_again(tmp_path):
     model, inputs = _wan(0)
-    two = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}  # static batch
+    two = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}  # batch 1 is fixed
     expected = _run(_wan(0)[0], two)
     opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, keep_source=False, autotune_cache=str(tmp_path)))
     copied = copy.deepcopy(opt)
@@ -331,6 +331,29 @@ def test_a_number_of_another_type_or_a_nan_is_captured_again(tmp_path):
     assert again(x, 1.0).dtype == torch.float32 and again(x, 1).dtype == torch.int64
 
 
+class _Extra(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, extra):
+        a, b = extra
+        return self.fc(x) + a * b
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int64])
+def test_a_tensor_of_another_dtype_inside_a_tuple_is_captured_again(tmp_path, dtype):
+    # A top-level input's dtype was checked, one in a tuple was not: its graph raised on fp64 and bf16.
+    model, x = _Extra().eval(), torch.randn(4, 16)
+    extra = (torch.randn(4, 16), torch.randn(4, 16))
+    opt = amxopt.optimize(model, {"x": x, "extra": extra}, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    other = tuple((t * 3).to(dtype) for t in extra)
+    with torch.no_grad():
+        got, want = opt(x, other), model(x, other)
+    assert got.dtype == want.dtype and max_abs_error(got, want) <= 1e-5
+    assert len(opt.graphs) == 2
+
+
 def test_weights_left_on_the_meta_device_are_named_with_their_cause(tmp_path):
     model, inputs = _wan(0)
     model.proj_out.weight = torch.nn.Parameter(torch.empty_like(model.proj_out.weight, device="meta"))  # offloaded
@@ -414,6 +437,21 @@ def test_apply_reaches_the_source(tmp_path):
     assert opt.apply(scale) is opt and {n for n, _ in opt.named_children()} == {n for n, _ in eager.named_children()}
     eager.apply(scale)
     assert max_abs_error(_run(opt, inputs), _run(eager, inputs)) == 0.0
+
+
+def test_wan_batches_of_two_and_more_take_one_graph(tmp_path):
+    # The batch dim was static: each batch size (a guidance batch, videos per prompt) took a graph,
+    # and the ninth was refused (max_recaptures).
+    model, inputs = _wan()
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, keep_source=True, autotune_cache=str(tmp_path)))
+    gen = torch.Generator().manual_seed(0)
+    for batch in (2, 5, 3):
+        call = {
+            k: v.expand(batch, *v.shape[1:]) + torch.randn(batch, *v.shape[1:], generator=gen) * v.is_floating_point()
+            for k, v in inputs.items()
+        }
+        assert max_abs_error(_run(opt, call), _run(model, call)) < 1e-5
+    assert len(opt.graphs) == 2
 
 
 def test_an_argument_given_as_its_default_none_takes_the_same_graph(tmp_path):
