@@ -99,19 +99,28 @@ def reinit(model: torch.nn.Module) -> None:
     """Fill every parameter from the global RNG in a dtype-independent way.
 
     Values are drawn in fp32 in ``named_modules`` order and then cast, so a bf16 build holds exactly
-    the bf16 rounding of the fp32 build with the same seed.
+    the bf16 rounding of the fp32 build with the same seed. As in a trained checkpoint, and so that
+    a test sees what a rewrite does with them, biases are not zero and norm weights not one: biases
+    N(0, 0.1), norm weights N(1, 0.1). A Linear or convolution's weight is N(0, max(0.02,
+    1/sqrt(fan_in))), so that a small test model's attention logits are of order 1, not near zero
+    (a wrong softmax scale then shows).
     """
     for _, module in model.named_modules():
         norm = _is_norm(module)
+        projection = isinstance(module, (torch.nn.Linear, torch.nn.modules.conv._ConvNd))
         for pname, param in module.named_parameters(recurse=False):
             if pname == "bias" or pname.endswith("_bias"):
-                param.zero_()
+                mean, std = 0.0, 0.1
             elif norm and pname == "weight":
-                param.fill_(1.0)
-            elif param.dtype == torch.float32:
-                param.normal_(0.0, INIT_STD)
+                mean, std = 1.0, 0.1
+            elif projection and pname == "weight" and param.dim() > 1:
+                mean, std = 0.0, max(INIT_STD, param[0].numel() ** -0.5)
             else:
-                param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, INIT_STD))
+                mean, std = 0.0, INIT_STD
+            if param.dtype == torch.float32:
+                param.normal_(mean, std)
+            else:
+                param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(mean, std))
 
 
 def _available_memory() -> int | None:

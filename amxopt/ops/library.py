@@ -246,7 +246,8 @@ def _check_segments(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         _check(
             cu.dim() == 1 and cu.numel() >= 2 and integer,
             op,
-            f"{name} must be a 1-D integer tensor of segment bounds, got {cu.dtype} {tuple(cu.shape)}",
+            f"{name} must be a 1-D integer tensor of at least 2 segment bounds (0, ..., the token count), "
+            f"got {cu.dtype} {tuple(cu.shape)}",
         )
         _check(int(cu[0]) == 0, op, f"{name} must start at 0, got {int(cu[0])}")
         _check(int(cu[-1]) == total, op, f"{name} ends at {int(cu[-1])} but there are {total} tokens")

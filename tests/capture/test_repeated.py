@@ -42,7 +42,9 @@ def test_stamped_graph_is_the_full_trace(name):
     assert "amxopt_capture" not in stamped.gm.code
     assert stamped.guard_code == full.guard_code
     with torch.no_grad():
-        for a, b in zip(pytree.tree_leaves(stamped.gm(**graph_inputs)), pytree.tree_leaves(full.gm(**graph_inputs))):
+        for a, b in zip(
+            pytree.tree_leaves(stamped.gm(**graph_inputs)), pytree.tree_leaves(full.gm(**graph_inputs)), strict=True
+        ):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     # Each copy reads its own block's weights and says which block it is in: the per-block module
     # paths (which tensor parallelism reads) are those of the full trace.

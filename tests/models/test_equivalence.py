@@ -41,7 +41,7 @@ CASES = {
 
 def _outputs_close(actual, expected) -> None:
     assert type(actual) is type(expected)
-    for a, e in zip(pytree.tree_leaves(actual), pytree.tree_leaves(expected)):
+    for a, e in zip(pytree.tree_leaves(actual), pytree.tree_leaves(expected), strict=True):
         torch.testing.assert_close(a, e)
 
 

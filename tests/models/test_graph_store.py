@@ -62,7 +62,7 @@ def test_a_restored_dynamic_graph_takes_other_sizes(tmp_path):
     with torch.no_grad():
         got, want = restored(**other), model(**other)
     assert len(restored.graphs) == 1  # the restored graph's guards accepted the new sizes
-    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want), strict=True):
         torch.testing.assert_close(a, b)
 
 

@@ -50,7 +50,7 @@ def test_optimize_from_pretrained_and_load_give_identical_outputs(name, dtype, t
     with torch.no_grad():
         outputs["load"] = routes["load"](**inputs)
     for route in ("from_pretrained", "load"):
-        for a, b in zip(_leaves(outputs[route]), _leaves(outputs["optimize"])):
+        for a, b in zip(_leaves(outputs[route]), _leaves(outputs["optimize"]), strict=True):
             assert torch.equal(a, b), f"{name} {dtype}: {route} differs from optimize"
     for route, opt in routes.items():  # one copy of each packed weight: the source holds placeholders
         source = opt.__dict__["_source"]
@@ -332,7 +332,7 @@ def test_a_model_cast_whole_loads_in_the_dtypes_it_was_saved_in(tmp_path):
     opt.save(tmp_path)
     with torch.no_grad():
         got = amxopt.load(tmp_path, RELEASE)(**inputs)
-    for a, b in zip(_leaves(got), _leaves(expected)):
+    for a, b in zip(_leaves(got), _leaves(expected), strict=True):
         assert torch.equal(a, b)
 
 
@@ -371,7 +371,7 @@ def test_a_cached_graph_that_reads_a_weight_unpacked_is_not_served_to_a_packed_l
     with torch.no_grad():
         got = loaded(**inputs)
     assert "kept on ATen by the test" not in str(loaded.report)
-    for a, b in zip(_leaves(got), _leaves(expected)):
+    for a, b in zip(_leaves(got), _leaves(expected), strict=True):
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
 
 
@@ -422,7 +422,7 @@ def test_a_packing_is_not_reused_after_the_weight_changes():
     inputs = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)
     opt = amxopt.optimize(model, inputs, CONFIG)
     with torch.no_grad():
-        for a, b in zip(_leaves(opt(**inputs)), _leaves(model(**inputs))):
+        for a, b in zip(_leaves(opt(**inputs)), _leaves(model(**inputs)), strict=True):
             torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
 
 
@@ -468,7 +468,7 @@ def test_a_weight_one_graph_reads_unpacked_and_another_packed_is_saved_both_ways
     loaded = amxopt.load(tmp_path, config)
     with torch.no_grad():
         for inputs, want in zip((small, large), expected):
-            for a, b in zip(_leaves(loaded(**inputs)), _leaves(want)):
+            for a, b in zip(_leaves(loaded(**inputs)), _leaves(want), strict=True):
                 assert torch.equal(a, b)
 
 
@@ -496,7 +496,7 @@ def test_graphs_saved_by_other_code_or_options_are_captured_again(checkpoint, tm
         got = loaded(**inputs)
     assert "captured again" in caplog.text
     assert not any("restored from the artifact" in n for n in loaded.report.notes), loaded.report.notes
-    for a, b in zip(_leaves(got), _leaves(expected)):
+    for a, b in zip(_leaves(got), _leaves(expected), strict=True):
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
 
 

@@ -471,8 +471,8 @@ def test_long_audio_and_large_batches_take_one_graph(tmp_path):
     # each longer call took new graphs (two per 500 s of audio) until max_recaptures refused it.
     model = models.build_model("tiny-qwen3-omni-audio", torch.float32, conv_chunksize=9)
     gen = torch.Generator().manual_seed(0)
-    for conv in (model.conv2d1, model.conv2d2, model.conv2d3):  # (the zoo's are zero) eager's padding is
-        conv.bias.data = torch.randn(conv.bias.shape, generator=gen)  # then nonzero: a part must pad alike
+    for conv in (model.conv2d1, model.conv2d2, model.conv2d3):  # large biases: eager's padding is then far
+        conv.bias.data = torch.randn(conv.bias.shape, generator=gen)  # from zero, and a part must pad alike
     config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True)
 
     def audio(lens):

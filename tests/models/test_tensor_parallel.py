@@ -44,7 +44,7 @@ FAMILIES = {
 def _model(case: str, dtype: torch.dtype) -> torch.nn.Module:
     name, overrides, _ = FAMILIES[case]
     model = models.build_model(name, dtype, **overrides)
-    # The zoo's biases are zero; the row-parallel bias (added once, on rank 0) needs real values.
+    # The row-parallel bias is added once, on rank 0: its own values, apart from the zoo's seeded ones.
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for pname, p in model.named_parameters():

@@ -380,6 +380,10 @@ ERROR_CASES = {
         lambda p: _attn(p, cu_k=_CU[None]),
         r"amxopt\.varlen_attention: cu_seqlens_k must be a 1-D integer tensor .*\(1, 2\)",
     ),
+    "varlen-cu-one-bound": (  # (zero segments are [0, 0]: a bound alone is no segment list)
+        lambda p: _attn(p, q=torch.randn(0, 1, 8), k=torch.randn(0, 1, 8), v=torch.randn(0, 1, 8), cu_q=_cu(0)),
+        r"amxopt\.varlen_attention: cu_seqlens_q must be a 1-D integer tensor of at least 2 segment bounds",
+    ),
     "varlen-segment-count": (
         lambda p: _attn(p, cu_q=_cu(0, 3, 6)),
         r"amxopt\.varlen_attention: 2 query segments but 1 key segments",

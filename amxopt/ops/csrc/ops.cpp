@@ -286,7 +286,7 @@ std::vector<int64_t> checked_bounds(const char* op, const char* name, const at::
                                     int64_t bound_arg, const char* bound_name) {
   AMX_CHECK(cu.dim() == 1 && cu.numel() >= 2 && !cu.is_floating_point() && !cu.is_complex() &&
                 cu.scalar_type() != at::kBool, op, name,
-            " must be a 1-D integer tensor of segment bounds, got ", dtype_name(cu.scalar_type()), " ", shape(cu.sizes()));
+            " must be a 1-D integer tensor of at least 2 segment bounds (0, ..., the token count), got ", dtype_name(cu.scalar_type()), " ", shape(cu.sizes()));
   auto c = cu.to(at::kLong).contiguous();
   std::vector<int64_t> b(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
   AMX_CHECK(b.front() == 0, op, name, " must start at 0, got ", b.front());
