@@ -482,7 +482,20 @@ def test_long_audio_and_large_batches_take_one_graph(tmp_path):
     # a clip cut at attention windows (30 chunks of 9 at most), clips grouped, both, a window's tail
     # [850] and [850, 30]: a last part of chunks all shorter than the call's longest, whose last
     # token was off (padded to its own width, not the call's)
-    for lens in ([3000], [100] * 12, [250, 1000, 30, 905], [880, 810], [850], [850, 30]):
+    # [60] * 12, [37] * 20: cut calls of clips all under a chunk, whose width is their longest, not a
+    # chunk's; [65] + [30] * 11, [81] + [20] * 12: widths whose token grid is not the padded one's
+    for lens in (
+        [3000],
+        [100] * 12,
+        [250, 1000, 30, 905],
+        [880, 810],
+        [850],
+        [850, 30],
+        [60] * 12,
+        [37] * 20,
+        [65] + [30] * 11,
+        [81] + [20] * 12,
+    ):
         inputs = audio(lens)
         got, want = _run(opt, inputs), _run(model, inputs)
         assert got.pooler_output is got.last_hidden_state
@@ -490,6 +503,75 @@ def test_long_audio_and_large_batches_take_one_graph(tmp_path):
     assert len(opt.graphs) == 1
     with pytest.raises(ValueError, match=r"feature_lens \[1000\] sum to 1000 frames but input_features has 900"):
         _run(opt, {"input_features": torch.randn(128, 900), "feature_lens": torch.tensor([1000])})  # checked uncut
+
+
+def test_short_clips_and_any_image_count_take_one_graph(tmp_path):
+    # The padded feature's width and the segment count are dynamic: a graph per clip width, or per
+    # image count, ran into max_recaptures after eight.
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True)
+    audio = models.build_model("tiny-qwen3-omni-audio", torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    opt = amxopt.optimize(audio, {"input_features": torch.randn(128, 200), "feature_lens": torch.tensor([200])}, config)
+    for frames in (30, 45, 60, 75, 90, 95, 97, 99, 100, 37):
+        clip = {"input_features": torch.randn(128, frames, generator=gen), "feature_lens": torch.tensor([frames])}
+        assert max_abs_error(_run(opt, clip), _run(audio, clip)) <= 1e-5, frames
+    assert len(opt.graphs) == 1
+    vision = models.build_model("tiny-qwen3-vl-vision", torch.float32)
+    patch = models.example_inputs("tiny-qwen3-vl-vision", torch.float32)["hidden_states"].shape[1]
+
+    def images(n):
+        return {"hidden_states": torch.randn(16 * n, patch, generator=gen), "grid_thw": torch.tensor([[1, 4, 4]] * n)}
+
+    opt = amxopt.optimize(vision, images(2), config)
+    for n in (1, 3, 5, 9, 11):
+        call = images(n)
+        assert max_abs_error(_run(opt, call), _run(vision, call)) <= 1e-5, n
+    assert len(opt.graphs) == 1
+
+
+class _Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x, scale=2.0):
+        y = self.b(torch.relu(self.a(x)))
+        return y if scale is None else y * scale
+
+
+def test_a_hook_swapped_or_a_forward_replaced_after_a_call_is_followed_and_captured_once(tmp_path, caplog):
+    # One hook swapped for another (as many as before), or a submodule's forward replaced on the
+    # instance after a call: the graphs were stale. After such a change, one capture serves the
+    # calls that follow (each one captured again).
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True, provider="reference")
+    model, x = _Two().eval(), torch.randn(4, 16)
+    handle = model.b.register_forward_hook(lambda m, a, out: out * 2.0)
+    opt = amxopt.optimize(model, (x,), config)
+    assert max_abs_error(_run(opt, {"x": x}), _run(model, {"x": x})) == 0.0
+    handle.remove()
+    model.b.register_forward_hook(lambda m, a, out: out * 3.0)
+    with caplog.at_level(logging.INFO, logger="amxopt"):
+        for _ in range(3):
+            assert max_abs_error(_run(opt, {"x": x}), _run(model, {"x": x})) == 0.0
+    assert caplog.text.count("re-capturing") == 1
+    forward = model.a.forward
+    model.a.forward = lambda t: forward(t) * 0.5
+    assert max_abs_error(_run(opt, {"x": x}), _run(model, {"x": x})) == 0.0
+
+
+def test_an_argument_given_as_none_where_its_default_is_not_none_is_passed(tmp_path):
+    model, x = _Two().eval(), torch.randn(4, 16)
+    opt = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True))
+    with torch.no_grad():
+        assert max_abs_error(opt(x, scale=None), model(x, scale=None)) <= 1e-5
+        assert max_abs_error(opt(x), model(x)) <= 1e-5
+
+
+def test_max_recaptures_bounds_the_graphs(tmp_path):
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True, max_recaptures=1)
+    opt = amxopt.optimize(_Two().eval(), (torch.randn(4, 16),), config)
+    with pytest.raises(RuntimeError, match=r"1 graphs cached and none accepts .*max_recaptures"), torch.no_grad():
+        opt(torch.randn(2, 3, 16))  # another rank: a second graph
 
 
 def test_wan_under_flex_attention_runs_and_reports_its_attention_left(tmp_path):
