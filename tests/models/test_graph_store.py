@@ -811,6 +811,30 @@ class _Windowed(torch.nn.Module):
         return self.fc(x)[:, : self.window.shape[0]]
 
 
+_TABLE = torch.arange(32.0).reshape(4, 8).t()  # a global read by a forward: a constant of the graph
+
+
+class _Tabled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) + _TABLE
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_a_non_contiguous_constant_is_stored_and_restored(tmp_path, isolate):
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), isolate_capture=isolate)
+    x = torch.randn(8, 4)
+    for run in range(2):
+        model = _Tabled().eval()
+        opt = amxopt.optimize(model, (x,), config)
+        with torch.no_grad():
+            assert torch.equal(opt(x), model(x))
+        assert any(RESTORED in note for note in opt.report.notes) == (run == 1)
+
+
 def test_cache_key_follows_the_shapes_of_buffers_left_out_of_the_state_dict():
     # The graph reads only the buffer's shape, so a restore on another one would check nothing.
     def key(width):

@@ -186,10 +186,14 @@ class _Transposed(nn.Module):
     ],
 )
 @pytest.mark.parametrize("how", ["in place", "new data"])
-def test_a_kept_weight_whose_packing_is_read_too_is_packed_again_after_a_write(build, inputs, weight, keep_source, how):
+@pytest.mark.parametrize("isolate", [True, False])  # captured in a child (restored here), or here
+def test_a_kept_weight_whose_packing_is_read_too_is_packed_again_after_a_write(
+    build, inputs, weight, keep_source, how, isolate
+):
     torch.manual_seed(0)
     model = build().eval()
-    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, keep_source=keep_source))
+    config = dataclasses.replace(CONFIG, keep_source=keep_source, isolate_capture=isolate, graph_cache=False)
+    opt = amxopt.optimize(model, inputs, config)
     with torch.no_grad():
         opt(**inputs)
         w = model.get_parameter(weight)
@@ -199,6 +203,46 @@ def test_a_kept_weight_whose_packing_is_read_too_is_packed_again_after_a_write(b
             w.data = w.data * -2
         expected = model(**inputs)  # eager: the kept weight is real
         torch.testing.assert_close(opt(**inputs), expected)
+
+
+class _BothWays(nn.Module):
+    """A weight packed as it is and transposed: it is released, the transposed packing derived."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(48, 48) / 7)
+
+    def forward(self, x):
+        return nn.functional.linear(nn.functional.linear(x, self.w), self.w.t())
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(48, 64), nn.Linear(64, 48)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("build", [_Mlp, _BothWays])
+@pytest.mark.parametrize("isolate", [True, False])
+def test_a_recapture_after_release_reuses_the_packings(build, isolate):
+    # A recapture (another input rank) reads the first graph's packings of released weights
+    # (remembered however the first was captured), and packs a weight derived from a kept one
+    # (w.t()) again from it; the kept one is not released.
+    torch.manual_seed(0)
+    model = build().eval()
+    reference = build().eval()
+    reference.load_state_dict(model.state_dict())
+    inputs = {"x": torch.randn(8, 48)}
+    config = dataclasses.replace(RELEASE, isolate_capture=isolate, graph_cache=False)
+    opt = amxopt.optimize(model, inputs, config)
+    assert weights.has_released(model) == (build is _Mlp)
+    other = {k: v[None] for k, v in inputs.items()}  # another rank: a second graph
+    with torch.no_grad():
+        torch.testing.assert_close(opt(**other), reference(**other))
+    assert len(opt.graphs) == 2
 
 
 def test_a_storage_reference_tells_new_data_at_a_freed_address():
