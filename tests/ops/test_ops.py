@@ -763,7 +763,12 @@ def test_attention_across_blocking_boundaries(provider, dtype, causal, head_dim)
     args = _varlen_args(provider, lens, lens, 4, 2, head_dim, causal, dtype)
     out = ops.varlen_attention(*args)
     q, k, v, cu_q, cu_k, _, _, scale, _, _ = args
-    assert_close_dtype(out, attention_oracle(q, k, v, cu_q, cu_k, scale, causal), dtype)
+    expected = attention_oracle(q, k, v, cu_q, cu_k, scale, causal)
+    assert_close_dtype(out, expected, dtype)
+    # and row by row (bf16's absolute tolerance let 52 keys of the last, partial key block go
+    # missing: 0.25 of a row off, against 0.004 of rounding)
+    rows, want = out.double().reshape(-1, head_dim), expected.double().reshape(-1, head_dim)
+    assert float(((rows - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)).max()) <= 1e-2
 
 
 def _rotary_factors(tokens, width, seed=1):
