@@ -416,14 +416,16 @@ def test_a_packing_is_not_reused_after_the_weight_changes():
     weight = model.blocks[0].mlp.linear_fc1.weight
     assert packed.packings(weight)
     with torch.no_grad():
-        weight.data = weight.data * 2  # a fused LoRA delta, say
+        weight.data = weight.data + torch.randn_like(weight) * weight.std()  # a fused LoRA delta, say
     assert not packed.packings(weight)
     model.to(torch.bfloat16)
     inputs = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)
     opt = amxopt.optimize(model, inputs, CONFIG)
     with torch.no_grad():
         for a, b in zip(_leaves(opt(**inputs)), _leaves(model(**inputs)), strict=True):
-            torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+            # bf16 rounding apart (a stale packing of the weight is far more: 0.1 of a halved one
+            # passed the absolute bound this had)
+            assert float((a.double() - b.double()).norm() / b.double().norm()) <= 1e-2
 
 
 def test_only_graph_tensors_are_told_apart_by_their_prefix():
