@@ -551,6 +551,7 @@ class OptimizedModule(nn.Module):
             raise RuntimeError(self.__dict__["_lost_merge"])
         _forget_packings(merged)
 
+    @torch.compiler.disable  # (under torch.compile of this module: run as Python, not traced)
     def _check_source(self) -> None:
         """What changed in the source since the graphs were captured and no hook saw: an adapter's
         state, a weight written in place; the graphs are dropped (or the change refused)."""
@@ -820,6 +821,7 @@ class OptimizedModule(nn.Module):
             self._check_call(graph_inputs)
         return options, parts
 
+    @torch.compiler.disable  # (under torch.compile of this module: run as Python, not traced)
     def _capture_for(self, graph_inputs: dict) -> GraphEntry | None:
         """A graph for a call no graph took: another thread's capture of the same shapes, done
         while this one waited for it, else a new capture; None where the call runs eagerly."""

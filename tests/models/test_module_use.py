@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import io
 import logging
+import sys
 
 import pytest
 import torch
@@ -565,6 +567,24 @@ def test_an_argument_given_as_none_where_its_default_is_not_none_is_passed(tmp_p
     with torch.no_grad():
         assert max_abs_error(opt(x, scale=None), model(x, scale=None)) <= 1e-5
         assert max_abs_error(opt(x), model(x)) <= 1e-5
+
+
+def test_torch_compile_of_an_optimized_module_follows_a_weight_write(tmp_path, monkeypatch):
+    # Dynamo traced the staleness checks (building storage references whose __del__ then failed)
+    # and a re-capture's fork; both now run as Python beside the compiled graph.
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    model, x = _Two().eval(), torch.randn(4, 16)
+    opt = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True))
+    compiled = torch.compile(opt)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+        model.a.weight.mul_(2.0)
+        torch.testing.assert_close(compiled(x), model(x))
+        torch.testing.assert_close(compiled(x[None]), model(x[None]))  # another rank: a capture
+    gc.collect()
+    assert not unraisable, [str(u.exc_value) for u in unraisable]
+    assert len(opt.graphs) == 2
 
 
 def test_max_recaptures_bounds_the_graphs(tmp_path):
