@@ -922,7 +922,7 @@ def _patched_reads(functions: set[types.FunctionType]) -> list:
             if layers and not _library_code(value):
                 # a user's function, or another package's in a library module's place (an installed
                 # package's that a library imports, `safetensors.torch.load_file`, is not a patch)
-                if _user_code(layers) or (holder is not None and _library_path(str(holder.__file__))):
+                if _user_code(layers) or (holder is not None and _library_path(str(getattr(holder, "__file__", "")))):
                     found[f"{f.__module__}.{f.__code__.co_qualname}: {path}"] = _function_identity(value)
                 continue
             for layer in layers:
