@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-INIT_STD = 0.02  # checkpoint-like init: N(0, 0.02) weights (also the configs' initializer_range)
+INIT_STD = 0.02  # the configs' initializer_range; the least std of reinit's weights (see build.reinit)
 
 
 @dataclasses.dataclass(frozen=True)
