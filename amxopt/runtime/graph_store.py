@@ -35,6 +35,7 @@ import math
 import operator
 import os
 import pathlib
+import re
 import sys
 import sysconfig
 import threading
@@ -920,9 +921,13 @@ def _patched_reads(functions: set[types.FunctionType]) -> list:
                 holder, value, path = value, getattr(value, attribute, _MISSING), f"{path}.{attribute}"
             layers = _code_layers(value) if value is not _MISSING else []
             if layers and not _library_code(value):
-                # a user's function, or another package's in a library module's place (an installed
-                # package's that a library imports, `safetensors.torch.load_file`, is not a patch)
-                if _user_code(layers) or (holder is not None and _library_path(str(getattr(holder, "__file__", "")))):
+                # a user's function, or another package's in a library module's place (a kernel
+                # package's; not one the library's file imports: `safetensors.torch.load_file`)
+                if holder is None:
+                    placed = name not in _imported_names(f.__code__.co_filename)
+                else:
+                    placed = _library_path(str(getattr(holder, "__file__", ""))) is not None
+                if placed or _user_code(layers):
                     found[f"{f.__module__}.{f.__code__.co_qualname}: {path}"] = _function_identity(value)
                 continue
             for layer in layers:
@@ -930,6 +935,27 @@ def _patched_reads(functions: set[types.FunctionType]) -> list:
                     seen.add(layer)
                     todo.append(layer)
     return [[reader, found[reader]] for reader in sorted(found)]
+
+
+_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+[\w.]+[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)|import[ \t]+([^\n]*))", re.M)
+
+
+@functools.lru_cache(maxsize=1024)
+def _imported_names(filename: str) -> frozenset[str]:
+    """The names a module's file binds by an import statement (read as text: parsing a large
+    modeling file costs tens of ms; an import inside a function or a docstring counts too)."""
+    try:
+        text = pathlib.Path(filename).read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    names = set()
+    for match in _IMPORT.finditer(text):
+        listed = re.sub(r"#[^\n]*", "", match.group(1) or match.group(2)).strip("()")
+        for item in listed.replace("\\", " ").split(","):
+            words = item.split()
+            if words:  # `a`, `a as b`, `a.b` (binds a)
+                names.add(words[-1] if len(words) == 3 and words[1] == "as" else words[0].split(".")[0])
+    return frozenset(names)
 
 
 def _user_code(layers: list[types.FunctionType]) -> bool:

@@ -776,6 +776,27 @@ def test_cache_key_follows_library_functions_the_library_reads_elsewhere(monkeyp
     assert {"wan": wan(), "vl": _vision_key()} == plain
 
 
+def test_cache_key_follows_an_installed_packages_function_put_in_a_library_modules_place(tmp_path, monkeypatch):
+    # A kernel package patches a modeling module's function with its own (liger-kernel does), which
+    # the library reads as a bare global: an installed package's code, yet a patch. One the
+    # modeling file imports itself is not (the key would then follow every helper package).
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
+
+    package = tmp_path / "site-packages" / "kernels_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("def rotate_half(x):\n    return -x\n")
+    monkeypatch.syspath_prepend(str(package.parent))
+    kernels = importlib.import_module("kernels_pkg")
+    plain = _vision_key()
+    monkeypatch.setattr(qwen, "rotate_half", kernels.rotate_half)
+    assert _vision_key() != plain
+    monkeypatch.undo()
+    sys.modules.pop("kernels_pkg", None)
+    assert _vision_key() == plain
+    assert "torch" in graph_store._imported_names(qwen.__file__)
+    assert "rotate_half" not in graph_store._imported_names(qwen.__file__)
+
+
 def test_cache_key_follows_the_code_of_an_attention_processor(monkeypatch):
     # A processor is no module: its class's code (a user's, or a library's patched here) is keyed as
     # a module class's is.
