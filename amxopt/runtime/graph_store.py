@@ -923,11 +923,11 @@ def _patched_reads(functions: set[types.FunctionType]) -> list:
             if layers and not _library_code(value):
                 # a user's function, or another package's in a library module's place (a kernel
                 # package's; not one the library's file imports: `safetensors.torch.load_file`)
-                if holder is None:
-                    placed = name not in _imported_names(f.__code__.co_filename)
-                else:
-                    placed = _library_path(str(getattr(holder, "__file__", ""))) is not None
-                if placed or _user_code(layers):
+                if _user_code(layers) or (  # (a user's function needs no file read)
+                    name not in _imported_names(f.__code__.co_filename)
+                    if holder is None
+                    else _library_path(str(getattr(holder, "__file__", ""))) is not None
+                ):
                     found[f"{f.__module__}.{f.__code__.co_qualname}: {path}"] = _function_identity(value)
                 continue
             for layer in layers:

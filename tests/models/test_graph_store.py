@@ -341,9 +341,9 @@ def test_cache_key_follows_a_class_built_by_exec_in_a_module():
     assert len(keys) == 2
 
 
-def _vision_key(model: torch.nn.Module | None = None, name: str = "tiny-qwen3-vl-vision") -> str:
-    """The graph cache key of a tiny model, Qwen3-VL vision unless named (built anew unless given),
-    as optimize computes it."""
+def _zoo_key(model: torch.nn.Module | None = None, name: str = "tiny-qwen3-vl-vision") -> str:
+    """The graph cache key of a tiny zoo model, Qwen3-VL vision unless named (built anew unless
+    given), as optimize computes it."""
     model = model or models.build_model(name, torch.float32)
     adapter, graph_inputs = prepare(model, models.example_inputs(name, torch.float32))
     return graph_store.cache_key(adapter.export_module(model), adapter.name, graph_inputs, CONFIG)
@@ -354,7 +354,7 @@ def test_cache_key_follows_library_code_patched_in_this_process(monkeypatch):
     # cannot tell. A patched instance forward is a setting, with its code.
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
 
-    key = _vision_key
+    key = _zoo_key
 
     plain = key()
     mlp = qwen.Qwen3VLVisionMLP.forward
@@ -381,7 +381,7 @@ def test_cache_key_follows_a_decorated_patch_by_the_code_it_wraps(monkeypatch):
 
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
 
-    key = _vision_key
+    key = _zoo_key
 
     def traced(f):  # a decorator without functools.wraps: the function is only in its closure
         return lambda *a: f(*a)
@@ -415,7 +415,7 @@ def test_cache_key_follows_what_a_patch_reads(tmp_path, monkeypatch):
     # transformers' place: each is code the graph was captured from.
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
 
-    key = _vision_key
+    key = _zoo_key
 
     plain, mlp, rotary = key(), qwen.Qwen3VLVisionMLP.forward, qwen.apply_rotary_pos_emb_vision
     patch = tmp_path / "patch_reads_key.py"
@@ -761,19 +761,19 @@ def test_cache_key_follows_library_functions_the_library_reads_elsewhere(monkeyp
     # attention's forward. A graph captured before any of these patches computes without them.
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
 
-    wan = functools.partial(_vision_key, name="tiny-wan")
-    plain = {"wan": wan(), "vl": _vision_key()}
+    wan = functools.partial(_zoo_key, name="tiny-wan")
+    plain = {"wan": wan(), "vl": _zoo_key()}
     sdpa, gelu, rotate = torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.gelu, qwen.rotate_half
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: sdpa(*a, **k) * 2)
-    assert wan() != plain["wan"] and _vision_key() != plain["vl"]
+    assert wan() != plain["wan"] and _zoo_key() != plain["vl"]
     monkeypatch.undo()
     monkeypatch.setattr(torch.nn.functional, "gelu", lambda x, approximate="none": gelu(x, approximate=approximate))
     assert wan() != plain["wan"]
     monkeypatch.undo()
     monkeypatch.setattr(qwen, "rotate_half", lambda x: rotate(x) * 2)
-    assert _vision_key() != plain["vl"]
+    assert _zoo_key() != plain["vl"]
     monkeypatch.undo()
-    assert {"wan": wan(), "vl": _vision_key()} == plain
+    assert {"wan": wan(), "vl": _zoo_key()} == plain
 
 
 def test_cache_key_follows_an_installed_packages_function_put_in_a_library_modules_place(tmp_path, monkeypatch):
@@ -787,12 +787,12 @@ def test_cache_key_follows_an_installed_packages_function_put_in_a_library_modul
     (package / "__init__.py").write_text("def rotate_half(x):\n    return -x\n")
     monkeypatch.syspath_prepend(str(package.parent))
     kernels = importlib.import_module("kernels_pkg")
-    plain = _vision_key()
+    plain = _zoo_key()
     monkeypatch.setattr(qwen, "rotate_half", kernels.rotate_half)
-    assert _vision_key() != plain
+    assert _zoo_key() != plain
     monkeypatch.undo()
     sys.modules.pop("kernels_pkg", None)
-    assert _vision_key() == plain
+    assert _zoo_key() == plain
     assert "torch" in graph_store._imported_names(qwen.__file__)
     assert "rotate_half" not in graph_store._imported_names(qwen.__file__)
 
@@ -802,7 +802,7 @@ def test_cache_key_follows_the_code_of_an_attention_processor(monkeypatch):
     # a module class's is.
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-    key = functools.partial(_vision_key, name="tiny-wan")
+    key = functools.partial(_zoo_key, name="tiny-wan")
     plain = key()
     call = WanAttnProcessor.__call__
     monkeypatch.setattr(WanAttnProcessor, "__call__", lambda self, *a, **k: call(self, *a, **k) * 2)
