@@ -14,6 +14,7 @@ import functools
 import itertools
 import logging
 import operator
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -90,14 +91,18 @@ def _capture_and_rewrite(
     return GraphEntry(captured, _tensor_dtypes(graph_inputs), _signature(graph_inputs), report, records)
 
 
-def _tensor_dtypes(graph_inputs: dict) -> dict[str, torch.dtype]:
-    """Each tensor input's dtype by its name, one in a tuple, list or dict by its path (``extra[0]``)."""
-    dtypes = {}
+def _tensor_leaves(graph_inputs: dict) -> dict[str, torch.Tensor]:
+    """Each tensor input by its name, one in a tuple, list or dict by its path (``extra[0]``)."""
+    leaves = {}
     for name, value in graph_inputs.items():
         for path, leaf in pytree.tree_flatten_with_path(value)[0]:
             if isinstance(leaf, torch.Tensor):
-                dtypes[name + pytree.keystr(path)] = leaf.dtype
-    return dtypes
+                leaves[name + pytree.keystr(path)] = leaf
+    return leaves
+
+
+def _tensor_dtypes(graph_inputs: dict) -> dict[str, torch.dtype]:
+    return {path: leaf.dtype for path, leaf in _tensor_leaves(graph_inputs).items()}
 
 
 def _check_no_released_reads(gm: fx.GraphModule, model_name: str) -> None:
@@ -874,6 +879,11 @@ class OptimizedModule(nn.Module):
             self._check_source()  # a tensor-parallel module refuses a change here, before any rank runs
             self._graph_calls(args, kwargs)
 
+    def _argument(self, path: str) -> str:
+        """The caller's name for a graph input or a tensor inside one (``extra[0]``)."""
+        name = re.match(r"\w+", path).group()
+        return self.adapter.arguments.get(name, name) + path[len(name) :]
+
     def _check_call(self, graph_inputs: dict) -> None:
         if self.training:
             raise RuntimeError(
@@ -884,9 +894,9 @@ class OptimizedModule(nn.Module):
         if refused is not None:
             raise TypeError(refused)
         if torch.is_grad_enabled():
-            wants_grad = [k for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+            wants_grad = [k for k, v in _tensor_leaves(graph_inputs).items() if v.requires_grad]
             if wants_grad:
-                arg = self.adapter.arguments.get(wants_grad[0], wants_grad[0])
+                arg = self._argument(wants_grad[0])
                 raise RuntimeError(
                     f"amxopt: {self.adapter.model_name} runs inference only, and {arg} requires grad: call "
                     "it under torch.no_grad() or with a detached input"
@@ -908,12 +918,13 @@ class OptimizedModule(nn.Module):
         graph took: a call in another floating dtype is captured again, as eager takes it (a bf16
         Omni tower takes the processor's fp32 features and bf16 ones); where eager cannot run it
         either (fp32 latents into a bf16 Wan), the capture's error is told as the input's dtype."""
+        leaves = _tensor_leaves(graph_inputs)
         for name, dtype in self._graphs[0].dtypes.items() if self._graphs else ():
-            got = graph_inputs.get(name)
-            if not (isinstance(got, torch.Tensor) and got.is_floating_point() and dtype.is_floating_point):
+            got = leaves.get(name)
+            if not (got is not None and got.is_floating_point() and dtype.is_floating_point):
                 continue
             if all(g.dtypes.get(name) != got.dtype for g in self._graphs):
-                arg = self.adapter.arguments.get(name, name)
+                arg = self._argument(name)
                 return (
                     f"amxopt: {self.adapter.model_name} was optimized for {arg} in {dtype}, got {got.dtype}, and "
                     f"its capture in {got.dtype} failed (cast {arg} to {dtype}): {error}"
@@ -955,7 +966,7 @@ class OptimizedModule(nn.Module):
 
 
 def _floating_dtypes(graph_inputs: dict) -> tuple:
-    return tuple((k, v.dtype) for k, v in graph_inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    return tuple((k, v.dtype) for k, v in _tensor_leaves(graph_inputs).items() if v.is_floating_point())
 
 
 def _accepts(graph: GraphEntry, graph_inputs: dict) -> bool:

@@ -356,6 +356,15 @@ def test_a_tensor_of_another_dtype_inside_a_tuple_is_captured_again(tmp_path, dt
     assert len(opt.graphs) == 2
 
 
+def test_a_tensor_inside_a_tuple_that_requires_grad_is_refused_by_its_path(tmp_path):
+    # Only top-level inputs were looked at: the graph ran, and its output silently carried no gradient.
+    model, x = _Extra().eval(), torch.randn(4, 16)
+    extra = (torch.randn(4, 16), torch.randn(4, 16))
+    opt = amxopt.optimize(model, {"x": x, "extra": extra}, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    with pytest.raises(RuntimeError, match=r"runs inference only, and extra\[0\] requires grad"):
+        opt(x, (extra[0].clone().requires_grad_(), extra[1]))
+
+
 def test_weights_left_on_the_meta_device_are_named_with_their_cause(tmp_path):
     model, inputs = _wan(0)
     model.proj_out.weight = torch.nn.Parameter(torch.empty_like(model.proj_out.weight, device="meta"))  # offloaded
