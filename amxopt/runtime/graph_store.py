@@ -755,7 +755,7 @@ def _globals_read(functions: list[types.FunctionType]) -> list:
     tensor by its data (export stores it in the graph), anything else by its type (a logger's state
     is not what it computes). What a function reads from a module counts too: from a user's module
     any value (``settings.SCALE``, ``helpers.act``), from a library's a function put there in this
-    process (``torch.nn.functional.gelu = mine``)."""
+    process (``torch.nn.functional.gelu = mine``, or ``= torch.nn.functional.mish``)."""
     active: set = _READING.__dict__.setdefault("functions", set())
     found: dict[tuple[str, str], Any] = {}
     todo = [f for f in functions if f not in active]
@@ -774,7 +774,7 @@ def _globals_read(functions: list[types.FunctionType]) -> list:
                 for attribute in attributes:  # through modules: `helpers.act`, `torch.nn.functional.gelu`
                     if not isinstance(value, types.ModuleType):
                         break
-                    user = _user_module(value)
+                    holder, user = value, _user_module(value)
                     value, path = getattr(value, attribute, _MISSING), f"{path}.{attribute}"
                     if value is _MISSING or (str(f.__module__), path) in found:
                         break
@@ -782,6 +782,8 @@ def _globals_read(functions: list[types.FunctionType]) -> list:
                         found[(str(f.__module__), path)] = _global_value(value)
                     elif _code_layers(value) and not _library_code(value):
                         found[(str(f.__module__), path)] = ["patched", _function_identity(value)]
+                    elif _renamed(value, path, holder, f):
+                        found[(str(f.__module__), path)] = ["renamed", _named(value)]
                 # a user function's own reads, once (not again inside each description of it)
                 for layer in _code_layers(value) if isinstance(value, types.FunctionType) else ():
                     if _library_file(layer) is None and layer not in active:
@@ -907,7 +909,8 @@ def _patched_reads(functions: set[types.FunctionType]) -> list:
     (``torch.nn.functional.scaled_dot_product_attention = sageattn`` read as
     ``F.scaled_dot_product_attention``, ``modeling_qwen3_vl.rotate_half = mine``), or by the
     transformers and diffusers functions they read, and those read in turn: by the reader's name and
-    the path it reads, and the replacement's identity (see ``_function_identity``)."""
+    the path it reads, and the replacement's identity (see ``_function_identity``). A library's
+    function, builtin or op read under another's name counts too (see ``_renamed``)."""
     found: dict[str, Any] = {}
     todo = sorted(functions, key=lambda f: (f.__module__ or "", f.__code__.co_qualname))
     seen = set(todo)
@@ -930,11 +933,28 @@ def _patched_reads(functions: set[types.FunctionType]) -> list:
                 ):
                     found[f"{f.__module__}.{f.__code__.co_qualname}: {path}"] = _function_identity(value)
                 continue
+            if _renamed(value, path, holder, f):  # a library's function in another's place: `F.gelu = F.mish`
+                found[f"{f.__module__}.{f.__code__.co_qualname}: {path}"] = _named(value)
             for layer in layers:
                 if layer not in seen and (_library_file(layer) or "").startswith(_FOLLOWED):
                     seen.add(layer)
                     todo.append(layer)
     return [[reader, found[reader]] for reader in sorted(found)]
+
+
+def _renamed(value: Any, path: str, holder: Any, reader: types.FunctionType) -> bool:
+    """Whether a function read as ``path`` is named otherwise, and not by the reader's own import
+    (``from safetensors.torch import save_file as safe_save_file``): a library's function, a builtin
+    or an op put in another's place (``F.gelu = F.mish``), which the library's version cannot tell."""
+    name = getattr(value, "__name__", None)
+    if not isinstance(name, str) or isinstance(value, (type, types.ModuleType)) or name == path.rsplit(".", 1)[-1]:
+        return False
+    return holder is not None or path not in _imported_names(reader.__code__.co_filename)
+
+
+def _named(fn: Any) -> str:
+    """A library function, builtin or op by its kind, module and name (alike in every process)."""
+    return f"{type(fn).__name__} {getattr(fn, '__module__', None)}.{fn.__name__}"
 
 
 _IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+[\w.]+[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)|import[ \t]+([^\n]*))", re.M)

@@ -776,6 +776,26 @@ def test_cache_key_follows_library_functions_the_library_reads_elsewhere(monkeyp
     assert {"wan": wan(), "vl": _zoo_key()} == plain
 
 
+def test_cache_key_follows_a_library_function_builtin_or_op_put_in_anothers_place(monkeypatch):
+    # Each is library code (the libraries' versions are keyed), so only where it is read tells the
+    # patch: F.gelu = F.mish, F.silu = torch.sigmoid, F.scaled_dot_product_attention = an op.
+    def key():
+        return graph_store.cache_key(_Activations(), "plain", {"x": torch.randn(2, 8)}, CONFIG)
+
+    plain, wan = key(), functools.partial(_zoo_key, name="tiny-wan")
+    plain_wan = wan()
+    for name, other in (("gelu", torch.nn.functional.mish), ("silu", torch.sigmoid)):
+        monkeypatch.setattr(torch.nn.functional, name, other)
+        assert key() != plain, name
+        monkeypatch.undo()
+    monkeypatch.setattr(
+        torch.nn.functional, "scaled_dot_product_attention", torch.ops.aten._efficient_attention_forward
+    )
+    assert wan() != plain_wan
+    monkeypatch.undo()
+    assert key() == plain and wan() == plain_wan
+
+
 def test_cache_key_follows_an_installed_packages_function_put_in_a_library_modules_place(tmp_path, monkeypatch):
     # A kernel package patches a modeling module's function with its own (liger-kernel does), which
     # the library reads as a bare global: an installed package's code, yet a patch. One the
