@@ -365,6 +365,24 @@ def test_a_tensor_inside_a_tuple_that_requires_grad_is_refused_by_its_path(tmp_p
         opt(x, (extra[0].clone().requires_grad_(), extra[1]))
 
 
+class _VarArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, *args, **kwargs):
+        return self.fc(x) * kwargs.get("s", 1.0) + sum(args, torch.zeros(()))
+
+
+def test_keyword_arguments_are_taken_by_name_and_extra_positional_ones_refused(tmp_path):
+    model, x = _VarArgs().eval(), torch.randn(2, 8)
+    opt = amxopt.optimize(model, None, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True))
+    with torch.no_grad():
+        assert max_abs_error(opt(x, s=torch.tensor(2.0)), model(x, s=torch.tensor(2.0))) <= 1e-6
+        with pytest.raises(TypeError, match=r"_VarArgs.forward: extra positional args are not supported"):
+            opt(x, torch.ones(2, 8))
+
+
 def test_weights_left_on_the_meta_device_are_named_with_their_cause(tmp_path):
     model, inputs = _wan(0)
     model.proj_out.weight = torch.nn.Parameter(torch.empty_like(model.proj_out.weight, device="meta"))  # offloaded
@@ -586,6 +604,7 @@ def test_torch_compile_of_an_optimized_module_follows_a_weight_write(tmp_path, m
     model, x = _Two().eval(), torch.randn(4, 16)
     opt = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True))
     compiled = torch.compile(opt)
+    torch.testing.assert_close(compiled(x), model(x).detach())  # grad enabled: the graphs run under no_grad
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
         model.a.weight.mul_(2.0)
