@@ -541,6 +541,8 @@ class OptimizedModule(nn.Module):
             self.__dict__["_dropped_adapters"] = self._adapters
         self._entries, self._pending, self._adapters, self._packed_versions = [], [], None, []
         self._traced = None
+        if "graph_module" in self._modules:  # (None, not removed: a load may be iterating the children)
+            self._modules["graph_module"] = None
 
     def _settle_merges(self) -> None:
         """Before a capture: the adapter layers merged (or unmerged) since the last one wrote their
@@ -613,8 +615,8 @@ class OptimizedModule(nn.Module):
             self._traced.warn(self.__dict__["_source"], self.adapter.model_name)
 
     def _add(self, graph: GraphEntry) -> None:
-        if not self._entries:
-            self.add_module("graph_module", graph.captured.gm)
+        if not self._entries:  # a submodule: its packed weights are among the module's buffers
+            self._modules["graph_module"] = graph.captured.gm
         if self._adapters is None:
             modules = self._watch_loads(self.__dict__["_source"])  # and modules added since (LoRA layers)
             layers = _adapter_layers(modules)
@@ -673,7 +675,7 @@ class OptimizedModule(nn.Module):
         Args:
             example_inputs: as for :func:`amxopt.optimize`: a tuple of positional args, a dict of
                 kwargs or a single tensor.
-            repeats: timed runs; each row is the median.
+            repeats: timed runs; the rows are those of the run of median total.
             by_shape: one row per op and input shapes instead of per op.
 
         Returns:
@@ -687,10 +689,13 @@ class OptimizedModule(nn.Module):
             print(opt.profile(inputs))
         """
         args, kwargs = split_inputs(example_inputs)
-        self(*args, **kwargs)  # captures (or re-captures) the graph this call runs
-        if self.eager_reason is not None:
-            raise RuntimeError(f"amxopt profile: {self.adapter.model_name} runs as eager PyTorch ({self.eager_reason})")
-        graph_inputs = self._graph_calls(args, kwargs)[1][0]  # (of a call cut in parts, the first)
+        with torch.no_grad():  # (as the timed runs: grad enabled only warns that the output has none)
+            self(*args, **kwargs)  # captures (or re-captures) the graph this call runs
+            if self.eager_reason is not None:
+                raise RuntimeError(
+                    f"amxopt profile: {self.adapter.model_name} runs as eager PyTorch ({self.eager_reason})"
+                )
+            graph_inputs = self._graph_calls(args, kwargs)[1][0]  # (of a call cut in parts, the first)
         graph = next(g for g in self._graphs if _accepts(g, graph_inputs))
         return profile_graph(graph.captured.gm, graph_inputs, repeats=repeats, by_shape=by_shape)
 
@@ -759,12 +764,20 @@ class OptimizedModule(nn.Module):
 
     @property
     def report(self) -> Report:
+        return self._first_graph("the report").report
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self._first_graph("graph_module").captured.gm
+
+    def _first_graph(self, reading: str) -> GraphEntry:
         if not self._graphs:
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name} is captured at its first call (optimize() had no example "
-                "inputs): call it once, or pass example inputs to optimize(), before reading the report"
+                f"inputs, or the model changed since): call it once, or pass example inputs to optimize(), before "
+                f"reading {reading}"
             )
-        return self._graphs[0].report
+        return self._graphs[0]
 
     @property
     def reports(self) -> list[Report]:

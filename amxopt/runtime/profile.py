@@ -7,7 +7,8 @@ interpreter adds. Rows are per op (``amxopt.linear``, ``aten.mul.Tensor``, ...) 
 GEMMs, attention and convolutions, and the ATen ones they replace) a row also has its GFLOP and
 TFLOP/s, so a GEMM's speed can be read against the CPU's limit.
 
-A profile is medians of ``repeats`` runs after one warm-up call. It says what a node costs inside
+A profile is the node-timed run of median total among ``repeats`` runs after one warm-up call
+(per-op medians of a noisy machine's runs add up to more than any run took). It says what a node costs inside
 the model: small ops after a large GEMM read their inputs from memory and cost 2-3x what they cost
 alone, which a per-op benchmark does not show.
 """

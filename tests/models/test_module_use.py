@@ -383,6 +383,26 @@ def test_keyword_arguments_are_taken_by_name_and_extra_positional_ones_refused(t
             opt(x, torch.ones(2, 8))
 
 
+def test_graph_module_is_the_first_graph_and_is_dropped_with_it(tmp_path):
+    # Before the first call it named the source's class in an AttributeError; after a load it was
+    # still the old graph, keeping its packed weights alive.
+    model, x = _Two().eval(), torch.randn(4, 16)
+    opt = amxopt.optimize(model, None, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True))
+    with pytest.raises(RuntimeError, match=r"_Two is captured at its first call.*before reading graph_module"):
+        opt.graph_module
+    with torch.no_grad():
+        opt(x)
+    first = opt.graph_module
+    assert first is opt.graphs[0] and opt._modules["graph_module"] is first  # (its weights: the module's)
+    opt.load_state_dict({k: v * 2 for k, v in model.state_dict().items()})
+    with pytest.raises(RuntimeError, match=r"or the model changed since"):
+        opt.graph_module
+    assert opt._modules["graph_module"] is None  # (not removed: a load may be iterating the children)
+    with torch.no_grad():
+        assert max_abs_error(opt(x), model(x)) <= 1e-5
+    assert opt.graph_module is opt.graphs[0] is not first
+
+
 def test_weights_left_on_the_meta_device_are_named_with_their_cause(tmp_path):
     model, inputs = _wan(0)
     model.proj_out.weight = torch.nn.Parameter(torch.empty_like(model.proj_out.weight, device="meta"))  # offloaded

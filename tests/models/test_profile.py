@@ -38,10 +38,11 @@ def _optimized():
     return amxopt.optimize(model, inputs, CONFIG), inputs
 
 
-def test_profile_counts_every_node_once_with_its_flops():
+def test_profile_counts_every_node_once_with_its_flops(caplog):
     opt, inputs = _optimized()
     assert opt.report.counts()["attention"] == 1 and opt.report.counts()["linear"] == 2, str(opt.report)
     profile = opt.profile(inputs, repeats=2)
+    assert "grad enabled" not in caplog.text  # it calls the model itself: under no_grad, as it times it
 
     gm = opt.graphs[0]
     nodes = collections.Counter(op_name(n.target) for n in gm.graph.nodes if n.op == "call_function")
