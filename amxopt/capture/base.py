@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import io
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -220,10 +222,31 @@ def _one_shot_trace():
     stack_traces = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:
-        with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+        with torch._dynamo.config.patch(fake_tensor_cache_enabled=False), _without_partial_graphs():
             yield
     finally:
         torch.fx.config.do_not_emit_stack_traces = stack_traces
+
+
+@contextlib.contextmanager
+def _without_partial_graphs():
+    """What a trace writes to stderr, without the partial graph torch.export prints there when it
+    fails (twice: its wrappers nest). A failed capture tries up to four exports (dynamic and static,
+    blocks stamped and not): 8 copies of a 50-line graph came before amxopt's error. The graph is
+    logged at debug level; anything else written to stderr is written as it was, once the trace ends."""
+    stderr, held = sys.stderr, io.StringIO()
+    sys.stderr = held
+    try:
+        yield
+    except Exception as e:
+        partial = getattr(e, "partial_fx_graph", None)
+        if partial is not None:
+            logger.debug("amxopt: torch.export's partial graph:\n%s", partial)
+            held = io.StringIO(held.getvalue().replace(f"{partial}\n", ""))
+        raise
+    finally:
+        sys.stderr = stderr
+        stderr.write(held.getvalue())
 
 
 def _drop_dtype_asserts(gm: fx.GraphModule) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
@@ -77,7 +78,9 @@ def test_wan_latent_shape_checked():
 
 def test_a_qwen_tower_in_float16_is_refused_with_the_cast_to_make():
     model = models.build_model("tiny-qwen3-vl-vision", torch.float16)
-    with pytest.raises(amxopt.CaptureError, match=r"Qwen3VLVisionModel is in torch.float16.*model.to\(torch.bfloat16\)"):
+    with pytest.raises(
+        amxopt.CaptureError, match=r"Qwen3VLVisionModel is in torch.float16.*model.to\(torch.bfloat16\)"
+    ):
         amxopt.optimize(model, models.example_inputs("tiny-qwen3-vl-vision", torch.float16), CONFIG)
 
 
@@ -135,7 +138,7 @@ def test_config_values_of_the_wrong_kind_are_refused_by_field(field, value, want
     assert amxopt.AmxConfig(passes=["replace_linear"]).passes == ("replace_linear",)
 
 
-def test_vision_tower_without_adapter_says_why_it_cannot_be_captured():
+def test_vision_tower_without_adapter_says_why_it_cannot_be_captured(capfd):
     # Qwen2.5-VL's tower builds its window/segment metadata from grid_thw values inside forward.
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
@@ -145,6 +148,19 @@ def test_vision_tower_without_adapter_says_why_it_cannot_be_captured():
     inputs = {"hidden_states": torch.randn(64, 3 * 2 * 14 * 14), "grid_thw": torch.tensor([[1, 8, 8]])}
     with pytest.raises(amxopt.CaptureError, match="Qwen2_5_VisionTransformerPretrainedModel.*adapter must compute"):
         amxopt.optimize(model, inputs, CONFIG)
+    # torch.export printed its partial graph at each failed export: 8 copies of it came before the error
+    assert "def forward" not in capfd.readouterr().err
+
+
+class _Says(nn.Module):
+    def forward(self, x):
+        print("a word from forward", file=sys.stderr)
+        return x * 2
+
+
+def test_what_a_traced_forward_writes_to_stderr_is_kept(capfd):
+    amxopt.optimize(_Says().eval(), (torch.randn(2, 4),), CONFIG)
+    assert "a word from forward" in capfd.readouterr().err
 
 
 def test_misspelt_config_key_is_named():
