@@ -44,7 +44,11 @@ class WanAdapter(Adapter):
                 f"got {getattr(x, 'shape', type(x).__name__)}"
             )
         if any(d % p for d, p in zip(x.shape[2:], self.patch)):
-            raise ValueError(f"{who}: latent {tuple(x.shape[2:])} is not divisible by the patch size {self.patch}")
+            raise ValueError(
+                f"{who}: latent {tuple(x.shape[2:])} is not divisible by the patch size {self.patch} (eager "
+                "drops the remainder and returns a smaller latent than it was given, which a denoising loop cannot "
+                "step; WanPipeline's height and width are multiples of 16)"
+            )
         if not isinstance(text, torch.Tensor) or text.dim() != 3 or text.shape[2] != self.text_dim:
             raise ValueError(
                 f"{who}: encoder_hidden_states must be [B, L, {self.text_dim}], "
