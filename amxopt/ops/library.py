@@ -135,7 +135,7 @@ def _check_pack(weight):
 
 def _check_gemm(op, x_desc, in_features, dtype, packed_weight, bias, out_features, provider):
     """Checks shared by the ops that multiply by a packed weight (``x_desc`` names the operand)."""
-    _check(out_features > 0, op, f"out_features must be positive, got {out_features}")
+    _check(0 < out_features < 2**31, op, f"out_features must be in [1, 2**31), got {out_features}")
     _check(
         dtype == packed_weight.dtype,
         op,

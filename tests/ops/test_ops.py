@@ -589,9 +589,13 @@ def test_varlen_empty_segments(provider):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pack_linear_weight_does_not_mutate_or_alias(provider, dtype):
-    for weight in (torch.randn(6, 10).to(dtype), torch.randn(10, 6).to(dtype).t()):
+    # (the third at an odd element offset: its bf16 pairs are 2-byte aligned only, read as 4-byte
+    # values by the native packing, undefined behaviour that UBSan reported)
+    odd = torch.randn(61).to(dtype)[1:].view(6, 10)
+    for weight in (torch.randn(6, 10).to(dtype), torch.randn(10, 6).to(dtype).t(), odd):
         original = weight.clone()
         packed = pack(weight, provider)
+        assert torch.equal(packed, pack(original, provider))
         assert torch.equal(weight, original)
         assert packed.dtype == dtype
         assert tuple(packed.shape) == tuple(providers.packed_linear_shape(provider, 6, 10, dtype))
@@ -942,7 +946,14 @@ ERROR_CASES_NATIVE_ENTRY = {
         lambda p: ops.rms_norm(_NX, None, float("nan"), p),
         r"amxopt\.rms_norm: eps must be finite and not negative, got nan",
     ),
-    "zero-out-features": (lambda p: _lin(p, out_features=0), r"amxopt\.linear: out_features must be positive, got 0"),
+    "zero-out-features": (
+        lambda p: _lin(p, out_features=0),
+        r"amxopt\.linear: out_features must be in \[1, 2\*\*31\), got 0",
+    ),
+    "huge-out-features": (  # (the native check printed the packed shape it expected, computed with overflow)
+        lambda p: _lin(p, out_features=2**62),
+        r"amxopt\.linear: out_features must be in \[1, 2\*\*31\), got 4611686018427387904",
+    ),
 }
 
 
@@ -1062,6 +1073,13 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params, act):
             ),
             r"amxopt\.conv2d: the kernel's window \(7 with dilation 3\) is larger than x's padded size 5 in dim 3",
         ),
+        (  # a dilation whose window is past int64: the native check wrapped and took it
+            lambda p: ops.conv2d(
+                torch.randn(1, 1, 5, 5), torch.randn(4, 1, 3, 3), None, [1, 1], [0, 0], [2**62, 1], 1, provider=p
+            ),
+            r"amxopt\.conv2d: the kernel's window \([^)]+ with dilation 4611686018427387904\) is larger than x's padded "
+            r"size 5 in dim 2",
+        ),
         (
             lambda p: ops.conv2d(
                 torch.randn(1, 1, 5, 5), torch.randn(4, 1, 1, 1), None, [0, 1], [0, 0], [1, 1], 1, provider=p
@@ -1089,6 +1107,7 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params, act):
         "activation",
         "window",
         "dilated-window",
+        "window-past-int64",
         "stride",
         "no-output-channels",
         "empty-kernel",

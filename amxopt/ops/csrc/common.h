@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <new>
 #include <string>
 #include <vector>
@@ -31,6 +32,16 @@ enum class Act : int { None, Gelu, GeluTanh, Silu };
 // in- or out-features is refused by the shape check; its three dims tell it from the plain [N, K]
 // layout, which odd K (and fp32) keep. The kernels read it flat, through its data pointer.
 constexpr int64_t kNB = 32;
+
+// A 32-bit value (a bf16 pair moved as one) where it may be only 2-byte aligned: a bf16 tensor's
+// view at an odd element offset (`big[1:]`). Dereferencing a uint32_t* there is undefined (UBSan);
+// memcpy compiles to the same unaligned load.
+inline uint32_t load32(const void* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store32(void* p, uint32_t v) { std::memcpy(p, &v, sizeof v); }
 inline std::vector<int64_t> vnni_shape(int64_t n, int64_t k) {
   const int64_t r = (n + kNB - 1) / kNB * kNB - n;
   return {n, k / 2 + (r * (k + 1) + 2 * n - 1) / (2 * n), 2};

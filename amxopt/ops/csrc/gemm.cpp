@@ -540,13 +540,13 @@ at::Tensor pack_vnni(const at::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1), pairs = K / 2;
   auto src = w.contiguous();
   auto out = at::zeros(vnni_shape(N, K), w.options());
-  const uint32_t* s = reinterpret_cast<const uint32_t*>(src.data_ptr<bf16>());
+  const bf16* s = src.data_ptr<bf16>();  // (2-byte aligned only, where w is a view at an odd offset)
   uint32_t* d = reinterpret_cast<uint32_t*>(out.data_ptr<bf16>());
   // A row's k pairs are adjacent in [N, K]: each moves as one uint32 to column n of its block.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       uint32_t* col = d + (n / kNB) * pairs * kNB + (n % kNB);
-      for (int64_t p = 0; p < pairs; ++p) col[p * kNB] = s[n * pairs + p];
+      for (int64_t p = 0; p < pairs; ++p) col[p * kNB] = load32(s + (n * pairs + p) * 2);
     }
   });
   return out;

@@ -127,7 +127,7 @@ std::vector<int64_t> packed_shape(int64_t n, int64_t k, at::ScalarType dtype) {
 // Shared by linear and patch_embed: the packed weight must be the packing of an [N, K] weight.
 at::Tensor check_gemm(const char* op, const std::string& x_desc, int64_t K, at::ScalarType x_dtype,
                       const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t N) {
-  AMX_CHECK(N > 0, op, "out_features must be positive, got ", N);
+  AMX_CHECK(N > 0 && N <= INT32_MAX, op, "out_features must be in [1, 2**31), got ", N);
   AMX_CHECK(x_dtype == packed.scalar_type(), op, x_desc, " is ", dtype_name(x_dtype), " but the packed weight is ",
             dtype_name(packed.scalar_type()), "; cast the input or re-pack");
   const auto expected = packed_shape(N, K, x_dtype);
@@ -255,9 +255,15 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<
     AMX_CHECK(stride[d] > 0 && padding[d] >= 0 && dilation[d] > 0, op,
               "stride and dilation must be positive and padding not negative, got stride ", list(stride.vec()),
               ", padding ", list(padding.vec()), ", dilation ", list(dilation.vec()));
-    const int64_t window = dilation[d] * (w.size(2 + d) - 1) + 1, room = x.size(2 + d) + 2 * padding[d];
-    AMX_CHECK(window <= room, op, "the kernel's window (", window, " with dilation ", dilation[d],
-              ") is larger than x's padded size ", room, " in dim ", 2 + d, " of x ", shape(x.sizes()));
+    // In checked arithmetic: a dilation of 2**62 wrapped, and its window was accepted.
+    int64_t window, room;
+    AMX_CHECK(!__builtin_mul_overflow(padding[d], 2, &room) && !__builtin_add_overflow(room, x.size(2 + d), &room),
+              op, "padding ", list(padding.vec()), " overflows int64 with x ", shape(x.sizes()));
+    const bool huge = __builtin_mul_overflow(dilation[d], w.size(2 + d) - 1, &window) ||
+                      __builtin_add_overflow(window, 1, &window);
+    AMX_CHECK(!huge && window <= room, op, "the kernel's window (", huge ? "past int64" : std::to_string(window),
+              " with dilation ", dilation[d], ") is larger than x's padded size ", room, " in dim ", 2 + d, " of x ",
+              shape(x.sizes()));
   }
   if (bias.has_value())
     AMX_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0) &&

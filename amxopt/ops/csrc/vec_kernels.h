@@ -478,19 +478,18 @@ void transpose32(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t
 #if defined(CPU_CAPABILITY_AVX512)
   at::vec::transpose_mxn<float>(src, lds, dst, ldd, int(rows), int(cols));
 #else
-  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  // (the values may be bf16 pairs only 2-byte aligned: moved by load32 / store32, common.h)
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2)
   for (; i + 8 <= rows; i += 8) {
     int64_t j = 0;
     for (; j + 8 <= cols; j += 8) at::vec::transpose_mxn<float, 8, 8>(src + i * lds + j, lds, dst + j * ldd + i, ldd);
     for (; j < cols; ++j)
-      for (int64_t ii = i; ii < i + 8; ++ii) d[j * ldd + ii] = s[ii * lds + j];
+      for (int64_t ii = i; ii < i + 8; ++ii) store32(dst + j * ldd + ii, load32(src + ii * lds + j));
   }
 #endif
   for (; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) d[j * ldd + i] = s[i * lds + j];
+    for (int64_t j = 0; j < cols; ++j) store32(dst + j * ldd + i, load32(src + i * lds + j));
 #endif
 }
 
