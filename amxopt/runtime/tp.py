@@ -404,6 +404,14 @@ class TPModule(nn.Module):
             if w.exitcode is not None and w.exitcode != 0:
                 raise RuntimeError(f"amxopt: tp rank {rank} exited with code {w.exitcode}{self._error_of(rank)}")
 
+    def _raised_in(self, rank: int, call: int) -> bool:
+        """Whether a live worker's ``call`` raised (it stores the error, then marks the call done)."""
+        try:
+            done = self._store.check([_DONE.format(rank)]) and int(self._store.get(_DONE.format(rank))) == call
+            return done and self._store.check([_ERROR.format(rank)])
+        except Exception:  # noqa: BLE001 - the store may be gone with the failure being reported
+            return False
+
     def _error_of(self, rank: int) -> str:
         try:
             if self._store.check([_ERROR.format(rank)]):
@@ -508,11 +516,12 @@ class TPModule(nn.Module):
         worker may be waiting in a collective of the failed call); the error that says which and how."""
         self._state["in_step"] = False
         time.sleep(0.2)  # let a dying worker's exit code settle
-        failed = [
-            f"rank {r} exited with code {w.exitcode}{self._error_of(r)}"
-            for r, w in enumerate(self._workers, start=1)
-            if not w.is_alive()
-        ]
+        failed = []
+        for r, w in enumerate(self._workers, start=1):
+            if not w.is_alive():
+                failed.append(f"rank {r} exited with code {w.exitcode}{self._error_of(r)}")
+            elif self._raised_in(r, self._state["calls"]):  # raised alone: the others waited in a collective
+                failed.append(f"rank {r} raised in call {self._state['calls']}{self._error_of(r)}")
         self.close()
         detail = "; ".join(failed) if failed else "no rank exited: one hung past tp_timeout_s or failed in the call"
         return RuntimeError(f"amxopt: a tensor-parallel call failed: {detail} ({e})")

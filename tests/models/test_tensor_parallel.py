@@ -509,11 +509,25 @@ class _Blocks(torch.nn.Module):
         return x
 
 
+class _BetweenResidualMLP(torch.nn.Module):
+    """``g + fc2(g)`` with ``g`` computed between the Linears (not fused into the column Linear)."""
+
+    def __init__(self, dim: int = 48) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        g = torch.tanh(self.fc1(x)) * 0.5
+        return g + self.fc2(g)
+
+
 _UNSHARDABLE = {  # block, what the report says of it
     "one kv head": (_MQABlock, "do not reach the attention along its heads dim"),
     "norm across duplicated kv heads": (_NormedKBlock, "kv heads that ranks keep per q head"),
     "LayerNorm across heads": (_LayerNormedKBlock, "a LayerNorm across heads"),
     "residual is the row's input": (_OwnResidualMLP, "adds a sharded residual"),
+    # untested: sharded, every call failed (48 against 24)
+    "residual computed between the Linears": (_BetweenResidualMLP, "adds a sharded residual"),
     "fused gate and up": (_FusedGateUpMLP, "the ops between its Linears are not all elementwise (aten.slice"),
     # untested: sharded, every call failed (48 against 96)
     "replicated operand across the hidden dim": (_GainedMLP, "spans the sharded dim"),
@@ -630,7 +644,7 @@ def test_an_idle_module_and_a_failed_call_leave_it_usable(tmp_path):
             torch.testing.assert_close(a, b)
         with pytest.raises((TypeError, ValueError), match="not_an_argument"):
             sharded(**inputs, not_an_argument=1)
-        with pytest.raises(Exception) as failed:  # passes the checks, fails inside the call on every rank
+        with pytest.raises(Exception) as failed:  # refused by check_inputs, before any rank runs it
             sharded(hidden_states=inputs["hidden_states"][:, :-1], grid_thw=inputs["grid_thw"])
         assert "tensor-parallel call failed" not in str(failed.value)
         for a, b in zip(pytree.tree_leaves(sharded(**inputs)), expected):
@@ -687,6 +701,56 @@ def test_an_argument_that_cannot_be_sent_is_refused_and_the_module_stays_usable(
         sharded.close()
 
 
+@torch.library.custom_op("amxopt_tests::fails_in_a_worker", mutates_args=())
+def _fails_in_a_worker(x: torch.Tensor, parent: int) -> torch.Tensor:
+    if os.getpid() != parent and x.shape[0] == 3:
+        raise MemoryError("out of memory in this worker alone")
+    return x.clone()
+
+
+@_fails_in_a_worker.register_fake
+def _(x, parent):
+    return torch.empty_like(x)
+
+
+class _ScaledBlocks(torch.nn.Module):
+    """Blocks scaled by a call's number (refused alike on every rank where negative), after an op
+    that fails at run time in a worker alone."""
+
+    def __init__(self, parent: int):
+        super().__init__()
+        self.blocks, self.parent = torch.nn.ModuleList([_MLPBlock(), _MLPBlock()]), parent
+
+    def forward(self, x, scale=1.0):
+        if scale < 0:
+            raise ValueError("scale must not be negative")
+        x = torch.ops.amxopt_tests.fails_in_a_worker(x, self.parent)
+        for block in self.blocks:
+            x = block(x) * scale
+        return x
+
+
+def test_every_call_reaches_the_ranks_with_its_own_values_and_a_rank_that_raises_is_named():
+    model = _ScaledBlocks(os.getpid()).eval()
+    sharded = amxopt.optimize(model, (torch.randn(4, 32),), dataclasses.replace(CONFIG, tp=2, tp_timeout_s=3))
+    try:
+        with torch.no_grad():
+            # Same shapes, other values, and a number: the ranks ran the first call's again (1.29 off),
+            # or the number's default (1.12 off), and no test called twice.
+            for seed, kwargs in ((0, {}), (1, {}), (0, {"scale": 2.0}), (2, {})):
+                x = torch.randn(4, 32, generator=torch.Generator().manual_seed(seed))
+                torch.testing.assert_close(sharded(x, **kwargs), model(x, **kwargs))
+            # Refused alike on every rank (past check_inputs: in the capture): the call's own error, still in step.
+            with pytest.raises(amxopt.CaptureError, match="scale must not be negative"):
+                sharded(x, scale=-1.0)
+            torch.testing.assert_close(sharded(x), model(x))
+            # A worker raising alone: rank 0 waits in a collective; the error was "no rank exited".
+            with pytest.raises(RuntimeError, match=r"rank 1 raised in call \d+:(.|\n)*out of memory in this worker"):
+                sharded(torch.randn(3, 32))
+    finally:
+        sharded.close()
+
+
 def test_a_model_that_cannot_be_pickled_is_named_as_such():
     model, x = _Blocks(_MLPBlock(), _MLPBlock()).eval(), torch.randn(4, 32)
     model.blocks[0].register_forward_hook(lambda module, args, out: None)  # a lambda: not picklable
@@ -712,7 +776,10 @@ def test_close_is_idempotent_and_collecting_a_module_leaves_nothing_behind():
     inputs = models.example_inputs("tiny-qwen3-omni-vision", torch.float32)
     cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
     first = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp=2))
+    start = time.monotonic()
     first.close()
+    # stopped by its message, not terminated after a wait (5 s, and exit code -15)
+    assert time.monotonic() - start < 2 and [w.exitcode for w in first._workers] == [0]
     first.close()
     second = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp=2))
     first.close()  # not the group of the module now open
