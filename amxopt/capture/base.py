@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import io
 import logging
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -228,13 +228,47 @@ def _one_shot_trace():
         torch.fx.config.do_not_emit_stack_traces = stack_traces
 
 
+_HOLDING = threading.Lock()  # one trace at a time holds stderr
+
+
+class _HeldStderr:
+    """``sys.stderr`` while a trace runs: what is written is held, then written to the stream it
+    replaced, and from then on passed through (a thread that saved it meanwhile and puts it back
+    later still reaches stderr). Anything else (``fileno``, ``isatty``) is the stream's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self._parts = stream, []
+
+    def write(self, text: str) -> int:
+        if self._parts is None:
+            return self._stream.write(text)
+        self._parts.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._parts is None:
+            self._stream.flush()
+
+    def release(self, drop: str | None) -> None:
+        text, self._parts = "".join(self._parts), None
+        self._stream.write(text.replace(drop, "") if drop else text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 @contextlib.contextmanager
 def _without_partial_graphs():
     """What a trace writes to stderr, without the partial graph torch.export prints there when it
     fails (twice: its wrappers nest). A failed capture tries up to four exports (dynamic and static,
     blocks stamped and not): 8 copies of a 50-line graph came before amxopt's error. The graph is
-    logged at debug level; anything else written to stderr is written as it was, once the trace ends."""
-    stderr, held = sys.stderr, io.StringIO()
+    logged at debug level; anything else written to stderr is written as it was, once the trace ends.
+    Without a stderr (``2>&-``), or while another thread's trace holds it, stderr is left alone."""
+    stream = sys.stderr
+    if stream is None or not _HOLDING.acquire(blocking=False):
+        yield
+        return
+    held, drop = _HeldStderr(stream), None
     sys.stderr = held
     try:
         yield
@@ -242,11 +276,13 @@ def _without_partial_graphs():
         partial = getattr(e, "partial_fx_graph", None)
         if partial is not None:
             logger.debug("amxopt: torch.export's partial graph:\n%s", partial)
-            held = io.StringIO(held.getvalue().replace(f"{partial}\n", ""))
+            drop = f"{partial}\n"
         raise
     finally:
-        sys.stderr = stderr
-        stderr.write(held.getvalue())
+        if sys.stderr is held:  # (not where another thread put its own meanwhile)
+            sys.stderr = stream
+        _HOLDING.release()
+        held.release(drop)
 
 
 def _drop_dtype_asserts(gm: fx.GraphModule) -> None:

@@ -350,6 +350,14 @@ def _scale_value(v: Any) -> Any:
     return tuple(v.detach().flatten().tolist()) if isinstance(v, torch.Tensor) else v
 
 
+class _NotCaptured(RuntimeError, AttributeError):
+    """What exists once a graph is captured (``report``, ``graph_module``), read before: a
+    RuntimeError, which ``hasattr`` and ``getattr(opt, name, default)`` take as absent."""
+
+
+_CAPTURED_ONLY = {"report": "the report", "graph_module": "graph_module"}
+
+
 class OptimizedModule(nn.Module):
     """An amxopt-optimized model: same call signature and output type as the original.
 
@@ -707,6 +715,8 @@ class OptimizedModule(nn.Module):
     def __getattr__(self, name: str) -> Any:
         # Drop-in: what callers read from the original model (dtype, device, config,
         # spatial_merge_size, cache_context, ...) comes from it.
+        if name in _CAPTURED_ONLY:  # its property raised _NotCaptured: that error again, not the source's
+            self._first_graph(_CAPTURED_ONLY[name])
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -764,15 +774,15 @@ class OptimizedModule(nn.Module):
 
     @property
     def report(self) -> Report:
-        return self._first_graph("the report").report
+        return self._first_graph(_CAPTURED_ONLY["report"]).report
 
     @property
     def graph_module(self) -> fx.GraphModule:
-        return self._first_graph("graph_module").captured.gm
+        return self._first_graph(_CAPTURED_ONLY["graph_module"]).captured.gm
 
     def _first_graph(self, reading: str) -> GraphEntry:
         if not self._graphs:
-            raise RuntimeError(
+            raise _NotCaptured(
                 f"amxopt: {self.adapter.model_name} is captured at its first call (optimize() had no example "
                 f"inputs, or the model changed since): call it once, or pass example inputs to optimize(), before "
                 f"reading {reading}"

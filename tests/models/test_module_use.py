@@ -390,6 +390,7 @@ def test_graph_module_is_the_first_graph_and_is_dropped_with_it(tmp_path):
     opt = amxopt.optimize(model, None, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True))
     with pytest.raises(RuntimeError, match=r"_Two is captured at its first call.*before reading graph_module"):
         opt.graph_module
+    assert not hasattr(opt, "graph_module") and getattr(opt, "report", None) is None  # (probes: absent, as before)
     with torch.no_grad():
         opt(x)
     first = opt.graph_module
