@@ -904,7 +904,7 @@ class OptimizedModule(nn.Module):
 
     def _argument(self, path: str) -> str:
         """The caller's name for a graph input or a tensor inside one (``extra[0]``)."""
-        name = re.match(r"\w+", path).group()
+        name = re.match(r"[^[.]*", path).group()  # (up to the path inside it: pytree's `[0]`, `['k']`, `.a`)
         return self.adapter.arguments.get(name, name) + path[len(name) :]
 
     def _check_call(self, graph_inputs: dict) -> None:
