@@ -95,6 +95,10 @@ def _tensor_leaves(graph_inputs: dict) -> dict[str, torch.Tensor]:
     """Each tensor input by its name, one in a tuple, list or dict by its path (``extra[0]``)."""
     leaves = {}
     for name, value in graph_inputs.items():
+        if isinstance(value, (torch.Tensor, int, float, str, type(None))):  # a leaf: no pytree walk (per call)
+            if isinstance(value, torch.Tensor):
+                leaves[name] = value
+            continue
         for path, leaf in pytree.tree_flatten_with_path(value)[0]:
             if isinstance(leaf, torch.Tensor):
                 leaves[name + pytree.keystr(path)] = leaf
