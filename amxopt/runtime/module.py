@@ -906,16 +906,29 @@ class OptimizedModule(nn.Module):
             self._check_source()  # a tensor-parallel module refuses a change here, before any rank runs
             self._graph_calls(args, kwargs)
 
+    def _in_training(self) -> str | None:
+        """The optimized model, or the first of the source's modules, in training mode (``.train()`` on
+        the source or one of its layers reaches it; the graphs would ignore it). Read from the modules'
+        flags the capture noted: a dict lookup per module."""
+        if self.training:
+            return self.adapter.model_name
+        if self._traced is not None and not any(_values(self._traced.attrs, "training")):
+            return None
+        source = self.__dict__["_source"]
+        name = next((name for name, m in source.named_modules() if m.training), None)
+        return name if name is None else f"{self.adapter.model_name}{'.' if name else ''}{name}"
+
     def _argument(self, path: str) -> str:
         """The caller's name for a graph input or a tensor inside one (``extra[0]``)."""
         name = re.match(r"[^[.]*", path).group()  # (up to the path inside it: pytree's `[0]`, `['k']`, `.a`)
         return self.adapter.arguments.get(name, name) + path[len(name) :]
 
     def _check_call(self, graph_inputs: dict) -> None:
-        if self.training:
+        training = self._in_training()
+        if training is not None:
             raise RuntimeError(
-                f"amxopt: {self.adapter.model_name} is in training mode (.train() was called after optimize), and "
-                "its graphs compute inference (no dropout, no gradients): call .eval() on it"
+                f"amxopt: {training} is in training mode (.train() was called after optimize), and "
+                f"{self.adapter.model_name}'s graphs compute inference (no dropout, no gradients): call .eval() on it"
             )
         refused = self.__dict__.get("_refused_dtypes", {}).get(_floating_dtypes(graph_inputs))
         if refused is not None:

@@ -343,3 +343,24 @@ def test_a_part_in_training_mode_is_refused_at_optimize_and_at_a_call_after_trai
         pipe.text_encoder(torch.randn(3, 8))
     with torch.no_grad():
         assert pipe.text_encoder.eval()(torch.randn(3, 8)).shape == (3, 8)
+
+
+def test_train_on_the_source_or_one_of_its_layers_is_refused_as_on_the_optimized_model():
+    # The source's flags were not read: eager dropped activations (1.13 off) while the graph ran inference.
+    source = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8)).eval()
+    opt = amxopt.optimize(source, {"input": torch.randn(3, 8)}, dataclasses.replace(CONFIG, keep_source=True))
+    for train, refused in [
+        (source, "Sequential"),
+        (source[1], r"Sequential\.1"),
+        (getattr(opt, "1"), r"Sequential\.1"),
+    ]:
+        train.train()
+        with torch.no_grad(), pytest.raises(RuntimeError, match=rf"{refused} is in training mode.*call \.eval\(\)"):
+            opt(torch.randn(3, 8))
+        source.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x := torch.randn(3, 8)), source(x))
+    source[1].train()  # before the first capture too
+    fresh = amxopt.optimize(source, config=dataclasses.replace(CONFIG, keep_source=True))
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"Sequential\.1 is in training mode"):
+        fresh(torch.randn(3, 8))
