@@ -31,7 +31,11 @@ _DROPOUTS = (
 
 
 def _is_identity_dropout(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in _DROPOUTS and (not arg(node, 2, "train") or arg(node, 1, "p") == 0)
+    return (
+        node.op == "call_function"
+        and node.target in _DROPOUTS
+        and (not arg(node, 2, "train") or arg(node, 1, "p") == 0)
+    )
 
 
 def remove_dropout(gm: fx.GraphModule, config: AmxConfig) -> PassResult:

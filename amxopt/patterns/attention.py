@@ -68,6 +68,7 @@ def _sdpa_refusal(match: Match) -> str | None:
         return "q/k/v are not [B, H, S, D]"
     if dtype_of(match["q"]) not in DTYPES:
         return f"dtype {dtype_of(match['q'])} has no kernel"
+
     # Sizes equal in the example: separate dynamic inputs get separate symbols, and a later call
     # where they differ is refused by the op's own checks (k/v alike, bounds in range), never wrong.
     def same(a, b) -> bool:

@@ -243,6 +243,8 @@ class _Traced:
       eager call asks for hidden states, idle otherwise);
     - attention processors, which diffusers keeps as plain attributes (``set_attn_processor``);
     - forwards replaced on an instance (diffusers' hooks, e.g. ``enable_cache``; accelerate's);
+    - its modules' training flags: ``.train()`` on one since is refused at the call (a layer added
+      since, in training mode as built, is a new module: captured again);
     - the parameters, buffers and submodules of its modules, by identity: code that writes a module's
       ``_parameters`` or ``_modules`` directly (accelerate's ``set_module_tensor_to_device``, torch.ao's
       ``quantize_dynamic(inplace=True)``) bypasses the registration hooks.
@@ -265,13 +267,21 @@ class _Traced:
         self.forwards = _values(self.attrs, "forward")
         self.with_processor = [d for d in self.attrs if "processor" in d]
         self.processors = _values(self.with_processor, "processor")
+        self.training = _values(self.attrs, "training")
+
+    def trained(self, source: nn.Module) -> list[str]:
+        """The paths of the source's modules in eval mode at the capture and in training mode now."""
+        if _values(self.attrs, "training") == self.training:
+            return []
+        was_eval = {id(d) for d, training in zip(self.attrs, self.training, strict=True) if not training}
+        return [path for path, m in source.named_modules() if m.training and id(m.__dict__) in was_eval]
 
     def settle(self) -> None:
         """Take the parameters, buffers and submodules as they are now as the captured ones."""
         self.held = _held(self.members)
 
     def changed(self, source: nn.Module) -> bool:
-        if _values(self.attrs, "forward") != self.forwards:
+        if _values(self.attrs, "forward") != self.forwards or _values(self.attrs, "training") != self.training:
             return True
         held = _held(self.members)
         if len(held) != len(self.held) or not all(map(operator.is_, held, self.held)):
@@ -400,6 +410,10 @@ class OptimizedModule(nn.Module):
         # register the source model's weights as part of this module's state. Set after this
         # module's own attributes: from here on, a name the source has is assigned on the source.
         self.__dict__["_source"] = model
+        # The source's own parameters and buffers (Wan's ``scale_shift_table``) are this module's:
+        # named_modules lists this module in the source's place, so a walk from here or from a parent
+        # (``pipe.transformer.parameters()``, an EMA's, a count's) reads them from these dicts.
+        self.__dict__["_parameters"], self.__dict__["_buffers"] = model._parameters, model._buffers
         self.train(model.training)
         self._watch_loads(model)
         self.register_load_state_dict_post_hook(OptimizedModule._skip_graph_keys)
@@ -589,8 +603,12 @@ class OptimizedModule(nn.Module):
                 )
         if any(p._version != v or p.data_ptr() != d or ref.expired() for p, v, d, ref in self._packed_versions):
             self._drop_graphs()
-        elif self._traced is not None and self._traced.changed(self.__dict__["_source"]):
-            self._drop_graphs()
+        elif self._traced is not None:
+            trained = self._traced.trained(self.__dict__["_source"])
+            if trained:  # .train() on the source or a layer of it, which the optimized module's flag does not see
+                self._refuse_training(f"{self.adapter.model_name}{'.' if trained[0] else ''}{trained[0]}")
+            if self._traced.changed(self.__dict__["_source"]):
+                self._drop_graphs()
 
     def _check_adapters(self) -> None:
         """Capture again when a peft adapter's state changed since the graphs were captured (they hold
@@ -753,7 +771,7 @@ class OptimizedModule(nn.Module):
         source = self.__dict__.get("_source")
         if source is None or name in self.__dict__ or hasattr(type(self), name):
             return False
-        if name in self._modules or name in self._parameters or name in self._buffers:
+        if name in self._modules:  # (its parameters and buffers are the source's own)
             return False
         return any(name in d for d in (source.__dict__, source._modules, source._parameters, source._buffers))
 
@@ -906,17 +924,11 @@ class OptimizedModule(nn.Module):
             self._check_source()  # a tensor-parallel module refuses a change here, before any rank runs
             self._graph_calls(args, kwargs)
 
-    def _in_training(self) -> str | None:
-        """The optimized model, or the first of the source's modules, in training mode (``.train()`` on
-        the source or one of its layers reaches it; the graphs would ignore it). Read from the modules'
-        flags the capture noted: a dict lookup per module."""
-        if self.training:
-            return self.adapter.model_name
-        if self._traced is not None and not any(_values(self._traced.attrs, "training")):
-            return None
-        source = self.__dict__["_source"]
-        name = next((name for name, m in source.named_modules() if m.training), None)
-        return name if name is None else f"{self.adapter.model_name}{'.' if name else ''}{name}"
+    def _refuse_training(self, where: str) -> None:
+        raise RuntimeError(
+            f"amxopt: {where} is in training mode (.train() was called after optimize), and "
+            f"{self.adapter.model_name}'s graphs compute inference (no dropout, no gradients): call .eval() on it"
+        )
 
     def _argument(self, path: str) -> str:
         """The caller's name for a graph input or a tensor inside one (``extra[0]``)."""
@@ -924,12 +936,8 @@ class OptimizedModule(nn.Module):
         return self.adapter.arguments.get(name, name) + path[len(name) :]
 
     def _check_call(self, graph_inputs: dict) -> None:
-        training = self._in_training()
-        if training is not None:
-            raise RuntimeError(
-                f"amxopt: {training} is in training mode (.train() was called after optimize), and "
-                f"{self.adapter.model_name}'s graphs compute inference (no dropout, no gradients): call .eval() on it"
-            )
+        if self.training:
+            self._refuse_training(self.adapter.model_name)
         refused = self.__dict__.get("_refused_dtypes", {}).get(_floating_dtypes(graph_inputs))
         if refused is not None:
             raise TypeError(refused)

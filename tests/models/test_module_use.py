@@ -161,6 +161,19 @@ def test_a_module_or_weight_assigned_in_the_source_is_used_by_the_next_call(tmp_
     assert max_abs_error(_run(opt, inputs), _run(model, inputs)) == 0.0
 
 
+def test_the_source_models_own_parameters_are_listed_from_the_optimized_module_and_from_a_parent(tmp_path):
+    # Wan's root scale_shift_table was missing from opt.parameters() and from a pipeline's walk.
+    model, inputs = _wan(0)
+    names = dict(model.named_parameters())
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    _run(opt, inputs)
+    assert "scale_shift_table" in names and dict(opt.named_parameters()).items() >= names.items()
+    parent = torch.nn.ModuleDict({"transformer": opt})
+    assert parent.get_parameter("transformer.scale_shift_table") is model.scale_shift_table
+    assert {f"transformer.{k}" for k in names} <= dict(parent.named_parameters()).keys()
+    assert dict(opt.named_parameters(recurse=False)) == dict(model.named_parameters(recurse=False))
+
+
 def test_a_module_or_weight_assigned_on_the_optimized_module_goes_to_the_source(tmp_path):
     # As attribute reads are forwarded to the source, so are writes of what it owns: kept on the
     # optimized module, a new proj_out was read back but never run (2.1 off in a Wan pipeline).

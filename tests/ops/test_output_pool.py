@@ -162,9 +162,7 @@ _SETUP = (
     "f = lambda: torch.ops.amxopt.linear(x, packed, None, 'none', 8448)\n"
 )
 _HOLD_TWO = _SETUP + (
-    "a, b = f(), f()\n"
-    "del a, b\n"
-    "assert native.output_pool_bytes() == {expected}, native.output_pool_bytes()\n"
+    "a, b = f(), f()\ndel a, b\nassert native.output_pool_bytes() == {expected}, native.output_pool_bytes()\n"
 )
 
 
