@@ -582,9 +582,11 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         else:
             tensors[name] = t.detach().contiguous()
             entries[name] = {"packed": False, "shape": list(t.shape), "dtype": _NAMES[t.dtype]}
-    graphs, skipped = [], None
+    graphs, skipped = [], _not_rebuilt(source)
     module = opt.adapter.export_module(source)
     try:
+        if skipped is not None:
+            raise graph_store.GraphStoreError(skipped)
         for i, graph in enumerate(opt._graphs):
             entry, extra = graph_store.dump(graph, module, for_cache=False, live=False)
             entry["attrs"] = {
@@ -632,6 +634,38 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
     with replacing(directory / MANIFEST) as staged:
         staged.write_text(json.dumps(manifest, indent=1, default=str))
     return directory
+
+
+def _not_rebuilt(source: nn.Module) -> str | None:
+    """What the source's graphs traced that :func:`load`'s rebuild from its class and config lacks:
+    forward hooks, forwards replaced on an instance, modules of another class or with other settings
+    (a layer replaced, an attention processor set, an attribute written). A graph restored there
+    would compute it and one captured there again would not: one loaded model, two functions."""
+    from amxopt.capture import repeated
+    from amxopt.runtime.module import _forward_replaced, _some
+
+    hooked = [path or "the model" for path in repeated.hooked(source, recorders=False) if path != "*"]
+    if hooked:
+        return f"forward hooks on {_some(hooked)}, which load() does not rebuild"
+    replaced = [name or "the model" for name, m in source.named_modules() if _forward_replaced(m)]
+    if replaced:
+        return f"forwards replaced on {_some(replaced)}, which load() does not rebuild"
+    cls = type(source)
+    rebuilt = _build_empty(cls, _config_from_dict(cls, _config_dict(source)), _model_dtype(source))
+    try:
+        ours, built = _structure(source), _structure(rebuilt)
+    except Exception as e:  # noqa: BLE001 - an attribute that cannot be described (as for the graph cache)
+        return f"its modules' settings cannot be compared with what load() builds ({type(e).__name__}: {e})"
+    differ = [path or "the model" for path in dict.fromkeys([*ours, *built]) if ours.get(path) != built.get(path)]
+    if differ:
+        return f"{_some(differ)} differ from what {cls.__name__} builds from its config, as load() does"
+    return None
+
+
+def _structure(model: nn.Module) -> dict[str, list]:
+    """Each module's class, training flag and settings (:func:`graph_store._settings`), by path."""
+    settings = graph_store._settings(model)
+    return {path: [f"{type(m).__module__}.{type(m).__qualname__}", settings[path]] for path, m in model.named_modules()}
 
 
 def _tie_as_saved(model: nn.Module, entries: dict) -> None:

@@ -680,3 +680,31 @@ def test_graphs_of_another_config_are_captured_again_and_damaged_ones_named(tmp_
     (a / loading.MANIFEST).write_text(json.dumps(manifest))
     with torch.no_grad(), pytest.raises(amxopt.CheckpointError, match=r"saved graph 0 cannot be restored: damaged"):
         amxopt.load(a, RELEASE)(**inputs)
+
+
+def _double(module, args, out):
+    return out * 2
+
+
+@pytest.mark.parametrize("change", ["hook", "layer"])
+def test_graphs_that_traced_what_load_does_not_rebuild_are_not_saved(tmp_path, change, caplog):
+    # A hook's doubling was saved in the graph and restored for the saved shapes, while a new batch
+    # size was captured on the rebuilt, hook-less model: one loaded model, two functions (0.92 off).
+    inputs = models.example_inputs("tiny-wan", torch.float32)
+    plain = models.build_model("tiny-wan", torch.float32)
+    _optimized_and_called(models.build_model("tiny-wan", torch.float32), inputs).save(tmp_path / "plain")
+    assert json.loads((tmp_path / "plain" / loading.MANIFEST).read_text())["graphs"]  # a rebuild is alike
+    model = models.build_model("tiny-wan", torch.float32)
+    if change == "hook":
+        model.blocks[0].ffn.net[2].register_forward_hook(_double)
+    else:
+        model.blocks[0].ffn.net[1] = torch.nn.SiLU()  # (GELU as built)
+    _optimized_and_called(model, inputs).save(tmp_path / change)
+    manifest = json.loads((tmp_path / change / loading.MANIFEST).read_text())
+    where = "forward hooks on blocks.0.ffn.net.2" if change == "hook" else "blocks.0.ffn.net.1 differ from what"
+    assert not manifest["graphs"] and where in manifest["graphs_not_saved"] and "load() captures again" in caplog.text
+    loaded = amxopt.load(tmp_path / change, RELEASE)
+    twice = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    with torch.no_grad():
+        for call in (inputs, twice):  # as the class builds it, whatever the shape
+            torch.testing.assert_close(loaded(**call).sample, plain(**call).sample)
