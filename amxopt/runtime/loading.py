@@ -339,13 +339,7 @@ def from_pretrained(
 
     path = pathlib.Path(path)
     config = config or AmxConfig()
-    _refuse_tp("amxopt.from_pretrained", config)
-    if config.keep_source:
-        raise ValueError(
-            "amxopt.from_pretrained packs the weights as it reads them and keeps no unpacked copy, so "
-            "AmxConfig(keep_source=True) cannot hold: load the model with its own from_pretrained and pass it to "
-            "amxopt.optimize with that config"
-        )
+    _refuse_options("amxopt.from_pretrained", config)
     _check_directory(cls, path)
     dtypes = torch_dtype.values() if isinstance(torch_dtype, dict) else [torch_dtype]
     if not dtypes or any(not (isinstance(d, torch.dtype) and d.is_floating_point) for d in dtypes):
@@ -688,12 +682,18 @@ def _tie_as_saved(model: nn.Module, entries: dict) -> None:
             first[id(p)] = name
 
 
-def _refuse_tp(what: str, config: AmxConfig) -> None:
-    """Before anything is read: tensor parallelism slices the source weights, which these pack whole."""
+def _refuse_options(what: str, config: AmxConfig) -> None:
+    """Before anything is read: tensor parallelism slices the source weights, which these pack whole,
+    and they keep no unpacked copy for ``keep_source``."""
     if config.tp != 1:
         raise ValueError(
             f"{what}: tensor parallelism (tp={config.tp!r}) slices the source weights, and this packs them whole "
             "as it reads them: load the model with its own from_pretrained and pass it to amxopt.optimize with tp"
+        )
+    if config.keep_source:
+        raise ValueError(
+            f"{what} reads the weights packed and keeps no unpacked copy, so AmxConfig(keep_source=True) cannot "
+            "hold: load the model with its own from_pretrained and pass it to amxopt.optimize with that config"
         )
 
 
@@ -703,7 +703,7 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
 
     directory = pathlib.Path(directory)
     config = config or AmxConfig()
-    _refuse_tp("amxopt.load", config)
+    _refuse_options("amxopt.load", config)
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -727,7 +727,13 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
         ) from None
     model = _build_empty(cls, _config_from_dict(cls, manifest["config"]), _DTYPES[manifest["dtype"]])
     for name, dtype in manifest.get("buffer_dtypes", {}).items():
-        buffer = model.get_buffer(name)
+        try:
+            buffer = model.get_buffer(name)
+        except AttributeError:
+            raise CheckpointError(
+                f"amxopt: {directory}: the manifest gives a dtype for buffer {name!r}, which {cls_name} built from "
+                "its config does not have (saved with another version of its library?)"
+            ) from None
         if buffer.dtype != _DTYPES[dtype]:
             _set(model, name, buffer.to(_DTYPES[dtype]))
     tensors = mmap_safetensors(weights)

@@ -138,10 +138,13 @@ def test_load_under_max_tier_says_the_cap_holds_it(checkpoint, tmp_path):
         amxopt.load(artifact, config)
 
 
-def test_load_refuses_tensor_parallelism_before_reading(tmp_path):
+def test_load_refuses_tensor_parallelism_and_keep_source_before_reading(tmp_path):
     # (an empty directory: the refusal comes before the manifest is read)
     with pytest.raises(ValueError, match=r"amxopt.load: tensor parallelism \(tp='env'\) slices the source weights"):
         amxopt.load(tmp_path, dataclasses.replace(RELEASE, tp="env"))
+    # It was accepted, and the errors it led to advised keep_source=True.
+    with pytest.raises(ValueError, match=r"amxopt.load reads the weights packed and keeps no unpacked copy"):
+        amxopt.load(tmp_path, dataclasses.replace(RELEASE, keep_source=True))
 
 
 def test_load_refuses_truncated_or_incomplete_artifacts(artifact):
@@ -193,10 +196,21 @@ def _graph_without_output(directory):
         (lambda d: {"graphs": {"0": {}}}, r"field 'graphs' is \{'0': \{\}\}, not a list"),
         (lambda d: {"dtype": "F33"}, r"its dtype, tensor or graph entries are not amxopt's"),
         (lambda d: {"class": "transformers.NoSuchModel"}, r"class 'transformers.NoSuchModel' is not found"),
+        # A buffer another version of the library named otherwise: a raw AttributeError.
+        (lambda d: {"buffer_dtypes": {"nope": "F32"}}, r"dtype for buffer 'nope', which Qwen3VLVisionModel built"),
         # A graph without its output node was restored, and every call returned None.
         (_graph_without_output, r"saved graph 0 cannot be restored: stored graph has 0 output node\(s\)"),
     ],
-    ids=["packed-renamed", "entry-unpacked", "no-file-bytes", "graphs-dict", "dtype", "class", "no-output-node"],
+    ids=[
+        "packed-renamed",
+        "entry-unpacked",
+        "no-file-bytes",
+        "graphs-dict",
+        "dtype",
+        "class",
+        "buffer",
+        "no-output-node",
+    ],
 )
 def test_a_damaged_manifest_is_a_checkpoint_error_naming_what(tmp_path, edit, message):
     inputs = models.example_inputs("tiny-qwen3-vl-vision")
