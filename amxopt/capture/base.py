@@ -13,6 +13,7 @@ import inspect
 import logging
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -199,7 +200,13 @@ def _export(module, model, adapter, graph_inputs, shapes, stamp_blocks) -> tuple
     note = ""
     if stacks:
         try:
-            with adapter.tracing(model), repeated.tracing(module, stacks), torch.no_grad(), _one_shot_trace():
+            with (
+                adapter.tracing(model),
+                repeated.tracing(module, stacks),
+                torch.no_grad(),
+                _one_shot_trace(),
+                _keywords_named(module, graph_inputs),
+            ):
                 ep = torch.export.export(module, (), dict(graph_inputs), dynamic_shapes=shapes, strict=False)
             gm = ep.module()
             repeated.stamp(gm, stacks)
@@ -207,9 +214,42 @@ def _export(module, model, adapter, graph_inputs, shapes, stamp_blocks) -> tuple
         except Exception as e:  # noqa: BLE001 - whatever stopped stamping, a full trace may still work
             note = f"blocks traced one by one: {_first_line(e)}"
             logger.info("amxopt: stamping the blocks of %s failed (%s); tracing every block", adapter.model_name, e)
-    with adapter.tracing(model), torch.no_grad(), _one_shot_trace():
+    with adapter.tracing(model), torch.no_grad(), _one_shot_trace(), _keywords_named(module, graph_inputs):
         ep = torch.export.export(module, (), dict(graph_inputs), dynamic_shapes=shapes, strict=False)
     return ep, ep.module(), note
+
+
+@contextlib.contextmanager
+def _keywords_named(module: nn.Module, graph_inputs: dict[str, Any]) -> Iterator[None]:
+    """While exporting: ``module.forward`` with the inputs its ``**kwargs`` takes as parameters of
+    their own. torch.export keys dynamic_shapes by the signature's parameters, and then matches them
+    against the inputs with the extra keywords at the top (torch 2.13): the dynamic export of every
+    call with an extra keyword failed (CLIP's ``output_hidden_states=True``), so each batch size got
+    a static graph of its own. The graph is the same: the inputs are passed as they were."""
+    forward = module.forward
+    params = inspect.signature(forward).parameters
+    keyword = inspect.Parameter.VAR_KEYWORD
+    extra = [k for k in graph_inputs if k not in params or params[k].kind is keyword]
+    if not extra or not any(p.kind is keyword for p in params.values()):
+        yield
+        return
+
+    def named(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    named.__signature__ = inspect.Signature(
+        [p for p in params.values() if p.kind is not keyword]
+        + [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in extra]
+    )
+    own = module.__dict__.get("forward")  # a forward replaced on the instance, which ``forward`` calls
+    module.forward = named
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
 
 
 @contextlib.contextmanager

@@ -29,3 +29,32 @@ def test_export_settings_apply_while_it_traces_and_are_restored_after(stamp, mon
     assert (torch.fx.config.do_not_emit_stack_traces, torch._dynamo.config.fake_tensor_cache_enabled) == before
     # No node carries the model's Python stack (export's own runtime-assert pass still stamps a few).
     assert not any("modeling_" in n.meta.get("stack_trace", "") for n in captured.gm.graph.nodes)
+
+
+class _Keywords(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x, **kwargs):
+        return self.fc(x) * (2.0 if kwargs.get("double") else 1.0) + kwargs.get("shift", 0)
+
+
+def test_a_call_with_an_extra_keyword_exports_dynamic_and_the_forward_is_restored():
+    # torch.export keyed dynamic_shapes by forward's parameters and then matched them against the
+    # extra keywords at the top: every dynamic export failed (CLIP's output_hidden_states=True), each
+    # batch size got a static graph, and the ninth was refused.
+    model = _Keywords().eval()
+    own = model.forward
+    model.forward = lambda *a, **k: own(*a, **k)  # replaced on the instance: kept after the export
+    replaced = model.forward
+    inputs = {"x": torch.randn(3, 16), "double": True, "shift": torch.randn(3, 16)}
+    adapter, graph_inputs = prepare(model, inputs)
+    captured = export(model, adapter, graph_inputs, True)
+    assert captured.dynamic and not captured.note, captured.note
+    assert model.forward is replaced and type(model).forward is _Keywords.forward
+    for rows in (3, 5):
+        other = {**graph_inputs, "x": torch.randn(rows, 16), "shift": torch.randn(rows, 16)}
+        captured.check(other)
+        with torch.no_grad():
+            torch.testing.assert_close(captured.gm(**other), model(**other))
