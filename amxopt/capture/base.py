@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -157,7 +158,8 @@ def export(
     for dyn in attempts:
         shapes = adapter.dynamic_shapes(graph_inputs) if dyn else None
         try:
-            ep, gm, stamp_note = _export(module, model, adapter, graph_inputs, shapes, stamp_blocks)
+            with _EXPORTING:
+                ep, gm, stamp_note = _export(module, model, adapter, graph_inputs, shapes, stamp_blocks)
         except Exception as e:  # noqa: BLE001 - export raises many types; all mean "not captured"
             errors.append(f"{'dynamic' if dyn else 'static'}: {type(e).__name__}: {_first_line(e)}")
             logger.info("amxopt: %s export of %s failed: %s", "dynamic" if dyn else "static", adapter.model_name, e)
@@ -268,7 +270,21 @@ def _one_shot_trace():
         torch.fx.config.do_not_emit_stack_traces = stack_traces
 
 
+# One export at a time in a process: torch.export's state (its patcher, module hierarchy, fx
+# settings) and amxopt's stamping (repeated._TRACING) are process-wide. Two threads exporting two
+# models at once (captures in process) failed with torch's errors, which named the model.
+_EXPORTING = threading.RLock()
 _HOLDING = threading.Lock()  # one trace at a time holds stderr
+
+
+def _fresh_locks() -> None:
+    """In a forked child (amxopt's capture process): a lock another thread of the parent held at the
+    fork would be held for good."""
+    global _EXPORTING, _HOLDING
+    _EXPORTING, _HOLDING = threading.RLock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_locks)
 
 
 class _HeldStderr:
@@ -277,21 +293,23 @@ class _HeldStderr:
     later still reaches stderr). Anything else (``fileno``, ``isatty``) is the stream's."""
 
     def __init__(self, stream: Any) -> None:
-        self._stream, self._parts = stream, []
+        self._stream, self._parts, self._order = stream, [], threading.Lock()
 
     def write(self, text: str) -> int:
-        if self._parts is None:
-            return self._stream.write(text)
-        self._parts.append(text)
-        return len(text)
+        with self._order:  # (a write racing release() is held and written by it, or comes after it)
+            if self._parts is not None:
+                self._parts.append(text)
+                return len(text)
+        return self._stream.write(text)
 
     def flush(self) -> None:
         if self._parts is None:
             self._stream.flush()
 
     def release(self, drop: str | None) -> None:
-        text, self._parts = "".join(self._parts), None
-        self._stream.write(text.replace(drop, "") if drop else text)
+        with self._order:
+            text, self._parts = "".join(self._parts), None
+            self._stream.write(text.replace(drop, "") if drop else text)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -319,10 +337,10 @@ def _without_partial_graphs():
             drop = f"{partial}\n"
         raise
     finally:
+        held.release(drop)  # before stderr is the stream again: what was held comes first
         if sys.stderr is held:  # (not where another thread put its own meanwhile)
             sys.stderr = stream
         _HOLDING.release()
-        held.release(drop)
 
 
 def _drop_dtype_asserts(gm: fx.GraphModule) -> None:

@@ -601,14 +601,28 @@ class OptimizedModule(nn.Module):
                     f"packed {dtype} values. Change the model before amxopt.optimize (load new weights into a "
                     "fresh one, or cast it), or optimize with AmxConfig(keep_source=True)"
                 )
+        if self._changed():
+            # Seen again under the capture lock: what another thread's capture does to the source while
+            # it holds the lock (stand-ins while it exports in process, its weights released before it
+            # settles them) is not a change, and dropping its graph under it failed the capture.
+            with self._lock():
+                if self._changed():
+                    self._drop_graphs()
+
+    def _changed(self) -> bool:
+        """Whether the source changed since the capture in what no hook sees; raises for ``.train()``."""
         if any(p._version != v or p.data_ptr() != d or ref.expired() for p, v, d, ref in self._packed_versions):
-            self._drop_graphs()
-        elif self._traced is not None:
-            trained = self._traced.trained(self.__dict__["_source"])
-            if trained:  # .train() on the source or a layer of it, which the optimized module's flag does not see
-                self._refuse_training(f"{self.adapter.model_name}{'.' if trained[0] else ''}{trained[0]}")
-            if self._traced.changed(self.__dict__["_source"]):
-                self._drop_graphs()
+            return True
+        traced = self._traced
+        if traced is None:
+            return False
+        trained = traced.trained(self.__dict__["_source"])
+        if trained:  # .train() on the source or a layer of it, which the optimized module's flag does not see
+            self._refuse_training(f"{self.adapter.model_name}{'.' if trained[0] else ''}{trained[0]}")
+        return traced.changed(self.__dict__["_source"])
+
+    def _lock(self) -> threading.RLock:
+        return _CAPTURING.setdefault(self, threading.RLock())
 
     def _check_adapters(self) -> None:
         """Capture again when a peft adapter's state changed since the graphs were captured (they hold
@@ -628,8 +642,12 @@ class OptimizedModule(nn.Module):
 
     @property
     def _graphs(self) -> list[GraphEntry]:
-        while self._pending:
-            self._add(self._pending.pop(0)())
+        if self._pending:
+            # Under the capture lock: a second thread's first call after load() found nothing pending
+            # and no graph while the first restored it, and captured again.
+            with self._lock():
+                while self._pending:
+                    self._add(self._pending.pop(0)())
         return self._entries
 
     def defer(self, restore: Callable[[], GraphEntry]) -> None:
@@ -855,7 +873,7 @@ class OptimizedModule(nn.Module):
             for graph_inputs in parts:
                 graph = next((g for g in self._graphs if _accepts(g, graph_inputs)), None)
                 if graph is None:
-                    with _CAPTURING.setdefault(self, threading.RLock()):
+                    with self._lock():
                         graph = self._capture_for(graph_inputs)
                     if graph is None:
                         return self._run_eagerly(args, kwargs)

@@ -1,0 +1,131 @@
+"""One optimized model called from several threads, and models captured in several threads at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import torch
+from torch import nn
+
+import amxopt
+from amxopt import models
+from amxopt.runtime import graph_store, module, weights
+from tests.helpers import CONFIG
+
+# Native ops and released weights, as a serving process runs them; captured in this process.
+SERVING = dataclasses.replace(CONFIG, provider="auto", keep_source=False, graph_cache=False, isolate_capture=False)
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64)).to(torch.bfloat16).eval()
+
+
+def _in_threads(*calls) -> list:
+    """Each call in a thread of its own; their results (or what they raised), in order."""
+    results: list = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            with torch.no_grad():
+                results[i] = calls[i]()
+        except Exception as e:  # noqa: BLE001 - returned for the test to show
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def _counting_captures(monkeypatch) -> list:
+    captures: list = []
+    build = module.build_graph
+
+    def counting(*args, **kwargs):
+        captures.append(threading.get_ident())
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(module, "build_graph", counting)
+    return captures
+
+
+def test_a_call_while_the_first_call_releases_the_weights_keeps_its_graph(monkeypatch):
+    # The second call saw the weights amxopt was releasing as a change to the source and dropped the
+    # graph under the first call, which then failed ('NoneType' object has no attribute 'settle').
+    captures, releasing, go_on = _counting_captures(monkeypatch), threading.Event(), threading.Event()
+    trim = weights._return_freed_heap
+
+    def slow_trim() -> None:  # (in the release, after the weights were swapped for placeholders)
+        releasing.set()
+        go_on.wait(30)
+        trim()
+
+    monkeypatch.setattr(weights, "_return_freed_heap", slow_trim)
+    source = _mlp()
+    with torch.no_grad():
+        want = source(x := torch.randn(2, 64, dtype=torch.bfloat16))
+    opt = amxopt.optimize(source, config=SERVING)
+    threading.Timer(0.5, go_on.set).start()  # the second call is under way by then
+
+    def second():
+        assert releasing.wait(60)
+        return opt.check_inputs(x) or opt(x)
+
+    first, second = _in_threads(lambda: opt(x), second)
+    assert isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor), (first, second)
+    torch.testing.assert_close(first, want, atol=0.05, rtol=0.05)
+    assert torch.equal(first, second) and len(captures) == 1 and len(opt.graphs) == 1
+
+
+def test_first_calls_of_a_loaded_model_from_two_threads_restore_its_graph_once(tmp_path, monkeypatch):
+    # One thread restored the saved graph while the other found nothing pending and no graph yet,
+    # and captured again (a full capture, where load() promises none).
+    name = "tiny-qwen3-vl-vision"
+    inputs = models.example_inputs(name, torch.bfloat16)
+    opt = amxopt.optimize(models.build_model(name, torch.bfloat16), inputs, SERVING)
+    with torch.no_grad():
+        want = opt(**inputs).pooler_output
+    opt.save(tmp_path)
+    captures, restore = _counting_captures(monkeypatch), graph_store.restore
+
+    def slow_restore(*args, **kwargs):
+        time.sleep(0.3)
+        return restore(*args, **kwargs)
+
+    monkeypatch.setattr(graph_store, "restore", slow_restore)
+    loaded = amxopt.load(tmp_path, SERVING)
+    outputs = _in_threads(*[lambda: loaded(**inputs).pooler_output] * 2)
+    assert all(isinstance(o, torch.Tensor) and torch.equal(o, want) for o in outputs), outputs
+    assert not captures and len(loaded.graphs) == 1
+
+
+def test_models_captured_in_two_threads_export_one_at_a_time(monkeypatch):
+    # torch.export's state is process-wide: two exports at once failed ("CURRENT_PATCHER is None"),
+    # blamed on the model.
+    export, running, most = torch.export.export, [0], [0]
+
+    def one_at_a_time(*args, **kwargs):
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        try:
+            time.sleep(0.2)  # (long enough for the other thread to start its own)
+            return export(*args, **kwargs)
+        finally:
+            running[0] -= 1
+
+    monkeypatch.setattr(torch.export, "export", one_at_a_time)
+    sources = [_mlp(seed) for seed in (0, 1)]
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    opts = [amxopt.optimize(s, config=SERVING) for s in sources]
+    with torch.no_grad():
+        wants = [s(x) for s in sources]
+    outputs = _in_threads(*[lambda o=o: o(x) for o in opts])
+    assert most[0] == 1
+    for got, want in zip(outputs, wants, strict=True):
+        assert isinstance(got, torch.Tensor), got
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
