@@ -177,6 +177,18 @@ class _PerHeadAngle(nn.Module):
         return F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), scale=0.25)
 
 
+class _WrittenBetween(nn.Module):
+    """q's input written in place after its rotary read it: the fused attention would read it after."""
+
+    def forward(self, q, k, v, freqs):
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        q0 = q * 1.0
+        q, k = _rotate(q0, cos, sin), _rotate(k, cos, sin)
+        q0.mul_(3.0)
+        return F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), scale=0.25)
+
+
 def _r(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -191,8 +203,10 @@ def _r(*shape, seed=0):
          "are not the same tokens (not a self-attention)"),
         (_PerHeadAngle(), {"q": _r(6, 2, 16), "k": _r(6, 2, 16, seed=1), "v": _r(6, 2, 16, seed=2),
                            "freqs": _r(6, 2, 8)}, "is not one angle per token for every head"),
+        (_WrittenBetween(), {"q": _r(6, 2, 16), "k": _r(6, 2, 16, seed=1), "v": _r(6, 2, 16, seed=2),
+                             "freqs": _r(6, 8)}, "writes a tensor in place between them"),
     ],
-    ids=["shifted-slices-of-one-table", "cross-attention", "angle-per-head"],
+    ids=["shifted-slices-of-one-table", "cross-attention", "angle-per-head", "written-between"],
 )  # fmt: skip
 def test_fuse_rotary_leaves_pairs_it_cannot_take_with_the_reason(model, inputs, reason):
     # Each survived a mutation of its check (stop 50): k rotated by q's angles (2.0 off), or a crash.

@@ -375,10 +375,12 @@ class _ModulateAnother(nn.Module):
          "not provably into the last dim's halves"),
         (_ModulateTwoDims(), {"x": torch.randn(2, 5, 8).bfloat16(), "scale": torch.randn(1, 1, 8),
                               "shift": torch.randn(1, 1, 8)}, "normalizes over [5, 8]"),
+        (_ModulateTwoDims(), {"x": torch.randn(2, 8, 8).bfloat16(), "scale": torch.randn(1, 1, 8),
+                              "shift": torch.randn(1, 1, 8)}, "normalizes over [8, 8]"),
         (_ModulateAnother(), {"x": torch.randn(2, 5, 8).bfloat16(), "z": torch.randn(2, 5, 8),
                               "scale": torch.randn(1, 1, 8), "shift": torch.randn(1, 1, 8)}, None),
     ],
-    ids=["rotary-split-off-centre", "modulate-two-dims", "modulate-another"],
+    ids=["rotary-split-off-centre", "modulate-two-dims", "modulate-two-square-dims", "modulate-another"],
 )  # fmt: skip
 def test_a_glue_look_alike_is_left_or_rewritten_to_the_same_result(module, inputs, reason):
     # Each survived a mutation that dropped its check (helper review, stop 48): a wrong result, untested.

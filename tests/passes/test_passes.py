@@ -260,6 +260,26 @@ def test_a_write_in_place_inside_a_match_keeps_the_later_ops_out_of_it():
     assert_same(gm, gi, model)
 
 
+class _ResidualInFp32(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8).to(torch.bfloat16)
+
+    def forward(self, x, r):
+        return self.fc(x) + r
+
+
+def test_a_residual_of_another_dtype_is_left_as_an_add_and_the_linear_still_replaced():
+    # Without the dtype check, the op refused the fused form and the Linear was left on ATen (helper review).
+    module = _ResidualInFp32().eval()
+    inputs = {"x": torch.randn(2, 8, dtype=torch.bfloat16), "r": torch.randn(2, 8)}
+    gm, gi = captured(module, inputs, dynamic=False)
+    assert replace_linear(gm, CONFIG).modified
+    linears = [n for n in gm.graph.nodes if n.target == amx.linear.default]
+    assert len(linears) == 1 and "residual" not in linears[0].kwargs and count(gm, aten.add.Tensor) == 1
+    assert_same(gm, gi, module)
+
+
 def test_replace_linear_without_fuse_residual_keeps_the_adds():
     model = ResidualBlock().eval()
     gm, gi = captured(model, {"x": torch.randn(3, 5, 16)})
@@ -829,8 +849,11 @@ _BF = torch.bfloat16
         (_NormOfAnother(), {"x": torch.randn(2, 5, 8).to(_BF), "z": torch.randn(2, 5, 8)}, replace_norms, None),
         (_NormOfComputed(), {"x": torch.randn(2, 5, 8)}, replace_norms, None),
         (_NormOfRounded(), {"x": torch.randn(2, 5, 64)}, replace_norms, None),
+        # square: the last dim's size is the first normalized one's, and only the count tells them apart
+        (nn.LayerNorm((8, 8), elementwise_affine=False), {"input": torch.randn(2, 8, 8)}, replace_norms,
+         "normalizes over [8, 8]"),
     ],
-    ids=["sdpa-dropout", "conv-dilation", "norm-of-another", "norm-of-computed", "norm-of-rounded"],
+    ids=["sdpa-dropout", "conv-dilation", "norm-of-another", "norm-of-computed", "norm-of-rounded", "norm-two-dims"],
 )  # fmt: skip
 def test_a_look_alike_is_left_or_rewritten_to_the_same_result(module, inputs, rewrite, reason):
     # Each survived a mutation that dropped its check (helper review, stop 48): a wrong result, untested.
