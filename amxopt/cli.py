@@ -190,10 +190,13 @@ def _cmd_profile(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="amxopt", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what amxopt does")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what amxopt does; tracebacks of errors")
+    # -v after the command too (as its errors' hint suggests); SUPPRESS: a command without it keeps the parser's
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("passes", help="list DEFAULT_PASSES in order").set_defaults(fn=_cmd_passes)
-    info = sub.add_parser("info", help="CPU features and kernel providers")
+    sub.add_parser("passes", help="list DEFAULT_PASSES in order", parents=[verbose]).set_defaults(fn=_cmd_passes)
+    info = sub.add_parser("info", help="CPU features and kernel providers", parents=[verbose])
     info.add_argument("--tp", type=int, default=0, help="also print the cores each of N tp ranks would bind")
     info.add_argument("--threads", type=int, default=0, help="work items for N threads (default: torch's count)")
     info.set_defaults(fn=_cmd_info)
@@ -202,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         ("check", _cmd_check, "equivalence"),
         ("profile", _cmd_profile, "time per op of the optimized model's call"),
     ):
-        p = sub.add_parser(name, help=text)
+        p = sub.add_parser(name, help=text, parents=[verbose])
         p.add_argument(
             "model",
             help="a zoo name (see amxopt.models.ZOO), e.g. tiny-qwen3-vl-vision; "
@@ -241,10 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tp {args.tp} --rank {args.rank}: --tp is a rank count >= 2, --rank one of its ranks")
     if args.command == "dump" and args.out and pathlib.Path(args.out).exists() and not pathlib.Path(args.out).is_dir():
         parser.error(f"--out {args.out}: a file is there, not a directory")
-    if args.command == "profile" and args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}: at least 1")
-    if args.command == "profile" and args.json and not pathlib.Path(args.json).resolve().parent.is_dir():
-        parser.error(f"--json {args.json}: its directory does not exist")
+    if args.command == "profile":
+        check_run_options(parser, args.repeats, args.json)
     if args.command == "info" and not (0 <= args.threads <= _MAX_COUNT and 0 <= args.tp <= _MAX_COUNT):
         parser.error(f"--threads {args.threads} --tp {args.tp}: counts from 0 to {_MAX_COUNT}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -252,15 +253,23 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except (ValueError, TypeError, RuntimeError, KeyError, MemoryError, OSError) as e:  # they say what is wrong
         if args.verbose:
-            raise
+            traceback.print_exc()
+            return 2
         message = str(e.args[0] if isinstance(e, KeyError) and e.args else e)  # str(KeyError) quotes it
         print(f"amxopt {args.command}: {message.removeprefix('amxopt: ')}\n(-v shows the traceback)", file=sys.stderr)
         return 2
     except Exception:  # a bug (in a factory, say): its traceback, and exit 2 as an error, not 1 (check: outputs off)
-        if args.verbose:
-            raise
         traceback.print_exc()
         return 2
+
+
+def check_run_options(parser: argparse.ArgumentParser, repeats: int, json: str | None, flag: str = "--repeats") -> None:
+    """Refuse, before anything runs, a run count below 1 and a --json file in no directory (the
+    profile command and the benches: a run ended in a StatisticsError, or lost its results at the end)."""
+    if repeats < 1:
+        parser.error(f"{flag} {repeats}: at least 1")
+    if json and not pathlib.Path(json).resolve().parent.is_dir():
+        parser.error(f"--json {json}: its directory does not exist")
 
 
 _MAX_COUNT = 1 << 16  # --threads, --tp: a thread or rank count, past any machine's
@@ -272,8 +281,8 @@ def _parse_size(text: str):
         parts = [float(p) if "." in p else int(p) for p in text.split(",")]
     except ValueError:
         raise ValueError("sizes are positive numbers, separated by commas") from None
-    if any(p <= 0 for p in parts):
-        raise ValueError("sizes must be positive")
+    if any(not 0 < p < math.inf for p in parts):  # (1e400 reads as inf)
+        raise ValueError("sizes must be positive and finite")
     return parts[0] if len(parts) == 1 else tuple(parts)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import runpy
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -141,8 +144,11 @@ def test_dump_of_any_model_from_a_factory(tmp_path, capsys):
 def test_dump_of_a_bad_factory_says_what_is_wrong(spec, error, capsys):
     assert cli.main(["dump", spec, "--dtype", "fp32"]) == 2
     assert error in capsys.readouterr().err
-    with pytest.raises(ValueError, match=error):  # -v: the traceback
-        cli.main(["-v", "dump", spec, "--dtype", "fp32"])
+    # -v, before or after the command: the traceback, and still exit 2 (1 is a check that failed)
+    for verbose in (["-v", "dump", spec], ["dump", spec, "-v"]):
+        assert cli.main([*verbose, "--dtype", "fp32"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback (most recent call last)" in err and "ValueError: amxopt: " in err and error in err
 
 
 @pytest.mark.parametrize(
@@ -150,6 +156,7 @@ def test_dump_of_a_bad_factory_says_what_is_wrong(spec, error, capsys):
     [
         (["--size", "abc"], "sizes are positive numbers"),
         (["--size", "-64"], "sizes must be positive"),
+        (["--size", "1.e400"], "sizes must be positive and finite"),
         (["--tp", "2", "--rank", "5"], "--rank 5 is not a rank of --tp 2"),
         (["--tp", "0"], "--tp is a rank count >= 2"),
         (["--rank", "1"], "--tp is a rank count >= 2"),
@@ -332,3 +339,22 @@ def test_dump_of_a_tp_shard_shows_the_collectives(tmp_path, capsys):
     after = (tmp_path / f"{index:02d}_shard_tensor_parallel.after.txt").read_text()
     assert after.count("_c10d_functional.all_reduce") == 6  # 3 blocks x (attention, MLP)
     assert "tensor parallel (tp 3, rank 2): 6 attention/MLP units sharded" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "tool, args, error",
+    [
+        ("bench_ops", ["--repeats", "0"], "--repeats 0: at least 1"),
+        ("bench_ops", ["--json", "/no/such/dir/x.json"], "its directory does not exist"),
+        ("bench_models", ["--repeats", "0"], "--repeats 0: at least 1"),
+        ("bench_tp", ["--repeat", "0"], "--repeat 0: at least 1"),
+        ("bench_load", ["--models", "nosuch"], "--models: unknown ['nosuch']"),
+    ],
+)
+def test_the_benches_refuse_bad_options_before_they_run(tool, args, error, monkeypatch, capsys):
+    # They ended in a StatisticsError or KeyError traceback, or lost every result at the end (--json).
+    path = pathlib.Path(__file__).parents[1] / "tools" / f"{tool}.py"
+    monkeypatch.setattr(sys, "argv", [str(path), *args])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(path), run_name="__main__")
+    assert exit_.value.code == 2 and error in capsys.readouterr().err

@@ -171,8 +171,12 @@ def main() -> None:
     import torch
 
     from amxopt import models
+    from amxopt.cli import check_run_options
     from amxopt.ops import native
 
+    check_run_options(parser, args.repeats, args.json)
+    if unknown := [n for n in args.models.split(",") if n not in models.ZOO]:
+        parser.error(f"--models: unknown {unknown}; known: {list(models.ZOO)}")
     native.refuse_software_tiles("bench_load")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {native.cpu_model()}, tier {native.active_tier()}"

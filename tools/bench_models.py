@@ -44,6 +44,7 @@ import torch
 
 import amxopt
 from amxopt import models, pipelines
+from amxopt.cli import check_run_options
 from amxopt.ops import native
 from amxopt.ops.providers import available_providers
 from amxopt.passes import DEFAULT_PASSES
@@ -352,10 +353,7 @@ def main() -> int:
         parser.error("--size / --config: name one zoo model with --models")
     if unknown := [n for n in args.models.split(",") if n not in models.ZOO and n not in E2E]:
         parser.error(f"--models: unknown {unknown}; known: {[*models.ZOO, *E2E]}")
-    if args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}: at least 1")
-    if args.json and not pathlib.Path(args.json).resolve().parent.is_dir():
-        parser.error(f"--json {args.json}: its directory does not exist")
+    check_run_options(parser, args.repeats, args.json)
     if config or args.size:
         _check_model_options(parser, args.models, args.size, config)
     if args.pinned_schedules and native.active_tier() != "amx":

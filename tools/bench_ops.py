@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import amxopt  # noqa: F401 - registers torch.ops.amxopt
+from amxopt.cli import check_run_options
 from amxopt.ops import native
 from amxopt.ops.providers import available_providers
 
@@ -331,6 +332,7 @@ def main() -> None:
         "so that each call reads its weight from memory as in a real model",
     )
     args = parser.parse_args()
+    check_run_options(parser, args.repeats, args.json)
     native.refuse_software_tiles("bench_ops")
 
     providers = variants()

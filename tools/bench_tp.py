@@ -101,7 +101,12 @@ def main() -> None:
 
     import amxopt
     from amxopt import models
+    from amxopt.cli import check_run_options
     from amxopt.ops import native
+
+    check_run_options(parser, args.repeat, None, "--repeat")
+    if args.model not in models.ZOO:
+        parser.error(f"--model: unknown {args.model!r}; known: {list(models.ZOO)}")
 
     native.refuse_software_tiles("bench_tp")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

@@ -327,6 +327,15 @@ def is_constant(node: Any) -> bool:
     )
 
 
+def not_constant(node: Any, what: str) -> str | None:
+    """Why ``node`` (an op's ``what``) is no tensor fixed at load time, for a report; None if it is one."""
+    if is_constant(node):
+        return None
+    if isinstance(node, fx.Node) and node.op == "placeholder":
+        return f"{what} is an input of the call, not a constant"
+    return f"{what} is computed in the graph, not a constant"
+
+
 _aten = torch.ops.aten
 _CONST_OPS = {
     _aten.view.default,

@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from amxopt.ops import reference
 from amxopt.passes import _autotune
-from amxopt.passes._graph import dtype_of, is_constant, op_name, released_source, val
+from amxopt.passes._graph import dtype_of, not_constant, op_name, released_source, val
 from amxopt.patterns import (
     ACTIVATION_RULES,
     DTYPES,
@@ -48,8 +48,8 @@ def _expand(v, dims: int) -> list:
 
 def _weight_refusal(match: Match) -> str | None:
     x, w = match["x"], match["weight"]
-    if not is_constant(w):
-        return "weight is computed in the graph, not a constant"
+    if (refusal := not_constant(w, "weight")) is not None:
+        return refusal
     if dtype_of(x) not in DTYPES or dtype_of(w) != dtype_of(x):
         return f"dtypes x={dtype_of(x)} weight={dtype_of(w)} have no kernel"
     return None

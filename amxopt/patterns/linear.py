@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from amxopt.ops import reference
 from amxopt.passes import _autotune
-from amxopt.passes._graph import dtype_of, is_constant, released_source, val
+from amxopt.passes._graph import dtype_of, not_constant, released_source, val
 from amxopt.patterns import (
     ACTIVATION_RULES,
     DTYPES,
@@ -75,8 +75,8 @@ def _residual_applies(match: Match, config) -> bool:
 
 def _refusal(match: Match) -> str | None:
     x, w, b = match["x"], match["weight"], match["bias"]
-    if not is_constant(w):
-        return "weight is computed in the graph, not a constant"
+    if (refusal := not_constant(w, "weight")) is not None:
+        return refusal
     if dtype_of(x) not in DTYPES or dtype_of(w) != dtype_of(x):
         return f"dtypes x={dtype_of(x)} weight={dtype_of(w)} have no kernel (need equal fp32 or bf16)"
     if b is not None and dtype_of(b) not in DTYPES:

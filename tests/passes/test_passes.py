@@ -328,7 +328,18 @@ def test_replace_linear_leaves_computed_weight():
     gm, _ = captured(DynamicWeight().eval(), {"x": torch.randn(2, 8), "scale": torch.randn(8, 8)})
     assert not run(replace_linear, gm)
     assert count(gm, aten.linear.default) == 1
-    assert "not a constant" in left_reasons(gm, aten.linear.default)[0]
+    assert "weight is computed in the graph, not a constant" in left_reasons(gm, aten.linear.default)[0]
+
+
+class InputWeight(nn.Module):
+    def forward(self, x, w):
+        return F.linear(x, w)
+
+
+def test_replace_linear_names_a_weight_that_is_an_input_of_the_call():
+    gm, _ = captured(InputWeight().eval(), {"x": torch.randn(2, 8), "w": torch.randn(8, 8)})
+    assert not run(replace_linear, gm)
+    assert left_reasons(gm, aten.linear.default) == ["weight is an input of the call, not a constant"]
 
 
 def test_replace_linear_leaves_unsupported_dtype():
