@@ -18,7 +18,13 @@ from amxopt.config import AmxConfig
 from amxopt.ops import AmxOpError, packed
 from amxopt.ops.providers import resolve
 from amxopt.runtime import OptimizedModule, Report, build_graph, tp
-from amxopt.runtime.components import ComponentsReport, has_towers, is_pipeline, optimize_components
+from amxopt.runtime.components import (
+    ComponentsReport,
+    has_towers,
+    is_pipeline,
+    optimize_components,
+    warn_if_decoder,
+)
 from amxopt.runtime.loading import CheckpointError, from_pretrained, load
 
 __all__ = [
@@ -98,6 +104,7 @@ def optimize(model: Any, example_inputs: Any = None, config: AmxConfig | None = 
                 "call optimize() without example inputs"
             )
         return optimize_components(model, config, given)
+    warn_if_decoder(model)
     if example_inputs is None:
         return OptimizedModule(model, find_adapter(model)(model), None, config)
     # Captured as the module runs (OptimizedModule): in its own dtype, whatever autocast the caller

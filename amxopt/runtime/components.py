@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,8 @@ from amxopt.capture import Adapter, find_adapter
 from amxopt.config import AmxConfig
 from amxopt.runtime import weights
 from amxopt.runtime.module import OptimizedModule
+
+logger = logging.getLogger(__name__)
 
 # Pipeline components optimized through the generic passes (plus the Wan adapter for transformers).
 PIPELINE_COMPONENTS = ("transformer", "transformer_2", "text_encoder", "image_encoder")
@@ -154,12 +157,30 @@ def _left_reason(name: str, module: nn.Module, pipeline: bool = False) -> str:
     )
 
 
+def warn_if_decoder(model: Any) -> None:
+    """Say so when a text decoder with no tower amxopt supports is to be captured whole: its
+    ``generate()``, read through the optimized module, calls the model's own forward as eager
+    PyTorch, and nothing said so (Qwen2.5-VL's whole model generated eagerly, with no graph)."""
+    if isinstance(model, nn.Module) and callable(getattr(model, "generate", None)) and _decodes(model):
+        logger.warning(
+            "amxopt: %s decodes text with a KV cache, and amxopt supports no tower in it: only a call of the "
+            "optimized module runs a captured graph; its generate() runs the model's own forward as eager PyTorch "
+            "(%s). Optimize a supported encoder (the Qwen3-VL / Qwen3-Omni towers, Wan's transformer), or a whole "
+            "model of those families",
+            type(model).__name__,
+            _LANGUAGE_MODEL.removeprefix("language model: "),
+        )
+
+
 def _decodes(module: nn.Module) -> bool:
-    """A text decoder: its forward takes a KV cache (a CLIP text encoder's does not)."""
+    """A text decoder: its forward takes a KV cache (a CLIP text encoder's does not): ``past_key_values``,
+    or, from transformers 5.2x, ``cache`` (a ``Cache``)."""
     try:
-        return "past_key_values" in inspect.signature(module.forward).parameters
+        params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return False
+    cache = params.get("cache")
+    return "past_key_values" in params or (cache is not None and "Cache" in str(cache.annotation))
 
 
 def _optimize_pipeline(pipe: Any, part: Callable) -> ComponentsReport:

@@ -363,3 +363,20 @@ def test_train_on_the_source_or_one_of_its_layers_is_refused_as_on_the_optimized
     source[2] = nn.Linear(8, 8)  # a new layer, in training mode as built: captured again, not refused
     with torch.no_grad():
         torch.testing.assert_close(opt(x := torch.randn(3, 8)), source(x))
+
+
+def test_a_text_decoder_with_no_supported_tower_is_told_to_run_generate_eagerly(caplog):
+    # Qwen2.5-VL's whole model was wrapped whole: its generate() ran eagerly, and nothing said so.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=64,
+    )  # fmt: skip
+    opt = amxopt.optimize(Qwen2ForCausalLM(config).eval(), config=CONFIG)
+    assert "Qwen2ForCausalLM decodes text with a KV cache" in caplog.text
+    assert "generate() runs the model's own forward as eager PyTorch" in caplog.text
+    assert isinstance(opt, amxopt.OptimizedModule)
+    caplog.clear()
+    amxopt.optimize(nn.Sequential(nn.Linear(8, 8)).eval(), config=CONFIG)
+    assert "decodes text" not in caplog.text
