@@ -123,7 +123,9 @@ def _known(cond) -> bool:
 
 def _same_value(a, b, depth: int = 4) -> bool:
     """``a`` and ``b`` are one value: the same node, or the same deterministic, non-mutating op on the
-    same values (Wan's rotary rules slice cos / sin for q and for k apart)."""
+    same values, with no tensor written in place between them (Wan's rotary rules slice cos / sin
+    for q and for k apart; ``e.view(-1).mul_(2)`` between two ``e.cos()`` made them two angles, and
+    export reads ``e`` through the same node before and after the write)."""
     if a is b:
         return True
     if isinstance(a, fx.Node) != isinstance(b, fx.Node) or isinstance(a, torch.Tensor):
@@ -131,6 +133,8 @@ def _same_value(a, b, depth: int = 4) -> bool:
     if not isinstance(a, fx.Node):
         return type(a) is type(b) and a == b
     if depth == 0 or a.op != "call_function" or a.target != b.target or a.kwargs != b.kwargs:
+        return False
+    if written_inside([min(a, b)], max(a, b)) is not None:
         return False
     op = a.target
     if (

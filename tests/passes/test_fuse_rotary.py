@@ -218,3 +218,134 @@ def test_fuse_rotary_leaves_pairs_it_cannot_take_with_the_reason(model, inputs, 
     gm.recompile()
     with torch.no_grad():
         torch.testing.assert_close(gm(**gi), model(**inputs))
+
+
+def _turn(x, cos, sin):  # (split at the computed half: provably the halves in a dynamic graph too)
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
+
+
+def _attend(q, k, v):
+    return F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), scale=0.25)
+
+
+class _TableWrittenThroughAView(nn.Module):
+    """The angle table scaled in place through a view between q's cos / sin and k's: export reads it
+    through one node before and after, so the two cos(e) looked like one value (k got q's angles)."""
+
+    def forward(self, q, k, v, freqs):
+        e = torch.cat((freqs, freqs), -1)[:, None].clone()
+        cq, sq = e.cos(), e.sin()
+        e.view(-1).mul_(2.0)
+        return _attend(_turn(q, cq, sq), _turn(k, e.cos(), e.sin()), v)
+
+
+class _TableSliceAssigned(nn.Module):
+    def forward(self, q, k, v, freqs):
+        e = torch.cat((freqs, freqs), -1)[:, None].clone()
+        cq, sq = e.cos(), e.sin()
+        e[:, :, 4:8] = 0.0
+        return _attend(_turn(q, cq, sq), _turn(k, e.cos(), e.sin()), v)
+
+
+class _TwoWritesAlike(nn.Module):
+    """Two views of one table, each written in place by the same op: k's angles are q's + 1."""
+
+    def forward(self, q, k, v, freqs):
+        e = torch.cat((freqs, freqs), -1)[:, None].clone()
+        a = e[:].add_(1.0)
+        cq, sq = a.cos(), a.sin()
+        b = e[:].add_(1.0)
+        return _attend(_turn(q, cq, sq), _turn(k, b.cos(), b.sin()), v)
+
+
+class _RandomAngles(nn.Module):
+    """q and k rotated by two draws of torch.rand: the same op on the same arguments, two values."""
+
+    def forward(self, q, k, v, freqs):
+        aq, ak = (torch.rand(q.shape[0], 1, q.shape[2]) * 6 for _ in range(2))
+        return _attend(_turn(q, aq.cos(), aq.sin()), _turn(k, ak.cos(), ak.sin()), v)
+
+
+class _HeadsFirstRegrouped(nn.Module):
+    """q, k given [H, T, D], rotated in a token-major view, regrouped by a view eager takes on the
+    transposed layout."""
+
+    def forward(self, q, k, v, freqs):
+        h, t, d = q.shape
+        e = torch.cat((freqs, freqs), -1)[:, None]
+        q, k = (_turn(x.transpose(0, 1), e.cos(), e.sin()).transpose(0, 1).view(t, h, d) for x in (q, k))
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v[None], scale=0.25)
+
+
+class _AcrossHeads(nn.Module):
+    """[T, H, D] rotated per token, then attention across the heads (T == H: the sizes cannot tell)."""
+
+    def forward(self, q, k, v, freqs):
+        e = torch.cat((freqs, freqs), -1)[:, None]
+        q, k = _turn(q, e.cos(), e.sin()), _turn(k, e.cos(), e.sin())
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=0.25)
+
+
+class _HeadsMerged(nn.Module):
+    """Rotary on [T, 2, 16], attention on one head of 32."""
+
+    def forward(self, q, k, v, freqs):
+        e = torch.cat((freqs, freqs), -1)[:, None]
+        q, k = (_turn(x, e.cos(), e.sin()).view(x.shape[0], 1, 32) for x in (q, k))
+        return _attend(q, k, v)
+
+
+class _OneAngle(nn.Module):
+    """cos [D]: one angle for every token."""
+
+    def forward(self, q, k, v, freqs):
+        e = torch.cat((freqs[0], freqs[0]), -1)
+        return _attend(_turn(q, e.cos(), e.sin()), _turn(k, e.cos(), e.sin()), v)
+
+
+class _MergedSizeRead(nn.Module):
+    """q, k, v of one qkv [B, S, 3, H, D], flattened to [B*S, H, D] and that size read for the output."""
+
+    def forward(self, qkv, freqs):
+        q, k, v = qkv.unbind(2)
+        e = torch.cat((freqs, freqs), -1)[:, None]
+        q, k = _turn(q, e.cos(), e.sin()), _turn(k, e.cos(), e.sin())
+        qf, kf, vf = (t.flatten(0, 1) for t in (q, k, v))
+        n = qf.shape[0]
+        return _attend(qf, kf, vf).transpose(1, 2).reshape(n, -1) * n
+
+
+_QKV = {"q": _r(6, 2, 16), "k": _r(6, 2, 16, seed=1), "v": _r(6, 2, 16, seed=2), "freqs": _r(6, 8, seed=3)}
+
+
+@pytest.mark.parametrize(
+    "model, inputs, dynamic, reason",
+    [
+        (_TableWrittenThroughAView(), _QKV, False, "q and k are rotated by different cos / sin"),
+        (_TableWrittenThroughAView(), _QKV, True, "q and k are rotated by different cos / sin"),
+        (_TableSliceAssigned(), _QKV, False, "q and k are rotated by different cos / sin"),
+        (_TwoWritesAlike(), _QKV, False, "q and k are rotated by different cos / sin"),
+        (_RandomAngles(), _QKV, False, "q and k are rotated by different cos / sin"),
+        (_HeadsFirstRegrouped(), {**_QKV, **{n: _r(2, 6, 16, seed=i) for i, n in enumerate("qkv")}}, False,
+         "laid out otherwise than export saw it"),
+        (_AcrossHeads(), {**{n: _r(4, 4, 16, seed=i) for i, n in enumerate("qkv")}, "freqs": _r(4, 8)}, False,
+         "the attention reads q in another order"),
+        (_HeadsMerged(), {**_QKV, "v": _r(6, 1, 32, seed=2)}, False, "is not the rotary's input"),
+        (_OneAngle(), _QKV, False, "is not one angle per token"),
+        (_MergedSizeRead(), {"qkv": _r(2, 6, 3, 2, 16), "freqs": _r(6, 8, seed=3)}, True, "a size read from a view"),
+    ],
+    ids=["table-view-write", "table-view-write-dynamic", "table-slice-assigned", "two-writes-alike", "random-angles",
+         "heads-first-regrouped", "across-heads", "heads-merged", "one-angle", "merged-size-read"],
+)  # fmt: skip
+def test_fuse_rotary_leaves_what_its_checks_guard_and_matches_eager(model, inputs, dynamic, reason):
+    # A helper's review: each was fused wrongly (1.0-2.1 off) or crashed the pass with its check
+    # removed; the table writes (the first four) were fused wrongly by the code itself.
+    gm, gi = _rewrite(model.eval(), inputs, NATIVE, dynamic=dynamic)
+    assert not fuse_rotary(gm, NATIVE).modified
+    reasons = [n.meta[LEFT] for n in gm.graph.nodes if LEFT in n.meta]
+    assert any(reason in r for r in reasons), reasons
+    gm.recompile()
+    if not isinstance(model, _RandomAngles):
+        with torch.no_grad():
+            torch.testing.assert_close(gm(**gi), model(**inputs))
