@@ -614,12 +614,12 @@ class OptimizedModule(nn.Module):
         if any(p._version != v or p.data_ptr() != d or ref.expired() for p, v, d, ref in self._packed_versions):
             return True
         traced = self._traced
-        if traced is None:
+        if traced is None or not traced.changed(self.__dict__["_source"]):
             return False
         trained = traced.trained(self.__dict__["_source"])
         if trained:  # .train() on the source or a layer of it, which the optimized module's flag does not see
             self._refuse_training(f"{self.adapter.model_name}{'.' if trained[0] else ''}{trained[0]}")
-        return traced.changed(self.__dict__["_source"])
+        return True
 
     def _lock(self) -> threading.RLock:
         return _CAPTURING.setdefault(self, threading.RLock())
