@@ -553,6 +553,14 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
             f"amxopt: {type(source).__name__} has not been captured yet (optimize() had no example inputs): "
             "call it once before save(), so that its weights are packed"
         )
+    cls = type(source)
+    config_values = _config_dict(source)
+    rebuilt = _build_empty(cls, _config_from_dict(cls, config_values), _model_dtype(source))
+    if unbuilt := sorted(set(_expected(source)) - set(_expected(rebuilt))):
+        raise RuntimeError(
+            f"amxopt: save: {cls.__name__} holds {', '.join(unbuilt[:5])}, which it does not build from its config: "
+            "load() could not read the artifact back (a parameter or buffer added after the model was built)"
+        )
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # Weights some graph reads unpacked (a node autotune kept on ATen) are stored plain too, even
@@ -576,7 +584,7 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         else:
             tensors[name] = t.detach().contiguous()
             entries[name] = {"packed": False, "shape": list(t.shape), "dtype": _NAMES[t.dtype]}
-    graphs, skipped = [], _not_rebuilt(source)
+    graphs, skipped = [], _not_rebuilt(source, rebuilt)
     module = opt.adapter.export_module(source)
     try:
         if skipped is not None:
@@ -595,7 +603,6 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         logger.warning(
             "amxopt: save: the rewritten graph of %s is not saved (%s); load() captures again", type(source).__name__, e
         )
-    cls = type(source)
     config_values = _config_dict(source)
     config_hash = _digest(config_values)
     for entry in graphs:  # the model each graph was captured from: a graph is restored only onto it
@@ -630,11 +637,13 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
     return directory
 
 
-def _not_rebuilt(source: nn.Module) -> str | None:
-    """What the source's graphs traced that :func:`load`'s rebuild from its class and config lacks:
-    forward hooks, forwards replaced on an instance, modules of another class or with other settings
-    (a layer replaced, an attention processor set, an attribute written). A graph restored there
-    would compute it and one captured there again would not: one loaded model, two functions."""
+def _not_rebuilt(source: nn.Module, rebuilt: nn.Module) -> str | None:
+    """What the source's graphs traced that :func:`load`'s rebuild from its class and config
+    (``rebuilt``) lacks: forward hooks, forwards replaced on an instance, modules of another class,
+    training mode or attention processor (a layer replaced, ``set_attn_processor``). A graph restored
+    there would compute it and one captured there again would not: one loaded model, two functions.
+    (Plain attributes are not compared: a pipeline call leaves diffusers' empty hook registry on the
+    model, and a model cast after it was built keeps another ``config.dtype``.)"""
     from amxopt.capture import repeated
     from amxopt.runtime.module import _forward_replaced, _some
 
@@ -644,22 +653,25 @@ def _not_rebuilt(source: nn.Module) -> str | None:
     replaced = [name or "the model" for name, m in source.named_modules() if _forward_replaced(m)]
     if replaced:
         return f"forwards replaced on {_some(replaced)}, which load() does not rebuild"
-    cls = type(source)
-    rebuilt = _build_empty(cls, _config_from_dict(cls, _config_dict(source)), _model_dtype(source))
-    try:
-        ours, built = _structure(source), _structure(rebuilt)
-    except Exception as e:  # noqa: BLE001 - an attribute that cannot be described (as for the graph cache)
-        return f"its modules' settings cannot be compared with what load() builds ({type(e).__name__}: {e})"
+    ours, built = _structure(source), _structure(rebuilt)
     differ = [path or "the model" for path in dict.fromkeys([*ours, *built]) if ours.get(path) != built.get(path)]
     if differ:
-        return f"{_some(differ)} differ from what {cls.__name__} builds from its config, as load() does"
+        return (
+            f"{_some(differ)}: another module class, training mode or attention processor than "
+            f"{type(source).__name__} builds from its config (as load() does)"
+        )
     return None
 
 
-def _structure(model: nn.Module) -> dict[str, list]:
-    """Each module's class, training flag and settings (:func:`graph_store._settings`), by path."""
-    settings = graph_store._settings(model)
-    return {path: [f"{type(m).__module__}.{type(m).__qualname__}", settings[path]] for path, m in model.named_modules()}
+def _structure(model: nn.Module) -> dict[str, tuple]:
+    """Each module's class, training flag and attention processor's class, by path."""
+    return {
+        path: (_class_name(m), m.training, _class_name(vars(m).get("processor"))) for path, m in model.named_modules()
+    }
+
+
+def _class_name(obj: Any) -> str | None:
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _tie_as_saved(model: nn.Module, entries: dict) -> None:

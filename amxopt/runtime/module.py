@@ -269,13 +269,6 @@ class _Traced:
         self.processors = _values(self.with_processor, "processor")
         self.training = _values(self.attrs, "training")
 
-    def trained(self, source: nn.Module) -> list[str]:
-        """The paths of the source's modules in eval mode at the capture and in training mode now."""
-        if _values(self.attrs, "training") == self.training:
-            return []
-        was_eval = {id(d) for d, training in zip(self.attrs, self.training, strict=True) if not training}
-        return [path for path, m in source.named_modules() if m.training and id(m.__dict__) in was_eval]
-
     def settle(self) -> None:
         """Take the parameters, buffers and submodules as they are now as the captured ones."""
         self.held = _held(self.members)
@@ -410,6 +403,8 @@ class OptimizedModule(nn.Module):
         # register the source model's weights as part of this module's state. Set after this
         # module's own attributes: from here on, a name the source has is assigned on the source.
         self.__dict__["_source"] = model
+        # The modules in eval mode now (and at each capture): see _refuse_trained.
+        self.__dict__["_eval_modules"] = weakref.WeakSet(m for m in model.modules() if not m.training)
         # The source's own parameters and buffers (Wan's ``scale_shift_table``) are this module's:
         # named_modules lists this module in the source's place, so a walk from here or from a parent
         # (``pipe.transformer.parameters()``, an EMA's, a count's) reads them from these dicts.
@@ -616,10 +611,17 @@ class OptimizedModule(nn.Module):
         traced = self._traced
         if traced is None or not traced.changed(self.__dict__["_source"]):
             return False
-        trained = traced.trained(self.__dict__["_source"])
-        if trained:  # .train() on the source or a layer of it, which the optimized module's flag does not see
-            self._refuse_training(f"{self.adapter.model_name}{'.' if trained[0] else ''}{trained[0]}")
+        self._refuse_trained()
         return True
+
+    def _refuse_trained(self) -> None:
+        """Refuse a call where a module of the source in eval mode at optimize() or a capture is in
+        training mode now: ``.train()`` on the source or a layer of it, which this module's flag does
+        not see (a layer added since is in training mode as built: not refused)."""
+        was_eval = self.__dict__["_eval_modules"]
+        path = next((p for p, m in self.__dict__["_source"].named_modules() if m.training and m in was_eval), None)
+        if path is not None:
+            self._refuse_training(f"{self.adapter.model_name}{'.' if path else ''}{path}")
 
     def _lock(self) -> threading.RLock:
         return _CAPTURING.setdefault(self, threading.RLock())
@@ -661,6 +663,7 @@ class OptimizedModule(nn.Module):
         if self._traced is None:
             self._traced = _Traced(self.__dict__["_source"])
             self._traced.warn(self.__dict__["_source"], self.adapter.model_name)
+            self.__dict__["_eval_modules"].update(m for m in self.__dict__["_source"].modules() if not m.training)
 
     def _add(self, graph: GraphEntry) -> None:
         if not self._entries:  # a submodule: its packed weights are among the module's buffers
@@ -956,6 +959,8 @@ class OptimizedModule(nn.Module):
     def _check_call(self, graph_inputs: dict) -> None:
         if self.training:
             self._refuse_training(self.adapter.model_name)
+        if self._traced is None:  # (no capture yet, or its graphs dropped: _changed() compared no flags)
+            self._refuse_trained()
         refused = self.__dict__.get("_refused_dtypes", {}).get(_floating_dtypes(graph_inputs))
         if refused is not None:
             raise TypeError(refused)

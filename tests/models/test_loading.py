@@ -706,7 +706,10 @@ def test_graphs_that_traced_what_load_does_not_rebuild_are_not_saved(tmp_path, c
     # size was captured on the rebuilt, hook-less model: one loaded model, two functions (0.92 off).
     inputs = models.example_inputs("tiny-wan", torch.float32)
     plain = models.build_model("tiny-wan", torch.float32)
-    _optimized_and_called(models.build_model("tiny-wan", torch.float32), inputs).save(tmp_path / "plain")
+    called = amxopt.optimize(models.build_model("tiny-wan", torch.float32), config=RELEASE)
+    with torch.no_grad(), called.cache_context("cond"):  # as WanPipeline calls it (an empty hook registry stays)
+        called(**inputs)
+    called.save(tmp_path / "plain")
     assert json.loads((tmp_path / "plain" / loading.MANIFEST).read_text())["graphs"]  # a rebuild is alike
     model = models.build_model("tiny-wan", torch.float32)
     if change == "hook":
@@ -715,10 +718,22 @@ def test_graphs_that_traced_what_load_does_not_rebuild_are_not_saved(tmp_path, c
         model.blocks[0].ffn.net[1] = torch.nn.SiLU()  # (GELU as built)
     _optimized_and_called(model, inputs).save(tmp_path / change)
     manifest = json.loads((tmp_path / change / loading.MANIFEST).read_text())
-    where = "forward hooks on blocks.0.ffn.net.2" if change == "hook" else "blocks.0.ffn.net.1 differ from what"
+    where = "forward hooks on blocks.0.ffn.net.2" if change == "hook" else "blocks.0.ffn.net.1: another module class"
     assert not manifest["graphs"] and where in manifest["graphs_not_saved"] and "load() captures again" in caplog.text
     loaded = amxopt.load(tmp_path / change, RELEASE)
     twice = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     with torch.no_grad():
         for call in (inputs, twice):  # as the class builds it, whatever the shape
             torch.testing.assert_close(loaded(**call).sample, plain(**call).sample)
+
+
+def test_save_refuses_a_tensor_the_class_does_not_build(tmp_path):
+    # It was saved, and load() then refused the artifact ("unexpected 1 ['extra']").
+    inputs = models.example_inputs("tiny-wan", torch.float32)
+    opt = _optimized_and_called(models.build_model("tiny-wan", torch.float32), inputs)
+    opt.extra = torch.nn.Parameter(torch.zeros(3))  # (goes to the source, as any assignment of what it owns)
+    with torch.no_grad():
+        opt(**inputs)  # (captured again: the source changed)
+    with pytest.raises(RuntimeError, match=r"holds extra, which it does not build from its config"):
+        opt.save(tmp_path)
+    assert not any(tmp_path.iterdir())

@@ -363,6 +363,17 @@ def test_train_on_the_source_or_one_of_its_layers_is_refused_as_on_the_optimized
     source[2] = nn.Linear(8, 8)  # a new layer, in training mode as built: captured again, not refused
     with torch.no_grad():
         torch.testing.assert_close(opt(x := torch.randn(3, 8)), source(x))
+    # With no graph to compare against (before the first call; after a load dropped them): the
+    # graph was captured in training mode, and ran its dropout.
+    uncalled = amxopt.optimize(source, config=dataclasses.replace(CONFIG, keep_source=True))
+    source[1].train()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"Sequential\.1 is in training mode"):
+        uncalled(torch.randn(3, 8))
+    source.eval()
+    opt.load_state_dict(source.state_dict())
+    source[1].train()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"Sequential\.1 is in training mode"):
+        opt(torch.randn(3, 8))
 
 
 def test_a_text_decoder_with_no_supported_tower_is_told_to_run_generate_eagerly(caplog):
