@@ -586,7 +586,7 @@ def test_a_weight_written_in_place_is_packed_again_and_never_saved_stale(tmp_pat
         torch.testing.assert_close(opt(**inputs).pooler_output, expected)  # the old packing: 0.1 off
     opt.save(tmp_path / "fresh")
     with torch.no_grad():
-        torch.testing.assert_close(amxopt.load(tmp_path / "fresh", CONFIG)(**inputs).pooler_output, expected)
+        torch.testing.assert_close(amxopt.load(tmp_path / "fresh", RELEASE)(**inputs).pooler_output, expected)
 
 
 def test_a_checkpoint_transformers_converts_on_load_is_read_as_transformers_reads_it(tmp_path):
