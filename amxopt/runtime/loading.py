@@ -603,7 +603,6 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         logger.warning(
             "amxopt: save: the rewritten graph of %s is not saved (%s); load() captures again", type(source).__name__, e
         )
-    config_values = _config_dict(source)
     config_hash = _digest(config_values)
     for entry in graphs:  # the model each graph was captured from: a graph is restored only onto it
         entry["config_hash"] = config_hash
