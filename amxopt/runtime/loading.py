@@ -643,13 +643,11 @@ def _not_rebuilt(source: nn.Module, rebuilt: nn.Module) -> str | None:
     there would compute it and one captured there again would not: one loaded model, two functions.
     (Plain attributes are not compared: a pipeline call leaves diffusers' empty hook registry on the
     model, and a model cast after it was built keeps another ``config.dtype``.)"""
-    from amxopt.capture import repeated
-    from amxopt.runtime.module import _forward_replaced, _some
+    from amxopt.runtime.module import _hooked_and_replaced, _some
 
-    hooked = [path or "the model" for path in repeated.hooked(source, recorders=False) if path != "*"]
+    hooked, replaced = _hooked_and_replaced(source, "the model")
     if hooked:
         return f"forward hooks on {_some(hooked)}, which load() does not rebuild"
-    replaced = [name or "the model" for name, m in source.named_modules() if _forward_replaced(m)]
     if replaced:
         return f"forwards replaced on {_some(replaced)}, which load() does not rebuild"
     ours, built = _structure(source), _structure(rebuilt)

@@ -291,8 +291,7 @@ class _Traced:
 
     def warn(self, source: nn.Module, model_name: str) -> None:
         """Say, at a capture, what of this the graphs hold as it ran then."""
-        hooked = [path or model_name for path in repeated.hooked(source, recorders=False) if path != "*"]
-        replaced = [name or model_name for name, m in source.named_modules() if _forward_replaced(m)]
+        hooked, replaced = _hooked_and_replaced(source, model_name)
         what = [f"the forward hooks on {_some(hooked)}"] if hooked else []
         what += [f"the forwards replaced on {_some(replaced)} (diffusers' or accelerate's hooks)"] if replaced else []
         if what:
@@ -324,6 +323,13 @@ def _forward_hooks(source: nn.Module) -> tuple[tuple[int, ...], list[dict]]:
     optimized module's own call too."""
     dicts = [d for m in source.modules() for d in (m._forward_pre_hooks, m._forward_hooks) if d]
     return tuple(k for d in dicts for k in repeated.user_hooks(d, recorders=False)), dicts
+
+
+def _hooked_and_replaced(source: nn.Module, root: str) -> tuple[list[str], list[str]]:
+    """The paths of ``source``'s modules (``root`` for itself) with forward hooks (see
+    :class:`_Traced`; torch's global ones left out), and those with a forward replaced on the instance."""
+    hooked = [path or root for path in repeated.hooked(source, recorders=False) if path != "*"]
+    return hooked, [name or root for name, m in source.named_modules() if _forward_replaced(m)]
 
 
 def _forward_replaced(module: nn.Module) -> bool:
