@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pathlib
+import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +101,13 @@ class AmxConfig:
         tp_ok = self.tp == "env" if isinstance(self.tp, str) else isinstance(self.tp, int) and self.tp >= 1
         if not tp_ok or isinstance(self.tp, bool):
             raise bad("tp", "a positive int or 'env'")
-        if not isinstance(self.tp_timeout_s, (int, float)) or not self.tp_timeout_s > 0:
-            raise bad("tp_timeout_s", "a number of seconds > 0")
+        timeout = self.tp_timeout_s
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+            raise bad("tp_timeout_s", "a finite number of seconds > 0")
+        if self.autotune_cache is not None and not isinstance(self.autotune_cache, (str, os.PathLike)):
+            raise bad("autotune_cache", "None or a directory path")
+        if not (self.cpu_bind is None or self.cpu_bind == "none" or _cores_per_rank(self.cpu_bind)):
+            raise bad("cpu_bind", "None, 'none' or one entry of cores per rank, such as ('0-3', '4-7')")
 
     def cache_dir(self) -> pathlib.Path:
         """Root of the on-disk caches (``autotune_cache``, else the XDG cache directory)."""
@@ -109,3 +116,17 @@ class AmxConfig:
         xdg = os.environ.get("XDG_CACHE_HOME", "")
         # The XDG spec: an empty or relative XDG_CACHE_HOME is ignored (not the working directory).
         return pathlib.Path(xdg if os.path.isabs(xdg) else os.path.expanduser("~/.cache"), "amxopt")
+
+
+def _cores_per_rank(cpu_bind: object) -> bool:
+    """Whether ``cpu_bind`` is a list of ranks' cores: each a core id, a ``"0-3,8"`` string or a list of ids."""
+
+    def is_id(c: object) -> bool:
+        return isinstance(c, int) and not isinstance(c, bool)
+
+    def is_cores(entry: object) -> bool:
+        if isinstance(entry, str):
+            return all(re.fullmatch(r"\s*\d+(\s*-\s*\d+)?\s*", part) for part in entry.split(","))
+        return is_id(entry) or isinstance(entry, (list, tuple)) and all(is_id(c) for c in entry)
+
+    return isinstance(cpu_bind, (list, tuple)) and all(is_cores(e) for e in cpu_bind)

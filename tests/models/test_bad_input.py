@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
 import sys
 
@@ -119,6 +120,9 @@ def test_unknown_provider_and_pass():
         amxopt.optimize(model, (torch.randn(2, 4),), amxopt.AmxConfig(passes=("fold_everything",)))
 
 
+CORES = "None, 'none' or one entry of cores per rank, such as ('0-3', '4-7')"
+
+
 @pytest.mark.parametrize(
     "field, value, wants",
     [
@@ -130,7 +134,13 @@ def test_unknown_provider_and_pass():
         ("max_recaptures", 0, "an int >= 1"),
         ("tp", 0, "a positive int or 'env'"),
         ("tp", True, "a positive int or 'env'"),
-        ("tp_timeout_s", -5, "a number of seconds > 0"),
+        ("tp_timeout_s", -5, "a finite number of seconds > 0"),
+        ("tp_timeout_s", True, "a finite number of seconds > 0"),  # bool is an int, not a duration
+        ("tp_timeout_s", float("inf"), "a finite number of seconds > 0"),  # timedelta overflows
+        ("autotune_cache", 5, "None or a directory path"),
+        ("cpu_bind", 5, CORES),
+        ("cpu_bind", "0-3", CORES),
+        ("cpu_bind", ("0-3", "four"), CORES),
         ("dynamic", "no", "True or False"),
     ],
 )
@@ -140,6 +150,9 @@ def test_config_values_of_the_wrong_kind_are_refused_by_field(field, value, want
     ):
         amxopt.AmxConfig(**{field: value})
     assert amxopt.AmxConfig(passes=["replace_linear"]).passes == ("replace_linear",)
+    for cpu_bind in (None, "none", ("0-3, 8", "4-7"), [[0, 1], (2,)], (0, 1)):
+        assert amxopt.AmxConfig(cpu_bind=cpu_bind).cpu_bind == cpu_bind
+    assert amxopt.AmxConfig(autotune_cache=pathlib.Path("/tmp/x")).cache_dir() == pathlib.Path("/tmp/x")
 
 
 def test_vision_tower_without_adapter_says_why_it_cannot_be_captured(capfd):
