@@ -21,6 +21,7 @@ from amxopt.capture.base import Adapter
 
 logger = logging.getLogger(__name__)
 _LAYER_OUTPUTS = ("output_hidden_states", "output_attentions")
+_VISION_PRECOMPUTED = ("cu_seqlens", "max_seqlen", "position_ids", "interp_indices", "interp_weights")
 
 
 class _QwenAdapter(Adapter):
@@ -93,15 +94,23 @@ class QwenVisionAdapter(_QwenAdapter):
             get_vision_position_ids,
         )
 
+        # The metadata the forward computes from grid_thw may come precomputed (transformers'
+        # vision_utils: the tower's own keywords, or image_cu_seqlens etc. through the whole model):
+        # the helpers then return the caller's tensors, as in eager. max_seqlen is flash
+        # attention's hint, which amxopt's kernels do not need (they read cu_seqlens).
+        given = {k: call.pop(k) for k in _VISION_PRECOMPUTED if call.get(k) is not None}
+        given.pop("max_seqlen", None)
         self._reject_extras(call, {"hidden_states", "grid_thw"})
         x, grid = call.get("hidden_states"), call.get("grid_thw")
         self._validate(x, grid)
+        self._validate_given(given, x.shape[0])
         indices, weights = get_vision_interpolation_indices_and_weights(
             grid,
             num_grid_per_side=self.grid_side,
             mode=self.interp_mode,
             align_corners=self.align_corners,
             spatial_merge_size=self.merge,
+            kwargs=given,
         )
 
         # Per-patch rows go in grouped by merge window, [T / merge**2, merge**2, ...], and the graph
@@ -113,8 +122,8 @@ class QwenVisionAdapter(_QwenAdapter):
 
         return {
             "hidden_states": windows(x),
-            "cu_seqlens": get_vision_cu_seqlens(grid),
-            "position_ids": windows(get_vision_position_ids(grid, self.merge)),
+            "cu_seqlens": get_vision_cu_seqlens(grid, kwargs=given),
+            "position_ids": windows(get_vision_position_ids(grid, self.merge, kwargs=given)),
             "interp_indices": windows(indices),
             "interp_weights": windows(weights),
         }
@@ -141,6 +150,22 @@ class QwenVisionAdapter(_QwenAdapter):
             raise ValueError(
                 f"{who}: grid_thw {grid.tolist()} describes {patches} patches but hidden_states has {x.shape[0]} rows"
             )
+
+    def _validate_given(self, given: dict[str, torch.Tensor], patches: int) -> None:
+        for name, t in given.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"amxopt: {self.model_name}: a precomputed {name} must be a tensor, got {type(t)}")
+            if name == "cu_seqlens":
+                if t.dim() != 1 or t.is_floating_point() or len(t) < 2 or t[0] != 0 or t[-1] != patches:
+                    raise ValueError(
+                        f"amxopt: {self.model_name}: a precomputed cu_seqlens must be integer offsets from 0 to "
+                        f"the {patches} patches, got {t.dtype} {t.tolist()}"
+                    )
+            elif t.dim() != 2 or t.shape[0] != patches:
+                raise ValueError(
+                    f"amxopt: {self.model_name}: a precomputed {name} must have one row per patch "
+                    f"({patches}), got shape {tuple(t.shape)}"
+                )
 
     def export_module(self, model: nn.Module) -> nn.Module:
         return _VisionGraph(model)

@@ -57,6 +57,33 @@ def test_wrong_patch_width(qwen):
         opt(inputs["hidden_states"][:, :100], inputs["grid_thw"])
 
 
+def test_precomputed_vision_metadata_is_used_as_eager_uses_it(qwen):
+    # transformers' vision_utils: the tower takes cu_seqlens, position_ids and the interpolation
+    # taps precomputed (the whole model forwards image_cu_seqlens etc. as these). They were refused.
+    # Ones that differ from what grid_thw gives show that the caller's are the ones used.
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+
+    model, inputs, opt = qwen
+    x, grid = inputs["hidden_states"], inputs["grid_thw"]
+    n = x.shape[0]
+    given = {
+        "cu_seqlens": get_vision_cu_seqlens(grid)[[0, -1]],  # one segment over every image
+        "position_ids": get_vision_position_ids(grid, 2).flip(0),
+        "max_seqlen": n,
+    }
+    with torch.no_grad():
+        want = model(x, grid, **given)
+        got = opt(x, grid, **given)
+        plain = opt(x, grid)
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state)
+    torch.testing.assert_close(got.pooler_output, want.pooler_output)
+    assert not torch.allclose(plain.last_hidden_state, want.last_hidden_state)
+    with pytest.raises(ValueError, match=rf"a precomputed position_ids must have one row per patch \({n}\)"):
+        opt(x, grid, position_ids=given["position_ids"][:-4])
+    with pytest.raises(ValueError, match=rf"a precomputed cu_seqlens must be integer offsets from 0 to the {n}"):
+        opt(x, grid, cu_seqlens=torch.tensor([0, n - 4], dtype=torch.int32))
+
+
 def test_audio_lengths_not_matching_features():
     name = "tiny-qwen3-omni-audio"
     model = models.build_model(name)
