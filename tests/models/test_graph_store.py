@@ -21,6 +21,7 @@ import amxopt
 from amxopt import models
 from amxopt.capture import prepare
 from amxopt.capture.base import export
+from amxopt.ops import native
 from amxopt.runtime import graph_store, weights
 from amxopt.runtime import module as runtime_module
 from tests.helpers import CONFIG
@@ -168,6 +169,20 @@ def test_the_cache_drops_its_least_recently_used_entries_over_its_limit(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.1.json", "a.1.safetensors", "c.1.json", "c.1.safetensors"]
 
 
+def test_the_cache_keeps_the_entry_just_written_and_files_being_written(tmp_path):
+    # An entry alone over the limit is kept (it was just written, and is about to be read); another
+    # writer's temporary file (replacing() writes ".{name}.{random}.tmp" beside it) is not an entry.
+    for i, stem in enumerate(["a.1", "b.1"]):
+        for suffix, size in ((".json", 100), (".safetensors", 400)):
+            (tmp_path / f"{stem}{suffix}").write_bytes(b"x" * size)
+            os.utime(tmp_path / f"{stem}{suffix}", (1000 + i, 1000 + i))
+    writing = tmp_path / ".c.1.safetensors.k3j9.tmp"
+    writing.write_bytes(b"x" * 4000)
+    os.utime(writing, (900, 900))
+    graph_store._prune(tmp_path, keep="a.1", limit=100)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [writing.name, "a.1.json", "a.1.safetensors"]
+
+
 def test_a_stored_graph_on_a_model_of_another_shape_is_refused(tmp_path):
     model, inputs, _, path = _cache_entry(tmp_path)
     entry = json.loads(path.read_text())
@@ -200,11 +215,72 @@ def test_cache_key_follows_structure_and_options_not_weights():
         assert key(a, tuned) != at_two and key(a) == untuned
     finally:
         torch.set_num_threads(threads)
+    # Every option but where the caches live: a config without a pass must not get the graph
+    # the passes rewrote (an A/B baseline), nor one without fusions a fused graph.
+    other = {bool: lambda v: not v, int: lambda v: v + 1, float: lambda v: v / 2}
+    values = {"provider": "native", "passes": (), "tp": "env", "cpu_bind": "none", "tp_group": "g"}
+    for f in dataclasses.fields(CONFIG):
+        if f.name not in ("autotune_cache", "graph_cache"):
+            v = getattr(CONFIG, f.name)
+            changed = values[f.name] if f.name in values else other[type(v)](v)
+            assert key(a) != key(a, dataclasses.replace(CONFIG, **{f.name: changed})), f.name
     # A released weight (amxopt.from_pretrained packs them as it reads them): a graph optimize()
     # stored may read it unpacked where autotune left its Linear to ATen ("unusable", a warning).
     proj, before = b.blocks[0].attn1.to_q, key(b)
     proj.weight = weights.placeholder(proj.weight, {})
     assert key(b) != before
+
+
+def test_cache_key_follows_amxopts_code_the_libraries_the_cpu_and_the_tier(monkeypatch):
+    name = "tiny-qwen3-vl-vision"
+    model = models.build_model(name, torch.float32)
+    adapter, graph_inputs = prepare(model, models.example_inputs(name, torch.float32))
+    native_config = dataclasses.replace(CONFIG, provider="native")
+
+    def key(config=CONFIG):
+        return graph_store.cache_key(model, adapter.name, graph_inputs, config)
+
+    before, native_before = key(), key(native_config)
+    versions = graph_store._versions()
+    for target, value in [
+        ("code_hash", lambda: "another amxopt"),
+        ("_versions", lambda: {**versions, "torch": "2.14.0"}),
+        ("_versions", lambda: {**versions, "transformers": "6.0.0"}),
+    ]:
+        with monkeypatch.context() as m:
+            m.setattr(graph_store, target, value)
+            assert key() != before, target
+    with monkeypatch.context() as m:
+        m.setattr(native, "cpu_model", lambda: "another CPU")
+        assert key() != before
+    tier = native.active_tier()
+    with monkeypatch.context() as m:
+        m.setattr(native, "active_tier", lambda: "fp32" if tier != "fp32" else "amx")
+        assert key(native_config) != native_before and key() == before  # (the reference has no tier)
+    with native.use_amx_schedule("rows"):  # a schedule pinned for the process
+        assert key(native_config) != native_before
+
+
+class _Width(torch.nn.Module):
+    """A forward that reads a one-element tensor attribute as a Python number: export bakes it in."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc, self.width = torch.nn.Linear(8, 8), torch.tensor(width)
+
+    def forward(self, x):
+        return self.fc(x)[:, : int(self.width)]
+
+
+def test_a_small_tensor_attribute_read_as_a_number_is_in_the_cache_key(tmp_path):
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path))
+    x = torch.randn(3, 8)
+    for width, restored in ((4, False), (4, True), (8, False)):
+        model = _Width(width).eval()
+        opt = amxopt.optimize(model, (x,), config)
+        assert any(RESTORED in n for n in opt.report.notes) == restored
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
 
 
 _KEY_OF_TINY_MODELS = """
