@@ -276,9 +276,13 @@ def test_a_small_tensor_attribute_read_as_a_number_is_in_the_cache_key(tmp_path)
     config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path))
     x = torch.randn(3, 8)
     for width, restored in ((4, False), (4, True), (8, False)):
+        for path in (tmp_path / "graphs").glob("*.json"):
+            os.utime(path, (1000, 1000))
         model = _Width(width).eval()
         opt = amxopt.optimize(model, (x,), config)
         assert any(RESTORED in n for n in opt.report.notes) == restored
+        if restored:  # a restore is a use, which pruning goes by
+            assert [p.stat().st_mtime > 1000 for p in (tmp_path / "graphs").glob("*.json")] == [True]
         with torch.no_grad():
             torch.testing.assert_close(opt(x), model(x))
 
