@@ -181,3 +181,22 @@ def test_bad_input_raises(provider, case):
     call, match = ERROR_CASES[case]
     with pytest.raises(ValueError, match=match):
         call(provider)
+
+
+def test_norm_modulate_of_small_rows_adds_eps(provider):
+    # Rows of 1e-3: eps 1e-6 is most of the mean square (without it the rms norm is 0.93 off).
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=g) * 1e-3
+    scale, shift = torch.randn(64, generator=g) * 0.1, torch.randn(64, generator=g) * 0.1
+    for rms in (True, False):
+        got = ops.norm_modulate(x, None, None, scale, shift, 1e-6, rms, provider)
+        assert_close_dtype(got, norm_modulate_oracle(x, None, None, scale, shift, 1e-6, rms), torch.float32)
+
+
+def test_gated_residual_of_bf16_rounds_once(provider):
+    # x + y * gate in fp32, one rounding to bf16: rounding y * gate first differs in a quarter of
+    # the elements (by up to 0.031), within assert_close's bf16 tolerance.
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(2, 40, 64, generator=g).bfloat16() for _ in range(2))
+    gate = torch.randn(2, 1, 64, generator=g)
+    assert torch.equal(ops.gated_residual(x, y, gate, provider), (x.float() + y.float() * gate).bfloat16())

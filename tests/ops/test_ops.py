@@ -1283,3 +1283,34 @@ def test_zero_width_rows_normalize_and_zero_in_features_is_refused(provider):
     assert ops.rms_norm(x, None, 1e-5, provider).shape == (4, 0)
     with pytest.raises(ValueError, match=r"amxopt.linear: x has shape \(4, 0\).*in_features > 0"):
         ops.linear(x, ops.pack_linear_weight(torch.randn(8, 1), provider), torch.randn(8), "none", 8, provider)
+
+
+def test_an_fp32_bias_on_bf16_rows_is_added_in_fp32_and_rounded_once(provider):
+    # An identity weight: each output is x + bias, exact in fp32, so rounding once gives one bf16
+    # value. The bias is no bf16 value: dropped or rounded to bf16 first, the output differs.
+    n = 64
+    x = torch.full((3, n), -(2.0**-9)).bfloat16()
+    bias = 1 + torch.arange(n, dtype=torch.float32) * 2.0**-10
+    out = ops.linear(x, ops.pack_linear_weight(torch.eye(n).bfloat16(), provider), bias, "none", n, provider)
+    assert torch.equal(out, (x.float() + bias).bfloat16())
+
+
+def test_norms_of_small_rows_add_eps_and_take_eps_zero(provider):
+    # Rows of 1e-3: eps 1e-6 is most of the mean square (without it the rms norm is 0.93 off);
+    # eps = 0 is valid (nn.LayerNorm(eps=0)) where the rows have a spread.
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 1e-3
+    assert_close_dtype(ops.rms_norm(x, None, 1e-6, provider), rms_norm_oracle(x, None, 1e-6), torch.float32)
+    assert_close_dtype(
+        ops.layer_norm(x, None, None, 1e-6, provider), layer_norm_oracle(x, None, None, 1e-6), torch.float32
+    )
+    y = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    assert_close_dtype(
+        ops.layer_norm(y, None, None, 0.0, provider), layer_norm_oracle(y, None, None, 0.0), torch.float32
+    )
+    assert_close_dtype(ops.rms_norm(y, None, 0.0, provider), rms_norm_oracle(y, None, 0.0), torch.float32)
+
+
+def test_conv2d_fake_at_the_direct_kernels_largest_width(provider):
+    # Cin * kh * kw = 64, the direct kernel's bound: the fake must give its output's strides.
+    args = (torch.randn(1, 4, 9, 9), torch.randn(8, 4, 4, 4), None, [1, 1], [0, 0], [1, 1], 1, "none", provider)
+    assert_matches_fake(ops.conv2d, args, ops.conv2d(*args))
