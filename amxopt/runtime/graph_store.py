@@ -348,6 +348,8 @@ def _restore_attr(target: str, spec: dict, module: nn.Module, tensors: Mapping[s
             if t is None:
                 if packed.is_released(source):
                     raise GraphStoreError(f"{name} was released without a packing for {spec['provider']!r}")
+                if source.device.type == "meta":
+                    raise GraphStoreError(f"{name} is on the meta device: no values to pack for {target}")
                 t = weights.pack(source, spec["provider"])
                 packed.remember(source, spec["provider"], t)
     if list(t.shape) != spec["shape"] or _dtype_name(t.dtype) != spec["dtype"]:

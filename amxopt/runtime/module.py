@@ -48,6 +48,7 @@ def build_graph(
     stored. ``keep_text`` (the CLI's dumps) always captures. A capture runs in a forked child where
     it can (``AmxConfig.isolate_capture``, ``amxopt/runtime/isolated.py``).
     """
+    _refuse_meta(model, adapter.model_name)  # (before the cache: a stored graph would pack no values)
     module = adapter.export_module(model)
     key = None
     if config.graph_cache and not keep_text and config.tp == 1:
@@ -69,6 +70,24 @@ def build_graph(
     if key is not None:
         graph_store.write_cache(key, graph, module, config)
     return graph
+
+
+def _refuse_meta(model: nn.Module, name: str) -> None:
+    on_meta = next(
+        (n for n, p in model.named_parameters() if p.device.type == "meta" and not packed.is_released(p)), None
+    )
+    if on_meta is not None and weights.has_released(model):
+        raise RuntimeError(
+            f"amxopt: {name}: {on_meta} is on the meta device, with no values to capture: "
+            "built beside weights amxopt.optimize packed and released (a LoRA adapter loaded after optimize?). "
+            "Load adapters before amxopt.optimize, or optimize with AmxConfig(keep_source=True)"
+        )
+    if on_meta is not None:
+        raise RuntimeError(
+            f"amxopt: {name}: {on_meta} is on the meta device, with no values to capture (a "
+            "model built under init_empty_weights, or offloaded by accelerate, keeps its weights elsewhere): "
+            "load its weights, or remove the offload hooks, before amxopt.optimize"
+        )
 
 
 def _capture_and_rewrite(
@@ -1016,21 +1035,6 @@ class OptimizedModule(nn.Module):
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}: {len(self._graphs)} graphs cached and none accepts inputs "
                 f"{shapes} (AmxConfig(max_recaptures=...) allows more)"
-            )
-        on_meta = next(
-            (n for n, p in model.named_parameters() if p.device.type == "meta" and not packed.is_released(p)), None
-        )
-        if on_meta is not None and weights.has_released(model):
-            raise RuntimeError(
-                f"amxopt: {self.adapter.model_name}: {on_meta} is on the meta device, with no values to capture: "
-                "built beside weights amxopt.optimize packed and released (a LoRA adapter loaded after optimize?). "
-                "Load adapters before amxopt.optimize, or optimize with AmxConfig(keep_source=True)"
-            )
-        if on_meta is not None:
-            raise RuntimeError(
-                f"amxopt: {self.adapter.model_name}: {on_meta} is on the meta device, with no values to capture (a "
-                "model built under init_empty_weights, or offloaded by accelerate, keeps its weights elsewhere): "
-                "load its weights, or remove the offload hooks, before amxopt.optimize"
             )
         logger.info("amxopt: re-capturing %s for inputs %s", self.adapter.model_name, shapes)
         self._snapshot()

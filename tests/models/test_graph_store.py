@@ -193,6 +193,18 @@ def test_a_stored_graph_on_a_model_of_another_shape_is_refused(tmp_path):
         graph_store.restore(entry, _exported(wider, inputs), "reference", {}, "a test")
 
 
+def test_a_model_with_a_weight_on_the_meta_device_is_refused_though_the_cache_holds_its_graph(tmp_path):
+    # The key holds shapes and dtypes, not devices: a cached graph packed the meta weight (no values)
+    # and every call returned garbage (NaN), where a capture refuses the model.
+    model, inputs, config, path = _cache_entry(tmp_path)
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linear.weight = torch.nn.Parameter(torch.empty_like(linear.weight, device="meta"))  # offloaded
+    with pytest.raises(graph_store.GraphStoreError, match=r"weight is on the meta device: no values to pack"):
+        graph_store.restore(json.loads(path.read_text()), _exported(model, inputs), "reference", {}, "a test")
+    with pytest.raises(RuntimeError, match=r"weight is on the meta device.*init_empty_weights, or offloaded"):
+        amxopt.optimize(model, inputs, config)
+
+
 def test_cache_key_follows_structure_and_options_not_weights():
     name = "tiny-wan"
     a, b = (models.build_model(name, torch.float32, seed=s) for s in (0, 1))
