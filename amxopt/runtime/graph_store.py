@@ -53,7 +53,7 @@ from amxopt.capture import Captured
 from amxopt.capture.repeated import MODULE_INTERNALS, hooked
 from amxopt.config import AmxConfig
 from amxopt.files import replacing
-from amxopt.ops import native, packed
+from amxopt.ops import library, native, packed
 from amxopt.passes import PassRecord, _autotune
 from amxopt.passes._graph import fetch
 from amxopt.passes.pack_weights import DERIVED_FROM, PACKED_PREFIX
@@ -528,14 +528,15 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         logger.info("amxopt: graph cache not used: %s's settings cannot be described (%s)", type(module).__name__, e)
         return None
     leaves, spec = pytree.tree_flatten(graph_inputs)
+    on_native = library.resolve_provider(config.provider) == "native"  # ("auto" runs the native kernels)
     parts = {
         "format": FORMAT,
         "code": code_hash(),
         "versions": _versions(),
         "cpu": native.cpu_model(),
-        "tier": native.active_tier() if config.provider == "native" else config.provider,
+        "tier": native.active_tier() if on_native else config.provider,
         # autotune picks each linear's AMX schedule unless the process pins one for all
-        "amx_schedule": native.amx_schedule_pinned() and native.amx_schedule() if config.provider == "native" else None,
+        "amx_schedule": native.amx_schedule_pinned() and native.amx_schedule() if on_native else None,
         # autotune's decisions hold where they were timed: thread count, ISA settings (as its own cache's)
         "timed": _autotune.context() if _autotune.enabled(config) else None,
         "class": f"{type(module).__module__}.{type(module).__qualname__}",

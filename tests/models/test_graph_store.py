@@ -252,7 +252,8 @@ def test_cache_key_follows_amxopts_code_the_libraries_the_cpu_and_the_tier(monke
     def key(config=CONFIG):
         return graph_store.cache_key(model, adapter.name, graph_inputs, config)
 
-    before, native_before = key(), key(native_config)
+    auto_config = dataclasses.replace(CONFIG, provider="auto")
+    before, native_before, auto_before = key(), key(native_config), key(auto_config)
     versions = graph_store._versions()
     for target, value in [
         ("code_hash", lambda: "another amxopt"),
@@ -269,6 +270,7 @@ def test_cache_key_follows_amxopts_code_the_libraries_the_cpu_and_the_tier(monke
     with monkeypatch.context() as m:
         m.setattr(native, "active_tier", lambda: "fp32" if tier != "fp32" else "amx")
         assert key(native_config) != native_before and key() == before  # (the reference has no tier)
+        assert key(auto_config) != auto_before  # (auto runs the native kernels here)
     with native.use_amx_schedule("rows"):  # a schedule pinned for the process
         assert key(native_config) != native_before
 
