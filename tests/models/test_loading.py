@@ -227,6 +227,20 @@ def test_a_save_that_fails_at_the_rename_leaves_no_staged_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["weights.safetensors"]
 
 
+def test_a_file_being_replaced_stays_whole_for_a_reader_that_opened_it(tmp_path):
+    # Another process restoring a cache entry, or loading an artifact, while it is written again: the
+    # writer puts a new file in its place, so the reader's mapping keeps the old file's bytes.
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path / "k.r.safetensors"
+    save_file({"t": torch.arange(1000, dtype=torch.float32)}, str(path))
+    reader = safe_open(str(path), framework="pt")
+    with files.replacing(path) as staged:
+        save_file({"t": torch.full((1000,), -1.0)}, str(staged))
+    assert torch.equal(reader.get_tensor("t"), torch.arange(1000, dtype=torch.float32))
+
+
 def test_save_before_the_first_call_says_why(tmp_path):
     opt = amxopt.optimize(models.build_model("tiny-qwen3-vl-vision"), config=RELEASE)
     with pytest.raises(RuntimeError, match="call it once before save"):
@@ -419,6 +433,12 @@ def test_a_damaged_graph_cache_entry_is_captured_again(tmp_path, caplog):
         entry = json.loads(path.read_text())
         del entry["nodes"][-1]
         path.write_text(json.dumps(entry))
+    with torch.no_grad():
+        torch.testing.assert_close(amxopt.optimize(model, (x,), config)(x), expected)
+
+    # JSON cut short (a full disk, a crash before the data reached it): captured again, not a JSONDecodeError.
+    for path in (tmp_path / "graphs").glob("*.json"):
+        path.write_text(path.read_text()[:50])
     with torch.no_grad():
         torch.testing.assert_close(amxopt.optimize(model, (x,), config)(x), expected)
 
