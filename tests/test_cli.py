@@ -136,6 +136,11 @@ def test_dump_of_any_model_from_a_factory(tmp_path, capsys):
     assert final["replaced"] == 2  # layer_norm, linear with gelu fused
     assert "whole graph" in (tmp_path / "00_captured.svg").read_text()
     assert "rewrite report: _Tiny" in capsys.readouterr().out
+    # A second dump captures again: a graph from the graph cache has no text of its passes.
+    again = tmp_path / "again"
+    assert cli.main(["dump", "tests.test_cli:build_tiny", "--out", str(again), "--dtype", "fp32", "--no-autotune"]) == 0
+    assert all("def forward" in p.read_text() for p in again.glob("*.before.txt"))
+    assert len(list(again.glob("*.before.txt"))) == len(DEFAULT_PASSES)
 
 
 @pytest.mark.parametrize(

@@ -275,6 +275,61 @@ def test_cache_key_follows_amxopts_code_the_libraries_the_cpu_and_the_tier(monke
         assert key(native_config) != native_before
 
 
+class _BothWays(torch.nn.Module):
+    """A weight packed as it is and transposed: the transposed packing is a constant of the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(48, 48) / 7)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(torch.nn.functional.linear(x, self.w), self.w.t())
+
+
+class _SizeBranch(torch.nn.Module):
+    """A branch on a dynamic size whose guard export writes with ``and``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        n = x.shape[0]
+        if (n != 4) & (n != 6):
+            return self.fc(x) * 2
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_a_graph_packing_a_transformed_weight_is_not_served_to_other_weights(tmp_path, isolate):
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), isolate_capture=isolate)
+    x = torch.randn(8, 48)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = _BothWays().eval()
+        opt = amxopt.optimize(model, (x,), config)
+        assert not any(RESTORED in n for n in opt.report.notes)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_a_restored_graph_keeps_a_guard_of_two_conditions(tmp_path, isolate):
+    # Captured at 5 rows (the doubling branch), the graph's guard is "n != 4 and n != 6": 4 rows
+    # must be captured again, also once the graph comes from the cache.
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), isolate_capture=isolate)
+    torch.manual_seed(0)
+    model = _SizeBranch().eval()
+    for restored in (False, True):
+        opt = amxopt.optimize(model, (torch.randn(5, 8),), config)
+        assert any(RESTORED in n for n in opt.report.notes) == restored
+        assert any(" and " in line for line in opt._graphs[0].captured.guard_code)
+        x = torch.randn(4, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+        assert len(opt.graphs) == 2
+
+
 class _Width(torch.nn.Module):
     """A forward that reads a one-element tensor attribute as a Python number: export bakes it in."""
 
