@@ -45,6 +45,40 @@ def test_optimize_releases_the_packed_source_weights():
             mlp(h)
 
 
+def test_a_recapture_of_a_released_model_puts_the_placeholders_back():
+    # The capture traces on stand-ins of the released weights; left there, a submodule called on its
+    # own computed with zeros.
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)).eval()
+    x = torch.randn(4, 32)
+    opt = amxopt.optimize(model, (x,), dataclasses.replace(RELEASE, isolate_capture=False))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x[None])[0], opt(x))  # another rank: captured again
+        assert len(opt.graphs) == 2 and packed.is_released(model[0].weight)
+        with pytest.raises(RuntimeError, match="Linear's weight was released by amxopt.optimize"):
+            model[0](x)
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_weight_two_linears_share_is_released_as_one(caplog):
+    model, x = _Tied().eval(), torch.randn(4, 64)
+    with torch.no_grad():
+        expected = model(x)
+    opt = amxopt.optimize(model, (x,), RELEASE)
+    assert model.a.weight is model.b.weight and packed.is_released(model.a.weight)
+    assert [n for n, _ in model.named_parameters()] == ["a.weight", "a.bias", "b.bias"]
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), expected)
+
+
 def test_release_gives_kept_tensors_their_own_storage_once():
     # A checkpoint loader's tensors live in one mapped file (views, or exact-size storages inside
     # it): each kept one gets a copy, so the file's pages can go; a later release copies it no more.
@@ -253,6 +287,25 @@ def test_a_storage_reference_tells_new_data_at_a_freed_address():
     assert ref == packed.StorageRef(t) and not ref.expired()
     del t
     assert ref.expired() and ref != packed.StorageRef(torch.randn(1000))
+
+
+def test_new_values_at_the_packed_weights_address_are_packed_again():
+    # A new tensor over the same memory (numpy's buffer), the old storage freed: the same address and
+    # version, other values. A stamp of address and version alone ran the old packing.
+    np = pytest.importorskip("numpy")
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).eval()
+    buffer = model[0].weight.detach().numpy().copy()
+    model[0].weight.data = torch.from_numpy(buffer)
+    x = torch.randn(4, 64)
+    opt = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, graph_cache=False))
+    with torch.no_grad():
+        opt(x)
+        w = model[0].weight
+        address, version = w.data_ptr(), w._version
+        buffer[:] = np.random.RandomState(1).randn(64, 64)
+        w.data = torch.from_numpy(buffer)
+        assert (w.data_ptr(), w._version) == (address, version)
+        torch.testing.assert_close(opt(x), model(x))
 
 
 @pytest.mark.parametrize(
