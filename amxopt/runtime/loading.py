@@ -137,7 +137,13 @@ def _checkpoint(path: pathlib.Path, stem: str) -> dict[str, MappedFile]:
             files.update(dict.fromkeys(mapped.tensors, mapped))
         return files
     if not single.exists():
-        raise CheckpointError(f"amxopt: {path} has neither {single.name} nor {index.name}")
+        pickled = sorted(p.name for p in path.glob("*.bin"))
+        also = (
+            f" ({', '.join(pickled)}: amxopt reads safetensors only; save_pretrained writes them by default)"
+            if pickled
+            else ""
+        )
+        raise CheckpointError(f"amxopt: {path} has neither {single.name} nor {index.name}{also}")
     mapped = MappedFile(single)
     return dict.fromkeys(mapped.tensors, mapped)
 
@@ -443,21 +449,28 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
         if not other:
             raise
         raise CheckpointError(f"amxopt: {cls.__name__} cannot be built from {path}'s config ({e}){note}") from e
+    _refuse_unrunnable(model, torch_dtype)
     files = _checkpoint(path, "model" if _is_transformers(cls) else "diffusion_pytorch_model")
     expected = _expected(model)
-    if _converted(model, sorted(set(files) - set(expected))):
+    if _converted(model, sorted(set(files) - set(expected))) or _prefixed(cls, expected, files):
         del files, model, expected
         return _load_converted(cls, path, torch_dtype, provider)
-    ignore = tuple(getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ())  # (Wan I2V's norm_added_q)
+    ignore = (
+        *(getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ()),  # (Wan I2V's norm_added_q)
+        # buffers left out of the state dict (rotary tables) that a checkpoint may hold: the libraries
+        # skip them with a warning, and the model computes its own
+        *(f"^{re.escape(n)}$" for n, _ in model.named_buffers() if n not in expected),
+    )
     stored = _check_keys(expected, files, str(path), lambda unexpected: note, ignore)
     parts = _packed_parts(model)
+    packs = _packed_tensors(model, expected, parts)
     done: dict[int, torch.Tensor] = {}  # tied names share one tensor: loaded (and packed) once
     for name in tqdm(sorted(expected), desc=f"amxopt: loading {cls.__name__}", unit="tensor", leave=False):
         like = expected[name]
         if id(like) not in done:
             key = stored[name]
             value = _convert(key, files[key].tensors.pop(key), like, str(path))
-            if _packed_as_read(model, name, like, parts):
+            if id(like) in packs:
                 done[id(like)] = _set(model, name, placeholder(like, {provider: pack(value, provider)}))
             else:
                 # A copy: the model must not keep the checkpoint's memory map (or its file) alive.
@@ -489,6 +502,12 @@ def _load_converted(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, pro
     except (OSError, RuntimeError, ValueError) as e:
         raise CheckpointError(f"amxopt: {path}: {cls.__name__}.from_pretrained cannot read it: {e}") from e
     kinds = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs", "conversion_errors")
+    # buffers left out of the state dict (rotary tables), stored all the same: skipped, as when streamed
+    buffers = {n for n, _ in model.named_buffers()} - set(_expected(model))
+    prefix = f"{getattr(cls, 'base_model_prefix', '')}."
+    info["unexpected_keys"] = [
+        k for k in info.get("unexpected_keys", ()) if not {k, k.removeprefix(prefix), prefix + k} & buffers
+    ]
     info["mismatched_keys"] = [
         f"{name}: {tuple(stored)} stored, {tuple(wanted)} in the model"
         for name, stored, wanted in info.get("mismatched_keys", ())
@@ -500,25 +519,63 @@ def _load_converted(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, pro
         )
     model.requires_grad_(False).eval()
     parts = _packed_parts(model)
-    done: dict[int, nn.Parameter | None] = {}  # decided by a tied tensor's first name, as when streamed
-    for name, like in sorted(_expected(model).items()):
+    expected = _expected(model)
+    packs = _packed_tensors(model, expected, parts)
+    done: dict[int, nn.Parameter | None] = {}  # tied names share one tensor: packed once, as when streamed
+    for name, like in sorted(expected.items()):
         if id(like) not in done:
-            done[id(like)] = (
-                placeholder(like, {provider: pack(like, provider)})
-                if _packed_as_read(model, name, like, parts)
-                else None
-            )
+            done[id(like)] = placeholder(like, {provider: pack(like, provider)}) if id(like) in packs else None
         if done[id(like)] is not None:
             _set(model, name, done[id(like)])
     _guard_parts(model, parts)
     return model
 
 
-def _packed_as_read(model: nn.Module, name: str, like: torch.Tensor, parts: list[str]) -> bool:
-    """Whether the tensor ``name`` is packed and released as it is read: a packable weight of a part
-    optimize() rewrites (:func:`_packed_parts`), in a dtype the kernels take."""
-    module, attr = _owner(model, name)
-    return any(name.startswith(p) for p in parts) and packable(module, attr) and like.dtype in DTYPES
+def _packed_tensors(model: nn.Module, expected: dict[str, torch.Tensor], parts: list[str]) -> set[int]:
+    """The ids of the tensors packed and released as they are read: packable weights of a part
+    optimize() rewrites (:func:`_packed_parts`), in a dtype the kernels take. A tensor held under
+    several names (a tied embedding and LM head) only where every name is such a weight: the
+    embedding reads it unpacked."""
+    verdicts: dict[int, bool] = {}
+    for name, like in expected.items():
+        module, attr = _owner(model, name)
+        ok = any(name.startswith(p) for p in parts) and packable(module, attr) and like.dtype in DTYPES
+        verdicts[id(like)] = verdicts.get(id(like), True) and ok
+    return {i for i, ok in verdicts.items() if ok}
+
+
+def _prefixed(cls: type, expected: dict, found) -> bool:
+    """Whether the stored names are the model's with its ``base_model_prefix`` added or removed
+    (a ``Qwen3VLModel`` saved, read as ``Qwen3VLForConditionalGeneration``, or the reverse), which
+    transformers' loader maps: then it reads the checkpoint."""
+    prefix = getattr(cls, "base_model_prefix", "") if _is_transformers(cls) else ""
+    if not prefix:
+        return False
+    names, stored = set(expected), set(found)
+    matched = len(names & stored)
+    added = {f"{prefix}.{k}" for k in stored}
+    removed = {k.removeprefix(f"{prefix}.") for k in stored}
+    return max(len(names & added), len(names & removed)) > matched
+
+
+def _refuse_unrunnable(model: nn.Module, dtype: torch.dtype) -> None:
+    """Before anything is read: a model that would be loaded only to fail at its first call."""
+    from amxopt.capture.qwen import QwenAudioAdapter, QwenVisionAdapter
+    from amxopt.runtime.components import _decodes, has_towers
+
+    towers = {*QwenVisionAdapter.classes, *QwenAudioAdapter.classes}
+    tower = next((m for m in model.modules() if type(m).__name__ in towers), None)
+    if tower is not None and dtype not in DTYPES:
+        raise ValueError(
+            f"amxopt.from_pretrained: {type(tower).__name__} runs in float32 or bfloat16 (amxopt's attention takes "
+            f"no other), got torch_dtype={dtype}: load it with torch.bfloat16"
+        )
+    if callable(getattr(model, "generate", None)) and _decodes(model) and not has_towers(model):
+        raise ValueError(
+            f"amxopt.from_pretrained: {type(model).__name__} decodes text with a KV cache, and amxopt supports no "
+            "tower in it: its generate() runs the model's own forward as eager PyTorch, on the weights "
+            f"from_pretrained would release. Load it with {type(model).__name__}.from_pretrained"
+        )
 
 
 def _guard_parts(model: nn.Module, parts: list[str]) -> None:

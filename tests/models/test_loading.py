@@ -484,6 +484,12 @@ def test_from_pretrained_of_a_whole_model_packs_only_its_towers(tmp_path):
     assert not packed.is_released(loaded.lm_head.weight)
     visual = loaded.model.visual.__dict__["_source"]
     assert packed.is_released(visual.blocks[0].mlp.linear_fc1.weight)
+    # A Qwen3VLModel's checkpoint (no "model." before its names), read as the whole model as
+    # transformers reads it: through its loader, which adds the prefix (they were refused).
+    model.model.save_pretrained(tmp_path / "base")
+    loaded = amxopt.from_pretrained(Qwen3VLForConditionalGeneration, tmp_path / "base", torch.float32, RELEASE)
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(**inputs, max_new_tokens=3, do_sample=False), expected)
 
 
 def test_a_weight_one_graph_reads_unpacked_and_another_packed_is_saved_both_ways(tmp_path, monkeypatch):
@@ -681,6 +687,61 @@ def test_tensors_the_class_declares_ignorable_are_not_unexpected(tmp_path):
     loaded = amxopt.from_pretrained(WanTransformer3DModel, tmp_path, torch.float32, RELEASE)
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).sample, model(**inputs).sample)
+
+
+def test_checkpoints_the_libraries_read_by_a_prefix_or_with_buffers_are_read(tmp_path):
+    # A tower's names behind "model." (transformers strips its base_model_prefix), and the rotary
+    # tables the model leaves out of its state dict (the libraries skip them with a warning).
+    for name, cls in FAMILIES.items():
+        model = models.build_model(name, torch.float32)
+        inputs = models.example_inputs(name, torch.float32)
+        with torch.no_grad():
+            expected = _leaves(model(**inputs))
+        model.save_pretrained(tmp_path / name)
+        path = next((tmp_path / name).glob("*.safetensors"))
+        state = {**load_file(path), **{n: b.clone() for n, b in model.named_buffers()}}
+        assert len(state) > len(model.state_dict())  # (each family has such buffers)
+        save_file(state, str(path), metadata={"format": "pt"})
+        tensors = [load_file(path)]
+        if cls is Qwen3VLVisionModel:
+            (tmp_path / "prefixed").mkdir()
+            (tmp_path / name / "config.json").rename(tmp_path / "prefixed" / "config.json")
+            save_file({f"model.{k}": t for k, t in tensors[0].items()}, str(tmp_path / "prefixed" / path.name))
+        for where in [tmp_path / name] if cls is not Qwen3VLVisionModel else [tmp_path / "prefixed"]:
+            loaded = amxopt.from_pretrained(cls, where, torch.float32, RELEASE)
+            with torch.no_grad():
+                for a, b in zip(_leaves(loaded(**inputs)), expected, strict=True):
+                    torch.testing.assert_close(a, b)
+
+
+def test_from_pretrained_refuses_what_could_not_run_and_names_pickled_weights(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = models.build_model("tiny-qwen3-vl-vision", torch.float32)
+    model.save_pretrained(tmp_path / "vision")
+    with pytest.raises(ValueError, match=r"Qwen3VLVisionModel runs in float32 or bfloat16 .*=torch.float16"):
+        amxopt.from_pretrained(Qwen3VLVisionModel, tmp_path / "vision", torch.float16, RELEASE)
+    config = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
+    )  # fmt: skip
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "decoder")
+    with pytest.raises(ValueError, match=r"Qwen3ForCausalLM decodes text .* Load it with Qwen3ForCausalLM"):
+        amxopt.from_pretrained(Qwen3ForCausalLM, tmp_path / "decoder", torch.float32, RELEASE)
+    (tmp_path / "vision" / "model.safetensors").rename(tmp_path / "vision" / "pytorch_model.bin")
+    with pytest.raises(amxopt.CheckpointError, match=r"\(pytorch_model.bin: amxopt reads safetensors only"):
+        amxopt.from_pretrained(Qwen3VLVisionModel, tmp_path / "vision", torch.float32, RELEASE)
+
+
+def test_a_tensor_an_embedding_shares_with_a_linear_is_not_packed_as_read():
+    # A tied embedding and LM head: decided by the first name, the shared tensor was released and
+    # the embedding then read a placeholder.
+    model = torch.nn.ModuleDict({"lm_head": torch.nn.Linear(16, 32, bias=False), "embed": torch.nn.Embedding(32, 16)})
+    model["lm_head"].weight = model["embed"].weight
+    single = torch.nn.Linear(16, 32)
+    expected = loading._expected(model)
+    assert loading._packed_tensors(model, expected, [""]) == set()
+    assert loading._packed_tensors(single, loading._expected(single), [""]) == {id(single.weight)}
 
 
 def _optimized_and_called(model, inputs):
