@@ -157,6 +157,10 @@ ERROR_CASES = {
         lambda p: ops.gated_residual(_GX, _GX, torch.randn(1, 2, 5, 8), p),
         r"amxopt\.gated_residual: gate has shape \(1, 2, 5, 8\), which does not broadcast",
     ),
+    "gated_residual-gate-middle-dim": (
+        lambda p: ops.gated_residual(_GX, _GX, torch.randn(2, 4, 8), p),
+        r"amxopt\.gated_residual: gate has shape \(2, 4, 8\), which does not broadcast to \(2, 5, 8\)",
+    ),
     "rotary-odd-dim": (
         lambda p: ops.rotary_embedding(torch.randn(2, 7), torch.randn(3), torch.randn(3), True, p),
         r"amxopt\.rotary_embedding: x \(2, 7\) must end in an even dim",

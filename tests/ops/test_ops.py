@@ -517,8 +517,9 @@ def test_linear_activation_over_the_whole_range(provider, dtype, activation):
 # odd K (plain weight).
 @pytest.mark.parametrize(
     "shape",
-    # (1050, 4096, 40): 2100 rows, A packed in two waves on the AVX-512-BF16 kernel
-    [(1, 64, 40), (5, 64, 96), (45, 1024, 96), (50, 256, 520), (300, 6200, 300), (13, 33, 70), (1050, 4096, 40)],
+    # (2100, 4096, 40): 4200 rows, A packed in three waves of 16 MB on the AVX-512-BF16 kernel and
+    # converted in two of 64 MB on the fp32 tier (its epilogue read row r's residual for row r + 4096)
+    [(1, 64, 40), (5, 64, 96), (45, 1024, 96), (50, 256, 520), (300, 6200, 300), (13, 33, 70), (2100, 4096, 40)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_residual_matches_oracle(provider, dtype, shape):
@@ -672,6 +673,7 @@ _ROW_VIEW_SHAPES = [  # (M, K, N, width)
     (13, 4094, 40, 4096),  # packed: a 12-row chunk + 1 row
     (8, 4000, 40, 4096),  # in place: 8 rows alias one L1 set, within its 8 ways
     (30, 1536, 70, 1537),  # in place, rows at odd offsets
+    (40, 4096, 72, 4160),  # amx: K-blocked, the last 8 rows a padded 16-row tile read with the view's stride
 ]
 
 
@@ -808,6 +810,27 @@ def test_attention_with_rotary_equals_rotary_then_attention(provider, dtype, cau
     )
     qr, kr = (ops.rotary_embedding(t, cos[:, None], sin[:, None], interleaved, provider) for t in (q, k))
     assert torch.equal(fused, ops.varlen_attention(qr, kr, v, cu, cu, m, m, scale, causal, provider))
+    # q and k segments of other bounds (the same token count): each token by its own position
+    cu_q, cu_k = (
+        torch.tensor([0, 2, q.shape[0]], dtype=torch.int32),
+        torch.tensor([0, 4, q.shape[0]], dtype=torch.int32),
+    )
+    fused = ops.varlen_attention(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        0,
+        0,
+        scale,
+        causal,
+        provider,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        rotary_interleaved=interleaved,
+    )
+    assert torch.equal(fused, ops.varlen_attention(qr, kr, v, cu_q, cu_k, 0, 0, scale, causal, provider))
 
 
 def test_opcheck_attention_with_rotary(provider):
@@ -1001,6 +1024,8 @@ def test_noncontiguous_inputs(provider, dtype):
         ((1, 2, 11, 40), (5, 2, 3, 5), dict(stride=[1, 3], padding=[2, 0], dilation=[2, 1], groups=1)),
         ((2, 7, 8, 9), (4, 7, 3, 3), dict(stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1)),
         ((2, 8, 8, 9), (4, 8, 3, 3), dict(stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1)),
+        # 40 output channels: the direct kernel's loop over two channel vectors, and a masked third
+        ((1, 1, 8, 10), (40, 1, 3, 3), dict(stride=[1, 1], padding=[1, 1], dilation=[1, 1], groups=1)),
         # conv.cpp's im2col + GEMM (bf16, even K > 64, amx tier): 1200 rows (two im2col
         # chunks of at most 1024) x 40 channels (a partial column block) at K = 288 (tile kernel); K =
         # 120 (not a multiple of 32) with asymmetric stride / padding / dilation; a 1x1 conv; K = 81
@@ -1252,6 +1277,39 @@ def test_attention_of_huge_finite_scores_is_the_softmax(provider, dtype, scale):
     v = torch.randn(20, 2, 64, generator=gen).to(dtype)
     got = ops.varlen_attention(q, k, v, cu, cu, 0, 0, scale, False, provider)
     assert_close_dtype(got, attention_oracle(q, k, v, cu, cu, scale, False), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_keeps_a_huge_first_score_across_key_blocks(provider, dtype):
+    # The first key's score 400 above every later one, 600 keys (several key blocks): each later
+    # block's scores are rescaled against the running max, which a block's own max must not replace.
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 1, 16, generator=gen) for n in (1, 600, 600))
+    q[0, 0, 0] = k[0, 0, 0] = 40.0
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    cu_q, cu_k = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 600], dtype=torch.int32)
+    got = ops.varlen_attention(q, k, v, cu_q, cu_k, 0, 0, 0.25, False, provider)
+    assert_close_dtype(got, attention_oracle(q, k, v, cu_q, cu_k, 0.25, False), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_rows_that_see_no_key_are_zero_after_a_nan_attention(provider, dtype):
+    # One thread, so the second call reuses the first's scratch: NaN left there by a NaN key must not
+    # reach rows of a causal segment (600 queries, 40 keys) that see no key.
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(600, 2, 64, generator=gen).to(dtype) for _ in range(3))
+    poisoned = k.clone()
+    poisoned[3, :, 5] = math.nan
+    cu, cu_k = torch.tensor([0, 600], dtype=torch.int32), torch.tensor([0, 40], dtype=torch.int32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ops.varlen_attention(q, poisoned, v, cu, cu, 0, 0, 0.125, False, provider)
+        got = ops.varlen_attention(q, k[:40], v[:40], cu, cu_k, 0, 0, 0.125, True, provider)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[:560], torch.zeros_like(got[:560]))
+    assert_close_dtype(got, attention_oracle(q, k[:40], v[:40], cu, cu_k, 0.125, True), dtype)
 
 
 @pytest.mark.parametrize("d", [5, 37, 1152])
