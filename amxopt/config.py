@@ -6,7 +6,6 @@ import dataclasses
 import math
 import os
 import pathlib
-import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +118,15 @@ class AmxConfig:
 
 
 def _cores_per_rank(cpu_bind: object) -> bool:
-    """Whether ``cpu_bind`` is a list of ranks' cores: each a core id, a ``"0-3,8"`` string or a list of ids."""
+    """Whether ``cpu_bind`` is one entry of cores per rank, each as the tp runner reads it: a core id,
+    a ``"0-3,8"`` string or an iterable of ids (a list, range, set, numpy array)."""
+    from amxopt.runtime.tp import _parse_cores
 
-    def is_id(c: object) -> bool:
-        return isinstance(c, int) and not isinstance(c, bool)
-
-    def is_cores(entry: object) -> bool:
-        if isinstance(entry, str):
-            return all(re.fullmatch(r"\s*\d+(\s*-\s*\d+)?\s*", part) for part in entry.split(","))
-        return is_id(entry) or isinstance(entry, (list, tuple)) and all(is_id(c) for c in entry)
-
-    return isinstance(cpu_bind, (list, tuple)) and all(is_cores(e) for e in cpu_bind)
+    if isinstance(cpu_bind, (str, bytes)) or not hasattr(cpu_bind, "__len__"):
+        return False
+    try:
+        for entry in cpu_bind:
+            _parse_cores(entry)
+    except (TypeError, ValueError):
+        return False
+    return True

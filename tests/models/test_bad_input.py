@@ -177,7 +177,7 @@ def test_config_values_of_the_wrong_kind_are_refused_by_field(field, value, want
     ):
         amxopt.AmxConfig(**{field: value})
     assert amxopt.AmxConfig(passes=["replace_linear"]).passes == ("replace_linear",)
-    for cpu_bind in (None, "none", ("0-3, 8", "4-7"), [[0, 1], (2,)], (0, 1)):
+    for cpu_bind in (None, "none", ("0-3, 8", "4-7"), [[0, 1], (2,)], (0, 1), [range(0, 2), {2, 3}], [["0"], ["1"]]):
         assert amxopt.AmxConfig(cpu_bind=cpu_bind).cpu_bind == cpu_bind
     assert amxopt.AmxConfig(autotune_cache=pathlib.Path("/tmp/x")).cache_dir() == pathlib.Path("/tmp/x")
 
