@@ -47,6 +47,7 @@ class Adapter:
     def __init__(self, model: nn.Module) -> None:
         self.model_name = type(model).__name__
         self._signature = inspect.signature(model.forward)
+        self._config = getattr(model, "config", None)
 
     @classmethod
     def matches(cls, model: nn.Module) -> bool:
@@ -64,7 +65,8 @@ class Adapter:
         out = {k: v for k, v in bound.arguments.items() if not (v is None and params[k].default is None)}
         for name, p in self._signature.parameters.items():
             if p.kind is inspect.Parameter.VAR_KEYWORD and name in out:
-                out.update(out.pop(name))
+                # by name: the same keywords in another order are the same call (one graph)
+                out.update(sorted(out.pop(name).items()))
             elif p.kind is inspect.Parameter.VAR_POSITIONAL and name in out:
                 if out[name]:
                     raise TypeError(f"{self.model_name}.forward: extra positional args are not supported")
@@ -77,7 +79,16 @@ class Adapter:
         One graph then serves every caller: transformers' ``get_image_features`` passes
         ``return_dict=True``, diffusers pipelines ``return_dict=False``.
         """
-        return {k: call.pop(k) for k in _OUTPUT_OPTIONS if k in call}
+        options = {k: call.pop(k) for k in _OUTPUT_OPTIONS if k in call}
+        if (
+            options.get("return_dict")
+            and type(self).graph_inputs is Adapter.graph_inputs
+            and getattr(self._config, "return_dict", True) is False
+        ):
+            # The config makes the model return a tuple, which cannot be made its output class
+            # again: a call asking for that class is traced with the flag (a graph of its own).
+            call["return_dict"] = True
+        return options
 
     def format_output(self, out: Any, options: dict[str, Any]) -> Any:
         """The graph's output as the original would return it under ``options``."""

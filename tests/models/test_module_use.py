@@ -671,3 +671,139 @@ def test_wan_under_flex_attention_runs_and_reports_its_attention_left(tmp_path):
         _AttentionBackendRegistry.set_active_backend(active)
     left = [e for e in opt.report.left if e.kind == "attention"]
     assert len(left) == 2 * model.config.num_layers and all("flex attention" in e.detail for e in left), left
+
+
+# The call path's guards a mutant review found untested (each test fails with its guard removed).
+_NO_CACHE = dataclasses.replace(CONFIG, graph_cache=False)
+
+
+def test_the_parts_of_a_cut_audio_call_each_take_a_graph_that_fits_them():
+    model = models.build_model("tiny-qwen3-omni-audio", torch.float32, conv_chunksize=9)
+    gen = torch.Generator().manual_seed(0)
+
+    def audio(lens):
+        return {"input_features": torch.randn(128, sum(lens), generator=gen), "feature_lens": torch.tensor(lens)}
+
+    opt = amxopt.optimize(model, audio([40]), _NO_CACHE)  # a 1-chunk example: its graph fixes one chunk
+    with torch.no_grad():
+        inputs = audio([40, 900])  # cut into [40] and [900]: the second needs a graph of its own
+        assert max_abs_error(opt(**inputs), model(**inputs)) <= 1e-5
+    assert len(opt.graphs) == 2
+
+
+def test_a_layer_put_back_in_eval_mode_keeps_the_graphs():
+    model, inputs = _wan()
+    opt = amxopt.optimize(model, inputs, _NO_CACHE)
+    first = opt.graphs[0]
+    with torch.no_grad():
+        model.blocks[0].train()
+        with pytest.raises(RuntimeError, match="training mode"):
+            opt(**inputs)
+        model.blocks[0].eval()
+        opt(**inputs)
+    assert opt.graphs[0] is first  # refused, not dropped: no capture again
+
+
+def test_new_data_assigned_while_the_old_storage_lives_is_used():
+    model, inputs = _wan()
+    opt = amxopt.optimize(model, inputs, _NO_CACHE)
+    w = model.proj_out.weight
+    with torch.no_grad():
+        opt(**inputs)
+        old = w.data  # noqa: F841 - kept alive (an EMA's or an optimizer's reference)
+        w.data = torch.randn_like(w) * 3  # the version unchanged, the data pointer moved
+        assert max_abs_error(opt(**inputs), model(**inputs)) == 0.0
+
+
+class _ShapeBranch(nn.Module):
+    """Past 4 rows, a slice by a tensor's value: export cannot capture it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[0] > 4:
+            return self.proj(x[: int(x.sum() > 0) + 1])
+        return self.proj(x)
+
+
+class _OnePartPipeline:
+    def __init__(self, module):
+        self.text_encoder = module
+
+    @property
+    def components(self):
+        return {"text_encoder": self.text_encoder, "tokenizer": None}
+
+
+def test_a_failed_capture_of_another_shape_is_neither_a_dtype_refusal_nor_eager_for_good():
+    from amxopt.capture import CaptureError
+
+    torch.manual_seed(0)
+    source = _ShapeBranch().eval()
+    opt = amxopt.optimize(source, (torch.randn(2, 8),), _NO_CACHE)
+    pipe = amxopt.optimize(_OnePartPipeline(_ShapeBranch().eval()), config=_NO_CACHE)
+    with torch.no_grad():
+        pipe.text_encoder(torch.randn(2, 8))
+        for module in (opt, pipe.text_encoder):
+            with pytest.raises(CaptureError):
+                module(torch.randn(8, 8))
+            x = torch.randn(3, 8)  # the same dtype, a shape the graph takes: still runs it
+            assert torch.equal(module(x), module.__dict__["_source"](x))
+    assert pipe.text_encoder.eager_reason is None and len(pipe.text_encoder.graphs) == 1
+
+
+def test_a_call_with_grad_enabled_gives_an_output_without_autograd_history():
+    model, inputs = _wan()
+    model.requires_grad_(True)
+    opt = amxopt.optimize(model, inputs, _NO_CACHE)
+    out = opt(**inputs).sample
+    assert not out.requires_grad and out.grad_fn is None
+
+
+def test_train_on_a_layer_added_and_captured_since_is_refused():
+    model, inputs = _wan()
+    opt = amxopt.optimize(model, inputs, _NO_CACHE)
+    with torch.no_grad():
+        opt(**inputs)
+        old = model.proj_out
+        model.proj_out = nn.Sequential(nn.Linear(old.in_features, old.out_features), nn.Dropout(0.5)).eval()
+        opt(**inputs)
+        model.proj_out.train()
+        with pytest.raises(RuntimeError, match="proj_out is in training mode"):
+            opt(**inputs)
+
+
+def _clip(return_dict: bool = True):
+    import transformers
+
+    config = transformers.CLIPVisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=16
+    )
+    config.return_dict = return_dict
+    torch.manual_seed(0)
+    return transformers.CLIPVisionModel._from_config(config, attn_implementation="sdpa").eval()
+
+
+def test_keywords_in_another_order_are_the_same_call():
+    # CLIP takes output_hidden_states / output_attentions through **kwargs: each order took a graph.
+    model, x = _clip(), torch.randn(2, 3, 64, 64)
+    opt = amxopt.optimize(
+        model, {"pixel_values": x, "output_hidden_states": True, "output_attentions": False}, _NO_CACHE
+    )
+    with torch.no_grad():
+        opt(pixel_values=x, output_attentions=False, output_hidden_states=True)
+    assert len(opt.graphs) == 1
+
+
+def test_return_dict_true_is_kept_where_the_config_returns_tuples():
+    model, x = _clip(return_dict=False), torch.randn(2, 3, 64, 64)
+    opt = amxopt.optimize(model, (x,), _NO_CACHE)
+    with torch.no_grad():
+        for options in ({}, {"return_dict": True}, {"return_dict": False}):
+            got, want = opt(x, **options), model(x, **options)
+            assert type(got) is type(want), options
+            as_tuple = lambda out: out.to_tuple() if hasattr(out, "to_tuple") else out
+            for a, b in zip(as_tuple(got), as_tuple(want), strict=True):
+                torch.testing.assert_close(a, b)
