@@ -105,7 +105,12 @@ class AmxConfig:
             raise bad("tp_timeout_s", "a finite number of seconds > 0")
         if self.autotune_cache is not None and not isinstance(self.autotune_cache, (str, os.PathLike)):
             raise bad("autotune_cache", "None or a directory path")
-        if not (self.cpu_bind is None or self.cpu_bind == "none" or _cores_per_rank(self.cpu_bind)):
+        if not (
+            self.cpu_bind is None
+            or isinstance(self.cpu_bind, str)
+            and self.cpu_bind == "none"
+            or _cores_per_rank(self.cpu_bind)
+        ):
             raise bad("cpu_bind", "None, 'none' or one entry of cores per rank, such as ('0-3', '4-7')")
 
     def cache_dir(self) -> pathlib.Path:
