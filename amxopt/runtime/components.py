@@ -161,7 +161,7 @@ def warn_if_decoder(model: Any) -> None:
     """Say so when a text decoder with no tower amxopt supports is to be captured whole: its
     ``generate()``, read through the optimized module, calls the model's own forward as eager
     PyTorch, and nothing said so (Qwen2.5-VL's whole model generated eagerly, with no graph)."""
-    if isinstance(model, nn.Module) and callable(getattr(model, "generate", None)) and _decodes(model):
+    if generates_text(model):
         logger.warning(
             "amxopt: %s decodes text with a KV cache, and amxopt supports no tower in it: only a call of the "
             "optimized module runs a captured graph; its generate() runs the model's own forward as eager PyTorch "
@@ -170,6 +170,11 @@ def warn_if_decoder(model: Any) -> None:
             type(model).__name__,
             _LANGUAGE_MODEL.removeprefix("language model: "),
         )
+
+
+def generates_text(model: Any) -> bool:
+    """A model whose ``generate()`` decodes text with a KV cache, calling its own forward."""
+    return isinstance(model, nn.Module) and callable(getattr(model, "generate", None)) and _decodes(model)
 
 
 def _decodes(module: nn.Module) -> bool:

@@ -251,6 +251,12 @@ def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.state_dict(keep_vars=True))
 
 
+def _unsaved_buffers(model: nn.Module, expected: dict) -> set[str]:
+    """The buffers the model leaves out of its state dict (rotary tables): a checkpoint may hold them
+    all the same, and the libraries skip them with a warning (the model computes its own)."""
+    return {n for n, _ in model.named_buffers()} - set(expected)
+
+
 def _check_keys(
     expected: dict, found, where: str, hint: Callable[[list[str]], str] | None = None, ignore: tuple = ()
 ) -> dict[str, str]:
@@ -457,9 +463,7 @@ def _load_model(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, provide
         return _load_converted(cls, path, torch_dtype, provider)
     ignore = (
         *(getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ()),  # (Wan I2V's norm_added_q)
-        # buffers left out of the state dict (rotary tables) that a checkpoint may hold: the libraries
-        # skip them with a warning, and the model computes its own
-        *(f"^{re.escape(n)}$" for n, _ in model.named_buffers() if n not in expected),
+        *(f"^{re.escape(n)}$" for n in _unsaved_buffers(model, expected)),
     )
     stored = _check_keys(expected, files, str(path), lambda unexpected: note, ignore)
     parts = _packed_parts(model)
@@ -502,8 +506,7 @@ def _load_converted(cls: type, path: pathlib.Path, torch_dtype: torch.dtype, pro
     except (OSError, RuntimeError, ValueError) as e:
         raise CheckpointError(f"amxopt: {path}: {cls.__name__}.from_pretrained cannot read it: {e}") from e
     kinds = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs", "conversion_errors")
-    # buffers left out of the state dict (rotary tables), stored all the same: skipped, as when streamed
-    buffers = {n for n, _ in model.named_buffers()} - set(_expected(model))
+    buffers = _unsaved_buffers(model, _expected(model))
     prefix = f"{getattr(cls, 'base_model_prefix', '')}."
     info["unexpected_keys"] = [
         k for k in info.get("unexpected_keys", ()) if not {k, k.removeprefix(prefix), prefix + k} & buffers
@@ -561,7 +564,7 @@ def _prefixed(cls: type, expected: dict, found) -> bool:
 def _refuse_unrunnable(model: nn.Module, dtype: torch.dtype) -> None:
     """Before anything is read: a model that would be loaded only to fail at its first call."""
     from amxopt.capture.qwen import QwenAudioAdapter, QwenVisionAdapter
-    from amxopt.runtime.components import _decodes, has_towers
+    from amxopt.runtime.components import generates_text, has_towers
 
     towers = {*QwenVisionAdapter.classes, *QwenAudioAdapter.classes}
     tower = next((m for m in model.modules() if type(m).__name__ in towers), None)
@@ -570,7 +573,7 @@ def _refuse_unrunnable(model: nn.Module, dtype: torch.dtype) -> None:
             f"amxopt.from_pretrained: {type(tower).__name__} runs in float32 or bfloat16 (amxopt's attention takes "
             f"no other), got torch_dtype={dtype}: load it with torch.bfloat16"
         )
-    if callable(getattr(model, "generate", None)) and _decodes(model) and not has_towers(model):
+    if generates_text(model) and not has_towers(model):
         raise ValueError(
             f"amxopt.from_pretrained: {type(model).__name__} decodes text with a KV cache, and amxopt supports no "
             "tower in it: its generate() runs the model's own forward as eager PyTorch, on the weights "

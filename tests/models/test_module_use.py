@@ -728,22 +728,14 @@ class _ShapeBranch(nn.Module):
         return self.proj(x)
 
 
-class _OnePartPipeline:
-    def __init__(self, module):
-        self.text_encoder = module
-
-    @property
-    def components(self):
-        return {"text_encoder": self.text_encoder, "tokenizer": None}
-
-
 def test_a_failed_capture_of_another_shape_is_neither_a_dtype_refusal_nor_eager_for_good():
     from amxopt.capture import CaptureError
+    from tests.models.test_whole_models import _Pipeline
 
     torch.manual_seed(0)
     source = _ShapeBranch().eval()
     opt = amxopt.optimize(source, (torch.randn(2, 8),), _NO_CACHE)
-    pipe = amxopt.optimize(_OnePartPipeline(_ShapeBranch().eval()), config=_NO_CACHE)
+    pipe = amxopt.optimize(_Pipeline(_ShapeBranch().eval()), config=_NO_CACHE)
     with torch.no_grad():
         pipe.text_encoder(torch.randn(2, 8))
         for module in (opt, pipe.text_encoder):
