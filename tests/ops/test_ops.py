@@ -1053,6 +1053,18 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params, act):
     assert_close_dtype(out, oracle(F.conv2d(x.double(), w.double(), b32.to(dtype).double(), **params)), dtype)
 
 
+@pytest.mark.parametrize("cin", [7, 8])  # K = 63: the direct kernel; K = 72: im2col + GEMM on amx, else ATen's
+def test_conv2d_rounds_an_fp32_bias_to_x_dtype_first(provider, cin):
+    # Every output is exactly 1 + bias: an fp32 bias of 256.75 rounded to bf16 first (256) gives 257,
+    # a tie that rounds to 256; added unrounded it gives 257.75 -> 258. A tolerance cannot tell them apart.
+    x = torch.ones(1, cin, 5, 6, dtype=torch.bfloat16)
+    w = torch.zeros(4, cin, 3, 3, dtype=torch.bfloat16)
+    w[:, 0, 1, 1] = 1
+    b32 = torch.full((4,), 256.75)
+    out = ops.conv2d(x, w, b32, [1, 1], [0, 0], [1, 1], 1, "none", provider)
+    assert torch.equal(out.float(), torch.full((1, 4, 3, 4), 256.0)), out.unique()
+
+
 @pytest.mark.parametrize(
     "call,match",
     [

@@ -317,6 +317,9 @@ int64_t amx_emulated_blocks();
 // kDirectK and groups == 1 (nullopt otherwise, or where ATen's convolution should report the
 // arguments), the activation applied before the one rounding. library.py's fake mirrors the condition.
 constexpr int64_t kDirectK = 64;
+// The bias in fp32 after a rounding to x's dtype, as the reference and ATen's path round it (an
+// undefined tensor for none): every conv2d route adds it so, whatever route Cin x kh x kw and the tier pick.
+at::Tensor rounded_bias(const std::optional<at::Tensor>& bias, at::ScalarType dtype);
 std::optional<at::Tensor> conv2d_direct(const at::Tensor& x, const at::Tensor& w,
                                         const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                                         at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, Act act);

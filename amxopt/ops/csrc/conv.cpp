@@ -49,11 +49,6 @@ std::optional<std::array<int64_t, 2>> output_size(const at::Tensor& x, const at:
   return o;
 }
 
-// The bias in fp32 after a rounding to x's dtype, as the reference and ATen's path round it.
-at::Tensor rounded_bias(const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
-  return bias.has_value() ? bias->to(dtype).to(at::kFloat).contiguous() : at::Tensor();
-}
-
 template <typename S>
 at::Tensor conv2d_direct_impl(const at::Tensor& x, const at::Tensor& w32, const at::Tensor& b32, int64_t kh,
                               int64_t kw, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
@@ -120,6 +115,10 @@ void im2col_rows(const bf16* X, int64_t C, int64_t H, int64_t W, int64_t kh, int
 }
 
 }  // namespace
+
+at::Tensor rounded_bias(const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  return bias.has_value() ? bias->to(dtype).to(at::kFloat).contiguous() : at::Tensor();
+}
 
 std::optional<at::Tensor> conv2d_gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,

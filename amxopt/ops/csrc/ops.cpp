@@ -274,7 +274,7 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<
   if (auto gemm = conv2d_gemm(x, w, bias, stride, padding, dilation, groups, act, active_tier())) return *gemm;
   if (x.scalar_type() == at::kBFloat16 && active_tier() == Tier::Fp32) {
     std::optional<at::Tensor> b32;
-    if (bias.has_value()) b32 = bias->to(at::kFloat);
+    if (bias.has_value()) b32 = rounded_bias(bias, x.scalar_type());
     auto y = at::conv2d(x.to(at::kFloat), w.to(at::kFloat), b32, stride, padding, dilation, groups);
     return activate_(y, act).to(at::kBFloat16);
   }
