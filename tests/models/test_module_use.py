@@ -573,11 +573,12 @@ def test_short_clips_and_any_image_count_take_one_graph(tmp_path):
     # image count, ran into max_recaptures after eight.
     config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True)
     audio = models.build_model("tiny-qwen3-omni-audio", torch.float32)
+    exact = copy.deepcopy(audio).double()
     gen = torch.Generator().manual_seed(0)
     opt = amxopt.optimize(audio, {"input_features": torch.randn(128, 200), "feature_lens": torch.tensor([200])}, config)
     for frames in (30, 45, 60, 75, 90, 95, 97, 99, 100, 37):
         clip = {"input_features": torch.randn(128, frames, generator=gen), "feature_lens": torch.tensor([frames])}
-        assert max_abs_error(_run(opt, clip), _run(audio, clip)) <= 1e-5, frames
+        _assert_as_close_as_eager(opt, audio, exact, clip, frames)
     assert len(opt.graphs) == 1
     vision = models.build_model("tiny-qwen3-vl-vision", torch.float32)
     patch = models.example_inputs("tiny-qwen3-vl-vision", torch.float32)["hidden_states"].shape[1]
@@ -585,11 +586,20 @@ def test_short_clips_and_any_image_count_take_one_graph(tmp_path):
     def images(n):
         return {"hidden_states": torch.randn(16 * n, patch, generator=gen), "grid_thw": torch.tensor([[1, 4, 4]] * n)}
 
+    exact = copy.deepcopy(vision).double()
     opt = amxopt.optimize(vision, images(2), config)
     for n in (1, 3, 5, 9, 11):
-        call = images(n)
-        assert max_abs_error(_run(opt, call), _run(vision, call)) <= 1e-5, n
+        _assert_as_close_as_eager(opt, vision, exact, images(n), n)
     assert len(opt.graphs) == 1
+
+
+def _assert_as_close_as_eager(opt, model, exact, inputs, what):
+    # fp32 through amxopt against an fp64 run of the same model: at most twice eager fp32's own error, or
+    # 1e-5. Two fp32 summation orders differ by eager's rounding, which grows with the values and the CPU's
+    # sgemm: 1.25e-5 between amxopt and eager at 11 images on a Zen 3 (AVX2), 4.9e-5 of eager's own at one.
+    wide = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    want = _run(exact, wide)
+    assert max_abs_error(_run(opt, inputs), want) <= max(2 * max_abs_error(_run(model, inputs), want), 1e-5), what
 
 
 class _Two(nn.Module):
