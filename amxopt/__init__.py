@@ -23,6 +23,7 @@ from amxopt.runtime.components import (
     has_towers,
     is_pipeline,
     optimize_components,
+    unrunnable,
     warn_if_decoder,
 )
 from amxopt.runtime.loading import CheckpointError, from_pretrained, load
@@ -80,6 +81,9 @@ def optimize(model: Any, example_inputs: Any = None, config: AmxConfig | None = 
         raise ValueError(
             f"amxopt: {type(model).__name__} is in training mode; amxopt optimizes inference, call .eval()"
         )
+    refusal = None if is_pipeline(model) else unrunnable(model)  # a pipeline's part runs eagerly instead
+    if refusal is not None:
+        raise ValueError(f"amxopt: {refusal}: cast the model (model.to(torch.bfloat16)) before optimizing it")
     config = dataclasses.replace(config, provider=resolve(config.provider))
     if config.tp != 1 and isinstance(model, torch.nn.Module) and any(map(packed.is_released, model.parameters())):
         raise ValueError(

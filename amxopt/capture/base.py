@@ -53,6 +53,12 @@ class Adapter:
     def matches(cls, model: nn.Module) -> bool:
         return True
 
+    @classmethod
+    def refusal(cls, model: nn.Module, dtype: torch.dtype | None = None) -> str | None:
+        """Why ``model`` (in ``dtype``, by default its parameters') cannot run on amxopt at all, checked
+        before anything is replaced or read; ``None`` where it can."""
+        return None
+
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """Name every argument of a call the way ``model.forward`` would receive it. An argument
         given as ``None`` where that is its default is the call without it (a pipeline passes
@@ -201,6 +207,8 @@ def export(
                 "in a vision tower's metadata): an amxopt adapter must compute those eagerly before the graph, "
                 "as amxopt/capture/qwen.py does for the Qwen3 towers"
             )
+    if len(errors) == 2 and errors[0].removeprefix("dynamic: ") == errors[1].removeprefix("static: "):
+        errors = ["dynamic and static: " + errors[1].removeprefix("static: ")]  # one cause, said once
     raise CaptureError(
         f"amxopt: torch.export could not capture {adapter.model_name} as one graph "
         f"(adapter {adapter.name!r}): " + "; ".join(errors) + hint

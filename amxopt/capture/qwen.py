@@ -32,15 +32,20 @@ class _QwenAdapter(Adapter):
     def matches(cls, model: nn.Module) -> bool:
         return type(model).__name__ in cls.classes
 
+    @classmethod
+    def refusal(cls, model: nn.Module, dtype: torch.dtype | None = None) -> str | None:
+        # Its attention is captured as amxopt's op, which takes no other dtype.
+        if dtype is None:
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        if dtype in (torch.float32, torch.bfloat16):
+            return None
+        return f"{type(model).__name__} is in {dtype}, and amxopt's attention takes float32 or bfloat16"
+
     def tracing(self, model: nn.Module):
-        # Its attention is captured as amxopt's op: say why a float16 tower is not (a capture error,
-        # so a pipeline runs that part as it was).
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(
-                f"{self.model_name} is in {dtype}, and amxopt's attention takes float32 or bfloat16: cast the "
-                "model (model.to(torch.bfloat16)) before optimizing it"
-            )
+        # optimize() refused such a tower; one cast since (a kept source) is a capture error.
+        refusal = self.refusal(model)
+        if refusal is not None:
+            raise ValueError(f"{refusal}: cast the model (model.to(torch.bfloat16)) before optimizing it")
         return routed_attention(model)
 
     def dynamic_shapes(self, graph_inputs: dict[str, Any]) -> dict[str, Any]:

@@ -172,6 +172,18 @@ def warn_if_decoder(model: Any) -> None:
         )
 
 
+def unrunnable(model: nn.Module, dtype: Any = None) -> str | None:
+    """Why a module in ``model`` (``model`` itself included), in ``dtype`` (by default its own
+    parameters'), cannot run on amxopt at all (a Qwen tower in float16); ``None`` where all can. Checked
+    before anything is replaced: such a tower was replaced, then failed every call, and the cast its
+    error advised was refused on the replaced module."""
+    for path, module in model.named_modules():
+        refusal = find_adapter(module).refusal(module, dtype)
+        if refusal is not None:
+            return f"{path}: {refusal}" if path else refusal
+    return None
+
+
 def generates_text(model: Any) -> bool:
     """A model whose ``generate()`` decodes text with a KV cache, calling its own forward."""
     return isinstance(model, nn.Module) and callable(getattr(model, "generate", None)) and _decodes(model)

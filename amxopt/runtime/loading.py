@@ -563,16 +563,11 @@ def _prefixed(cls: type, expected: dict, found) -> bool:
 
 def _refuse_unrunnable(model: nn.Module, dtype: torch.dtype) -> None:
     """Before anything is read: a model that would be loaded only to fail at its first call."""
-    from amxopt.capture.qwen import QwenAudioAdapter, QwenVisionAdapter
-    from amxopt.runtime.components import generates_text, has_towers
+    from amxopt.runtime.components import generates_text, has_towers, unrunnable
 
-    towers = {*QwenVisionAdapter.classes, *QwenAudioAdapter.classes}
-    tower = next((m for m in model.modules() if type(m).__name__ in towers), None)
-    if tower is not None and dtype not in DTYPES:
-        raise ValueError(
-            f"amxopt.from_pretrained: {type(tower).__name__} runs in float32 or bfloat16 (amxopt's attention takes "
-            f"no other), got torch_dtype={dtype}: load it with torch.bfloat16"
-        )
+    refusal = unrunnable(model, dtype)
+    if refusal is not None:
+        raise ValueError(f"amxopt.from_pretrained: {refusal} (torch_dtype={dtype}): load it with torch.bfloat16")
     if generates_text(model) and not has_towers(model):
         raise ValueError(
             f"amxopt.from_pretrained: {type(model).__name__} decodes text with a KV cache, and amxopt supports no "

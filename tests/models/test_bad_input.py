@@ -108,12 +108,22 @@ def test_wan_latent_shape_checked():
         opt(**two)
 
 
-def test_a_qwen_tower_in_float16_is_refused_with_the_cast_to_make():
+def test_a_qwen_tower_in_float16_is_refused_by_optimize_with_the_cast_to_make():
+    # Refused before anything is replaced, with or without example inputs, alone or in a whole model:
+    # the replaced tower failed every call, and the cast its error advised was refused on it.
+    from amxopt import pipelines
+
+    cast = r"is in torch.float16, and amxopt's attention takes float32 or bfloat16: cast the model \(model.to"
     model = models.build_model("tiny-qwen3-vl-vision", torch.float16)
-    with pytest.raises(
-        amxopt.CaptureError, match=r"Qwen3VLVisionModel is in torch.float16.*model.to\(torch.bfloat16\)"
-    ):
-        amxopt.optimize(model, models.example_inputs("tiny-qwen3-vl-vision", torch.float16), CONFIG)
+    for inputs in (models.example_inputs("tiny-qwen3-vl-vision", torch.float16), None):
+        with pytest.raises(ValueError, match=r"amxopt: Qwen3VLVisionModel " + cast):
+            amxopt.optimize(model, inputs, CONFIG)
+    whole = pipelines.build_qwen3_vl("tiny", torch.float16)
+    with pytest.raises(ValueError, match=r"amxopt: model.visual: Qwen3VLVisionModel " + cast):
+        amxopt.optimize(whole, config=CONFIG)
+    assert type(whole.model.visual).__name__ == "Qwen3VLVisionModel" and not hasattr(whole, "amxopt_report")
+    opt = amxopt.optimize(whole.to(torch.bfloat16), config=CONFIG)  # the advice can be followed
+    assert "model.visual" in opt.amxopt_report.optimized
 
 
 class DataDependent(nn.Module):
@@ -129,9 +139,17 @@ class DataDependent(nn.Module):
         return x if x.sum() > 0 else -x
 
 
+class Refusing(nn.Linear):
+    def forward(self, x):
+        raise ValueError("Refusing takes nothing")
+
+
 def test_model_without_capturable_graph():
     with pytest.raises(amxopt.CaptureError, match=r"could not capture DataDependent"):
         amxopt.optimize(DataDependent().eval(), (torch.randn(2, 4),), CONFIG)
+    # the dynamic and the static export failing alike: the cause said once
+    with pytest.raises(amxopt.CaptureError, match=r"\): dynamic and static: ValueError: Refusing takes nothing$"):
+        amxopt.optimize(Refusing(4, 4).eval(), (torch.randn(2, 4),), CONFIG)
 
 
 def test_training_mode_refused():
