@@ -719,7 +719,9 @@ def test_from_pretrained_refuses_what_could_not_run_and_names_pickled_weights(tm
 
     model = models.build_model("tiny-qwen3-vl-vision", torch.float32)
     model.save_pretrained(tmp_path / "vision")
-    with pytest.raises(ValueError, match=r"Qwen3VLVisionModel is in torch.float16, and amxopt's attention takes float32 or bfloat16"):
+    with pytest.raises(
+        ValueError, match=r"Qwen3VLVisionModel is in torch.float16, and amxopt's attention takes float32 or bfloat16"
+    ):
         amxopt.from_pretrained(Qwen3VLVisionModel, tmp_path / "vision", torch.float16, RELEASE)
     config = Qwen3Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
