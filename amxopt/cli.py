@@ -246,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out {args.out}: a file is there, not a directory")
     if args.command == "profile":
         check_run_options(parser, args.repeats, args.json)
-    if args.command == "info" and not (0 <= args.threads <= _MAX_COUNT and 0 <= args.tp <= _MAX_COUNT):
-        parser.error(f"--threads {args.threads} --tp {args.tp}: counts from 0 to {_MAX_COUNT}")
+    if args.command == "info":
+        for flag, count in (("--threads", args.threads), ("--tp", args.tp)):
+            if not 0 <= count <= _MAX_COUNT:
+                parser.error(f"{flag} {count}: a count from 0 to {_MAX_COUNT}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.fn(args)

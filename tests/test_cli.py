@@ -179,7 +179,9 @@ def test_info_refuses_counts_out_of_range(args, capsys):
     # 2**64 and more reached the C++ work-split as a pybind11 cast error naming no flag.
     with pytest.raises(SystemExit) as exit_:
         cli.main(["info", *args])
-    assert exit_.value.code == 2 and "counts from 0 to 65536" in capsys.readouterr().err
+    err = capsys.readouterr().err  # naming only the flag that is out of range
+    assert exit_.value.code == 2 and f"{args[0]} {int(args[1])}: a count from 0 to 65536" in err
+    assert ("--tp" in err) == (args[0] == "--tp")
 
 
 def test_info_prints_the_cores_of_tp_ranks(capsys):
