@@ -57,11 +57,12 @@ def test_fuse_rotary_on_wan_block_is_bit_equal(config, batch):
 
 class VisionAttention(nn.Module):
     """Qwen3-VL's vision attention as its block runs it: q, k, v from one qkv, rotate_half with D-wide
-    cos / sin, then SDPA on [1, H, T, D]; ``leak`` also returns the rotated q (a second reader)."""
+    cos / sin, then SDPA on [1, H, T, D]; ``leak`` also returns the rotated q (a second reader), ``causal``
+    makes the SDPA causal."""
 
-    def __init__(self, leak: bool = False, k_angle: float = 1.0):
+    def __init__(self, leak: bool = False, k_angle: float = 1.0, causal: bool = False):
         super().__init__()
-        self.leak, self.k_angle = leak, k_angle
+        self.leak, self.k_angle, self.causal = leak, k_angle, causal
 
     def forward(self, qkv, freqs):
         q, k, v = qkv.unbind(1)
@@ -71,7 +72,7 @@ class VisionAttention(nn.Module):
         else:
             q, _ = apply_rotary_pos_emb_vision(q, k, emb.cos(), emb.sin())
             _, k = apply_rotary_pos_emb_vision(q, k, (emb * self.k_angle).cos(), (emb * self.k_angle).sin())
-        o = F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)))
+        o = F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), is_causal=self.causal)
         return (o, q) if self.leak else o
 
 
@@ -80,9 +81,10 @@ def _vision_inputs(dtype=torch.bfloat16):
     return {"qkv": torch.randn(12, 3, 2, 16, generator=g).to(dtype), "freqs": torch.randn(12, 8, generator=g)}
 
 
-def test_fuse_rotary_on_qwen3_vl_attention_is_bit_equal():
+@pytest.mark.parametrize("causal", [False, True])  # the fused attention keeps the SDPA's causal flag
+def test_fuse_rotary_on_qwen3_vl_attention_is_bit_equal(causal):
     # Static: a head dim that varies with the input leaves an SDPA without a scale (the model's comes from its weights).
-    gm, gi = _rewrite(VisionAttention().eval(), _vision_inputs(), NATIVE, dynamic=False)
+    gm, gi = _rewrite(VisionAttention(causal=causal).eval(), _vision_inputs(), NATIVE, dynamic=False)
     assert _rotaries(gm) == 2 and count(gm, amx.varlen_attention.default) == 1
     with torch.no_grad():
         before = gm(**gi)
