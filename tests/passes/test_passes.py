@@ -452,6 +452,27 @@ def test_replace_attention_sdpa_of_one_tensor_in_several_places(uses):
     assert_same(gm, gi, model)
 
 
+class TwoLayoutsSDPA(nn.Module):
+    """Two SDPAs of one shape and scale: the first on a transposed view, the second on a contiguous tensor."""
+
+    def forward(self, x):
+        b, s, h, d = 2, 5, 2, 8
+        q1 = x.view(b, s, h, d).transpose(1, 2)
+        q2 = (x * 2).view(b, h, s, d)
+        sdpa = F.scaled_dot_product_attention
+        return sdpa(q1, q1, q1, scale=0.3).sum() + sdpa(q2, q2, q2, scale=0.3)
+
+
+def test_replace_attention_traces_each_input_layout_apart():
+    # A replacement traced once per shape would serve the contiguous q with the view-based reshape
+    # traced for the transposed one ("view size is not compatible with input tensor's size and stride").
+    model = TwoLayoutsSDPA()
+    gm, gi = captured(model, {"x": torch.randn(2, 5, 16)}, dynamic=False)
+    assert run(replace_attention, gm)
+    assert count(gm, amx.varlen_attention.default) == 2
+    assert_same(gm, gi, model)
+
+
 # --- replace_patch_embed -----------------------------------------------------------------------
 
 
