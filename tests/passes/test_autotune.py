@@ -116,6 +116,23 @@ def test_aten_must_win_by_a_margin_and_twice(tmp_path, monkeypatch):
     assert len(opt.report.left) == 6 and all("amxopt 1.5 ms, ATen 1 ms (0.67x)" in e.detail for e in opt.report.left)
 
 
+def test_a_fused_linear_aten_keeps_is_not_rewritten_without_its_activation(tmp_path, monkeypatch):
+    # The Linear + silu root autotune kept on ATen is settled: the plain Linear rule, which amxopt
+    # would win, does not take the Linear out of it (the report would count a rewrite autotune refused).
+    def compare(op, config, run_amxopt, run_aten, schedule=None):
+        return _autotune.Timing(op, *((10.0, 1.0) if "silu" in op else (1.0, 10.0)))
+
+    monkeypatch.setattr(_autotune, "compare", compare)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.SiLU()).eval()
+    x = torch.randn(3, 16)
+    config = amxopt.AmxConfig(provider="native", autotune_cache=str(tmp_path), keep_source=True, graph_cache=False)
+    opt = amxopt.optimize(model, (x,), config)
+    assert sum(opt.report.counts().values()) == 0 and len(opt.report.left) == 1, str(opt.report)
+    assert "silu" in opt.report.left[0].detail
+    calls = {str(n.target) for n in opt.graph_module.graph.nodes if n.op == "call_function"}
+    assert {"aten.linear.default", "aten.silu.default"} <= calls and not any("amxopt" in c for c in calls)
+
+
 def _schedules(opt) -> dict[int, str | None]:
     """out_features -> amx_schedule of each amxopt.linear of the graph (None: the default)."""
     return {
