@@ -709,6 +709,28 @@ def test_replace_norms_folds_type_as_window_in_bf16():
         torch.testing.assert_close(gm(**gi), model(x), atol=0, rtol=0)
 
 
+class CastElsewhereNorm(nn.Module):
+    """An fp32 LayerNorm window that casts back to another dtype than its input's (bf16 -> fp16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(32)
+
+    def forward(self, x):
+        return self.ln(x.float()).half()
+
+
+def test_replace_norms_rewrites_the_norm_of_a_window_that_casts_elsewhere():
+    # Not folded (the op returns x's dtype), and not left either: the fp32 LayerNorm inside is rewritten.
+    model = CastElsewhereNorm().eval()
+    gm, gi = captured(model, {"x": torch.randn(3, 7, 32, dtype=torch.bfloat16)})
+    assert run(replace_norms, gm)
+    ln = next(n for n in gm.graph.nodes if n.target == amx.layer_norm.default)
+    assert ln.args[0].meta["val"].dtype == torch.float32
+    assert count(gm, aten.layer_norm.default) == 0
+    assert_same(gm, gi, model)
+
+
 class WideNorm(nn.Module):
     def __init__(self):
         super().__init__()
