@@ -261,7 +261,10 @@ def test_passes_preserve_random_graphs_and_are_idempotent(case, dtype, seed):
         torch.testing.assert_close(actual, expected, atol=2e-4, rtol=2e-4)
     else:  # the family tests' rule: at most 1.5x as far from fp32 as eager bf16, or a small floor
         floor = 2e-2 * (float(expected.abs().max()) + 1e-3)
-        assert _err(actual, expected) <= max(1.5 * _err(eager, expected), floor), (_err(actual, expected), _err(eager, expected))
+        assert _err(actual, expected) <= max(1.5 * _err(eager, expected), floor), (
+            _err(actual, expected),
+            _err(eager, expected),
+        )
     unexpected = [e for e in opt.report.left if not any(why in e.detail for why in _MAY_LEAVE)]
     assert not unexpected, str(opt.report)
     code = opt.graph_module.code
