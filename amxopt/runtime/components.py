@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from amxopt.capture import Adapter, find_adapter
@@ -172,7 +173,7 @@ def warn_if_decoder(model: Any) -> None:
         )
 
 
-def unrunnable(model: nn.Module, dtype: Any = None) -> str | None:
+def unrunnable(model: nn.Module, dtype: torch.dtype | None = None) -> str | None:
     """Why a module in ``model`` (``model`` itself included), in ``dtype`` (by default its own
     parameters'), cannot run on amxopt at all (a Qwen tower in float16); ``None`` where all can. Checked
     before anything is replaced: such a tower was replaced, then failed every call, and the cast its

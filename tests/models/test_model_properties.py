@@ -259,8 +259,9 @@ def test_passes_preserve_random_graphs_and_are_idempotent(case, dtype, seed):
         expected, eager, actual = model(x), low(x.to(dtype)), opt(x.to(dtype))
     if dtype == torch.float32:
         torch.testing.assert_close(actual, expected, atol=2e-4, rtol=2e-4)
-    else:  # the family tests' rule: at most 1.5x as far from fp32 as eager bf16, or a small floor
-        floor = 2e-2 * (float(expected.abs().max()) + 1e-3)
+    else:  # at most 1.5x as far from fp32 as eager bf16, or a floor: 2% of a typical value (of the largest
+        # value, the family tests' floor, passed a dropped bias where a Linear stack grew the outputs)
+        floor = 2e-2 * (float(expected.abs().mean()) + 1e-3)
         assert _err(actual, expected) <= max(1.5 * _err(eager, expected), floor), (
             _err(actual, expected),
             _err(eager, expected),
