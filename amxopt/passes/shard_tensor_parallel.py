@@ -545,7 +545,30 @@ def _plan(unit: _Unit, tp: int, rank: int) -> tuple[dict[fx.Node, Layout], list[
     residual = unit.row.kwargs.get("residual")
     if residual in layouts or residual in unit.columns:  # added after the all-reduce, it must be whole
         raise _Refuse(f"{unit.row.name} adds a sharded residual ({residual.name})")
+    # Padding heads / columns hold zeros, which the row Linear's zero columns cancel only while they
+    # stay finite: a division by, rsqrt or negative power of a padded value gives inf or NaN there,
+    # and the all-reduce spreads it to every output (tanh(u) / u at a width of 5 and tp 2).
+    count = starts[0][1].count if starts else layouts[unit.columns[0]].count  # q heads, or MLP width
+    if padded(count, tp) != count:
+        blowing = [n.name for n in unit.nodes if _not_finite_at_zero(n, layouts)]
+        if blowing:
+            raise _Refuse(
+                f"{count} {'heads' if starts else 'columns'} are padded to {padded(count, tp)} at tp {tp}, and "
+                f"{', '.join(blowing)} would turn the padding's zeros into inf or NaN"
+            )
     return layouts, norms
+
+
+def _not_finite_at_zero(node: fx.Node, layouts: dict[fx.Node, Layout]) -> bool:
+    """Whether ``node`` can map a sharded value's zero to inf or NaN (0 / 0, rsqrt(0), 0 ** -1)."""
+    if node.target is aten.div.Tensor:
+        return node.args[1] in layouts
+    if node.target is aten.rsqrt.default:
+        return node.args[0] in layouts
+    if node.target is aten.pow.Tensor_Scalar:
+        exponent = node.args[1]
+        return node.args[0] in layouts and not (isinstance(exponent, (int, float)) and exponent >= 0)
+    return False
 
 
 def _size_slot(node: fx.Node, out: Layout | None) -> tuple[list, int] | None:

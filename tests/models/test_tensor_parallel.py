@@ -521,7 +521,21 @@ class _BetweenResidualMLP(torch.nn.Module):
         return g + self.fc2(g)
 
 
+class _DividedMLP(torch.nn.Module):
+    """``fc2(tanh(u) / u)``, finite for u != 0: a padding column's u is 0, and 0 / 0 is NaN."""
+
+    def __init__(self, dim: int = 48, hidden: int = 5) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(dim, hidden), torch.nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        u = self.fc1(x)
+        return x + self.fc2(torch.tanh(u) / u)
+
+
 _UNSHARDABLE = {  # block, what the report says of it
+    # untested: the padding column's NaN, all-reduced, made every output NaN
+    "a division of padded columns": (_DividedMLP, "5 columns are padded to 6 at tp 2, and div"),
     "one kv head": (_MQABlock, "do not reach the attention along its heads dim"),
     "norm across duplicated kv heads": (_NormedKBlock, "kv heads that ranks keep per q head"),
     "LayerNorm across heads": (_LayerNormedKBlock, "a LayerNorm across heads"),
@@ -545,6 +559,14 @@ def test_units_a_shard_would_get_wrong_are_replicated_and_reported(case):
     report = build_graph(model, adapter, graph_inputs, config).report
     assert any("replicated across tp ranks" in n and reason in n for n in report.notes), report.notes
     assert not any("units sharded" in n for n in report.notes), report.notes
+
+
+def test_a_division_of_columns_that_need_no_padding_is_sharded():
+    model = _Blocks(_DividedMLP(hidden=6)).eval()
+    adapter, graph_inputs = prepare(model, (torch.randn(2, 10, 48),))
+    config = dataclasses.replace(CONFIG, tp=2, tp_rank=1, tp_group="unused")
+    report = build_graph(model, adapter, graph_inputs, config).report
+    assert any("1 attention/MLP units sharded" in n for n in report.notes), report.notes
 
 
 @pytest.mark.parametrize("rank", range(4))
