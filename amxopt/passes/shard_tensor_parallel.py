@@ -76,7 +76,7 @@ _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _SHARD_PREFIX = "_tp"
 _MAX_UNIT_NODES = 400  # a closure larger than a block's attention or MLP is not one unit
-_BLOCK = re.compile(r"(?:^|[._\['])(?:blocks|layers|layer|h)(?:\.|\[)\d+")
+_BLOCK = re.compile(r"(?:^|[._\['])(?:blocks|layers|layer|h|block|resblocks)(?:\.|\[)\d+")
 
 # Ops that keep every dim where it is (elementwise, casts, copies); replicated operands broadcast.
 _POINTWISE = {
@@ -735,6 +735,14 @@ def shard_tensor_parallel(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
             reason = why_not.get(source, "its q/k/v Linears and output Linear do not form one unit")
             note = f"replicated across tp ranks: {source.name if source else 'q'}: {reason}"
             leave(node, f"{node.meta[LEFT]}; {note}" if LEFT in node.meta else note)
+    if not units and not left and not why_not:  # say so: both ranks would compute the whole model unasked
+        first = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target is _LINEAR), None)
+        if first is not None:
+            leave(
+                first,
+                "tp found no unit to shard: no Linear sits in a repeated block (an item of a ModuleList "
+                "named blocks, layers, layer, h, block or resblocks); every rank computes the whole model",
+            )
     if n_sharded:
         drop_dead_code(gm)
         if config.release_weights:

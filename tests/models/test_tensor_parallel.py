@@ -561,6 +561,40 @@ def test_units_a_shard_would_get_wrong_are_replicated_and_reported(case):
     assert not any("units sharded" in n for n in report.notes), report.notes
 
 
+class _PlainMLP(torch.nn.Module):
+    def __init__(self, dim: int = 48) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class _Held(torch.nn.Module):
+    """Two MLP blocks in a ModuleList named ``holder``."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__()
+        self.holder = holder
+        setattr(self, holder, torch.nn.ModuleList([_PlainMLP(), _PlainMLP()]))
+
+    def forward(self, x):
+        for block in getattr(self, self.holder):
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("holder", ["blocks", "block", "resblocks", "sequential"])
+def test_blocks_are_found_under_their_usual_names_and_a_model_without_them_says_so(holder):
+    # T5's "block" and open_clip's "resblocks" were not blocks: tp sharded nothing, and nothing said so.
+    model = torch.nn.Sequential(_PlainMLP(), _PlainMLP()) if holder == "sequential" else _Held(holder)
+    adapter, graph_inputs = prepare(model.eval(), (torch.randn(2, 10, 48),))
+    config = dataclasses.replace(CONFIG, tp=2, tp_rank=0, tp_group="unused")
+    notes = build_graph(model, adapter, graph_inputs, config).report.notes
+    expected = "tp found no unit to shard" if holder == "sequential" else "2 attention/MLP units sharded"
+    assert any(expected in n for n in notes), notes
+
+
 def test_a_division_of_columns_that_need_no_padding_is_sharded():
     model = _Blocks(_DividedMLP(hidden=6)).eval()
     adapter, graph_inputs = prepare(model, (torch.randn(2, 10, 48),))
