@@ -333,7 +333,9 @@ class TPModule(nn.Module):
         plan = cpu_plan(tp, config.cpu_bind)
         self.tp = tp
         self._timeout_s = config.tp_timeout_s
-        previous = (os.sched_getaffinity(0), torch.get_num_threads())
+        # The binding is the calling thread's (a Linux affinity mask and OpenMP's count are per thread):
+        # close() gives it back to this thread, whichever thread closes.
+        previous = (threading.get_native_id(), os.sched_getaffinity(0), torch.get_num_threads())
         # Shared with the finalizer (which must not hold the module): calls sent, and whether this
         # module's process group is the one initialized.
         # Not in step until every rank has optimized: a worker may be waiting for an autotune decision
@@ -544,9 +546,13 @@ def _shut_down(workers: list, store: dist.TCPStore, state: dict, previous: tuple
         if dist.is_initialized():
             dist.destroy_process_group()
     _stop(workers)
-    cores, threads = previous
-    os.sched_setaffinity(0, cores)
-    torch.set_num_threads(threads)
+    thread, cores, threads = previous
+    try:
+        os.sched_setaffinity(thread, cores)
+    except OSError:  # that thread has ended: nothing holds its cores
+        pass
+    if threading.get_native_id() == thread:
+        torch.set_num_threads(threads)
 
 
 def _workers_context(model: nn.Module):

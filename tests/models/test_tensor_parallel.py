@@ -848,3 +848,10 @@ def test_close_is_idempotent_and_collecting_a_module_leaves_nothing_behind():
     assert not dist.is_initialized()
     assert not any(w.is_alive() for w in workers)
     assert (os.sched_getaffinity(0), torch.get_num_threads()) == (cores, threads)
+    # closed in another thread: this thread, which optimized, gets its cores back (they went to the closer)
+    third = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, tp=2))
+    closer = threading.Thread(target=third.close)
+    closer.start()
+    closer.join()
+    assert os.sched_getaffinity(0) == cores
+    torch.set_num_threads(threads)  # the count is per thread: only a close in this thread restores it
