@@ -518,9 +518,13 @@ def test_linear_activation_over_the_whole_range(provider, dtype, activation):
 @pytest.mark.parametrize(
     "shape",
     # (2100, 4096, 40): 4200 rows, A packed in three waves of 16 MB on the AVX-512-BF16 kernel and
-    # converted in two of 64 MB on the fp32 tier (its epilogue read row r's residual for row r + 4096)
-    [(1, 64, 40), (5, 64, 96), (45, 1024, 96), (50, 256, 520), (300, 6200, 300), (13, 33, 70), (2100, 4096, 40)],
-)
+    # converted in two of 64 MB on the fp32 tier (its epilogue read row r's residual for row r + 4096);
+    # (2048, 64, 64): 4096 fp32 rows of ATen's product, whose epilogue threads split past one row grain
+    [
+        (1, 64, 40), (5, 64, 96), (45, 1024, 96), (50, 256, 520), (300, 6200, 300), (13, 33, 70), (2100, 4096, 40),
+        (2048, 64, 64),
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_residual_matches_oracle(provider, dtype, shape):
     m, k, n = shape
@@ -864,6 +868,11 @@ def test_attention_rotary_is_checked(provider, kwargs, error):
     cu = torch.tensor([0, 6])
     with pytest.raises(ValueError, match=rf"amxopt\.varlen_attention: .*{error}"):
         ops.varlen_attention(q, q, q, cu, cu, 6, 6, 0.3, False, provider, **kwargs)
+    odd = torch.randn(6, 2, 5)  # rotated pairs: an odd head dim's last element was left unwritten
+    with pytest.raises(ValueError, match=r"amxopt\.varlen_attention: .*even head dim"):
+        ops.varlen_attention(
+            odd, odd, odd, cu, cu, 6, 6, 0.3, False, provider, rotary_cos=torch.ones(6, 2), rotary_sin=torch.zeros(6, 2)
+        )
     with pytest.raises(ValueError, match="same tokens"):  # a cross-attention has no one position per key
         k = torch.randn(4, 2, 8)
         ops.varlen_attention(
@@ -888,6 +897,14 @@ def test_attention_negative_scale_is_correct(provider, dtype, causal):
     q, k, v, cu_q, cu_k, mq, mk, _, _, _ = _varlen_args(provider, [7, 20], [7, 20], 2, 1, 16, causal, dtype)
     out = ops.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, -0.4, causal, provider)
     assert_close_dtype(out, attention_oracle(q, k, v, cu_q, cu_k, -0.4, causal), dtype)
+    # Across key blocks: the second block's keys give the largest raw products, which a negative scale
+    # makes the smallest logits; a running max of the raw products (not a min) took e^100 there: NaN.
+    q = torch.ones(1, 1, 8, dtype=dtype)
+    k = torch.cat([torch.zeros(256, 1, 8), torch.full((256, 1, 8), 12.5)]).to(dtype)
+    v = torch.randn(512, 1, 8, generator=torch.Generator().manual_seed(1)).to(dtype)
+    cu_q, cu_k = torch.tensor([0, 1]), torch.tensor([0, 512])
+    out = ops.varlen_attention(q, k, v, cu_q, cu_k, 1, 512, -1.0, False, provider)
+    assert_close_dtype(out, attention_oracle(q, k, v, cu_q, cu_k, -1.0, False), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
