@@ -547,10 +547,11 @@ def _shut_down(workers: list, store: dist.TCPStore, state: dict, previous: tuple
             dist.destroy_process_group()
     _stop(workers)
     thread, cores, threads = previous
-    try:
-        os.sched_setaffinity(thread, cores)
-    except OSError:  # that thread has ended: nothing holds its cores
-        pass
+    if os.path.exists(f"/proc/self/task/{thread}"):  # ended, its id may be another process's thread now
+        try:
+            os.sched_setaffinity(thread, cores)
+        except OSError:  # it ended since
+            pass
     if threading.get_native_id() == thread:
         torch.set_num_threads(threads)
 
