@@ -18,6 +18,7 @@ from torch import nn
 
 from amxopt.capture.attention import routed_attention
 from amxopt.capture.base import Adapter
+from amxopt.ops import DTYPES
 
 logger = logging.getLogger(__name__)
 _LAYER_OUTPUTS = ("output_hidden_states", "output_attentions")
@@ -37,7 +38,7 @@ class _QwenAdapter(Adapter):
         # Its attention is captured as amxopt's op, which takes no other dtype.
         if dtype is None:
             dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        if dtype in (torch.float32, torch.bfloat16):
+        if dtype in DTYPES:  # the ops' dtypes
             return None
         return f"{type(model).__name__} is in {dtype}, and amxopt's attention takes float32 or bfloat16"
 
