@@ -771,7 +771,7 @@ class OptimizedModule(nn.Module):
                 raise RuntimeError(
                     f"amxopt profile: {self.adapter.model_name} runs as eager PyTorch ({self.eager_reason})"
                 )
-            graph_inputs = self._graph_calls(args, kwargs)[1][0]  # (of a call cut in parts, the first)
+            graph_inputs = self._graph_calls(args, kwargs)[2][0]  # (of a call cut in parts, the first)
         graph = next(g for g in self._graphs if _accepts(g, graph_inputs))
         return profile_graph(graph.captured.gm, graph_inputs, repeats=repeats, by_shape=by_shape)
 
@@ -895,38 +895,40 @@ class OptimizedModule(nn.Module):
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
         self._check_source()
-        options, parts = self._graph_calls(args, kwargs)
+        call, options, parts = self._graph_calls(args, kwargs)
         outputs = []
         with torch.no_grad():
             for graph_inputs in parts:
                 graph = next((g for g in self._graphs if _accepts(g, graph_inputs)), None)
                 if graph is None:
                     with self._lock():
-                        graph = self._capture_for(graph_inputs)
+                        graph = self._capture_for(graph_inputs, call)
                     if graph is None:
                         return self._run_eagerly(args, kwargs)
                 outputs.append(graph.captured.gm(**graph_inputs))
             return self.adapter.format_output(self.adapter.join(outputs), options)
 
-    def _graph_calls(self, args: tuple, kwargs: dict) -> tuple[dict, list[dict]]:
-        """A call's output options and the graph inputs of its parts (``Adapter.split``), checked."""
+    def _graph_calls(self, args: tuple, kwargs: dict) -> tuple[dict, dict, list[dict]]:
+        """A call's arguments by name, its output options and the graph inputs of its parts
+        (``Adapter.split``), checked."""
         call = self.adapter.bind(args, kwargs)
         options = self.adapter.output_options(call)
         parts = [self.adapter.graph_inputs(part) for part in self.adapter.split(call)]
         for graph_inputs in parts:
             self._check_call(graph_inputs)
-        return options, parts
+        return call, options, parts
 
     @torch.compiler.disable  # (under torch.compile of this module: run as Python, not traced)
-    def _capture_for(self, graph_inputs: dict) -> GraphEntry | None:
-        """A graph for a call no graph took: another thread's capture of the same shapes, done
-        while this one waited for it, else a new capture; None where the call runs eagerly."""
+    def _capture_for(self, graph_inputs: dict, call: dict) -> GraphEntry | None:
+        """A graph for a call (``call``, the caller's arguments) no graph took: another thread's
+        capture of the same shapes, done while this one waited for it, else a new capture; None
+        where the call runs eagerly."""
         graph = next((g for g in self._graphs if _accepts(g, graph_inputs)), None)
         if graph is None:
             if self.eager_reason is not None:  # another thread's capture failed meanwhile
                 return None
             try:
-                graph = self._recapture(graph_inputs)
+                graph = self._recapture(graph_inputs, call)
             except CaptureError as e:
                 refusal = self._dtype_refusal(graph_inputs, e)
                 if refusal is not None:
@@ -1027,16 +1029,18 @@ class OptimizedModule(nn.Module):
                 )
         return None
 
-    def _recapture(self, graph_inputs: dict) -> GraphEntry:
+    def _recapture(self, graph_inputs: dict, call: dict) -> GraphEntry:
         model = self.__dict__["_source"]
         self._settle_merges()
-        shapes = {k: tuple(v.shape) for k, v in graph_inputs.items() if isinstance(v, torch.Tensor)}
+        # the caller's arguments, not the graph's (the Omni audio tower's input_features, not padded_feature)
+        shapes = {k: tuple(v.shape) for k, v in _tensor_leaves(call).items()}
         if len(self._graphs) >= self.amx_config.max_recaptures:
+            count = f"{len(self._graphs)} graph{'s' if len(self._graphs) != 1 else ''}"
             raise RuntimeError(
-                f"amxopt: {self.adapter.model_name}: {len(self._graphs)} graphs cached and none accepts inputs "
+                f"amxopt: {self.adapter.model_name}: {count} cached and none accepts a call with tensors "
                 f"{shapes} (AmxConfig(max_recaptures=...) allows more)"
             )
-        logger.info("amxopt: re-capturing %s for inputs %s", self.adapter.model_name, shapes)
+        logger.info("amxopt: re-capturing %s for a call with tensors %s", self.adapter.model_name, shapes)
         self._snapshot()
         # Dynamic where the config says so, as the first: a call the first graph cannot take is often
         # one of many like it (a batch-1 example's graph fixes the batch at 1: the next graph takes

@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import io
 import logging
+import re
 import sys
 
 import pytest
@@ -662,8 +663,19 @@ def test_torch_compile_of_an_optimized_module_follows_a_weight_write(tmp_path, m
 def test_max_recaptures_bounds_the_graphs(tmp_path):
     config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True, max_recaptures=1)
     opt = amxopt.optimize(_Two().eval(), (torch.randn(4, 16),), config)
-    with pytest.raises(RuntimeError, match=r"1 graphs cached and none accepts .*max_recaptures"), torch.no_grad():
+    with pytest.raises(RuntimeError, match=r"1 graph cached and none accepts .*max_recaptures"), torch.no_grad():
         opt(torch.randn(2, 3, 16))  # another rank: a second graph
+
+
+def test_max_recaptures_names_the_callers_arguments(tmp_path):
+    # It named the graph's inputs (padded_feature, chunk_lengths, ...), which the caller never passed.
+    name = "tiny-qwen3-omni-audio"
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), max_recaptures=1)
+    opt = amxopt.optimize(models.build_model(name, torch.float32), models.example_inputs(name, size=[0.5]), config)
+    inputs = models.example_inputs(name, size=[2.5])  # more chunks than the one-chunk example's graph takes
+    shapes = {k: tuple(v.shape) for k, v in inputs.items()}
+    with pytest.raises(RuntimeError, match=re.escape(f"none accepts a call with tensors {shapes}")), torch.no_grad():
+        opt(**inputs)
 
 
 def test_wan_under_flex_attention_runs_and_reports_its_attention_left(tmp_path):
