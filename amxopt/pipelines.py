@@ -1,7 +1,8 @@
 """Whole models and pipelines around the zoo's towers, as users run them, with random weights.
 
 * :func:`build_qwen3_vl`: ``transformers`` ``Qwen3VLForConditionalGeneration`` (a zoo vision tower
-  plus a text decoder), and :func:`qwen3_vl_prompt` for ``generate`` inputs with images or videos.
+  plus a text decoder; ``moe=True``: ``Qwen3VLMoeForConditionalGeneration``), and
+  :func:`qwen3_vl_prompt` for ``generate`` inputs with images or videos.
 * :func:`build_qwen3_omni_thinker`: ``Qwen3OmniMoeThinkerForConditionalGeneration`` (zoo vision and
   audio towers plus an MoE text decoder), and :func:`qwen3_omni_prompt`.
 * :func:`build_wan_pipeline`: ``diffusers`` ``WanPipeline`` (a zoo Wan transformer, a UMT5 text
@@ -66,15 +67,24 @@ def _built(cls: type, config: Any, dtype: torch.dtype, seed: int) -> torch.nn.Mo
     return model.eval()
 
 
-def build_qwen3_vl(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
-    """``Qwen3VLForConditionalGeneration``: the ``tiny`` or ``small`` (real 2B vision tower) variant."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+def build_qwen3_vl(
+    size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0, moe: bool = False
+) -> torch.nn.Module:
+    """``Qwen3VLForConditionalGeneration``: the ``tiny`` or ``small`` (real 2B vision tower) variant;
+    with ``moe``, ``Qwen3VLMoeForConditionalGeneration`` (the class of Qwen3-VL-30B-A3B and
+    235B-A22B, whose tower is the same architecture) with a 4-expert decoder."""
+    import transformers
 
     vision = models.ZOO[_VISION[size]].config()
     text = _text_config(size)
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=text["intermediate_size"] // 2)
     vision.out_hidden_size = text["hidden_size"]
-    config = Qwen3VLConfig(vision_config=vision.to_dict(), text_config=text, tie_word_embeddings=True, **_VISION_IDS)
-    model = _built(Qwen3VLForConditionalGeneration, config, dtype, seed)
+    prefix = "Qwen3VLMoe" if moe else "Qwen3VL"
+    config = getattr(transformers, f"{prefix}Config")(
+        vision_config=vision.to_dict(), text_config=text, tie_word_embeddings=True, **_VISION_IDS
+    )
+    model = _built(getattr(transformers, f"{prefix}ForConditionalGeneration"), config, dtype, seed)
     model.model.visual.zoo_name = _VISION[size]
     return model
 
@@ -89,7 +99,10 @@ def _media(
         out.update(pixel_values=px["hidden_states"], image_grid_thw=px["grid_thw"])
     if videos:
         # (frames, height, width) in patches; pixel patches drawn directly (no video processor offline).
-        grid = torch.tensor([[t // vision.temporal_patch_size, h, w] for t, h, w in videos])
+        # Qwen3VLVideoProcessor pads a clip's frames up to a multiple of the temporal patch size.
+        if any(t < 1 for t, _, _ in videos):
+            raise ValueError(f"amxopt.pipelines: a video needs at least one frame, got videos={videos}")
+        grid = torch.tensor([[-(-t // vision.temporal_patch_size), h, w] for t, h, w in videos])
         dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
         gen = torch.Generator().manual_seed(seed)
         out.update(
@@ -110,7 +123,8 @@ def qwen3_vl_prompt(
     model: torch.nn.Module, images: list | None = None, videos: list | None = None, seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """``generate`` kwargs: one prompt with ``images`` (``(height, width)`` in pixels) and ``videos``
-    (``(frames, height, width)`` in patches, frames a multiple of the temporal patch size)."""
+    (``(frames, height, width)`` in patches; frames padded to a multiple of the temporal patch size,
+    as the video processor pads them)."""
     vision = model.config.vision_config
     dtype = model.model.visual.dtype
     media = _media(model.model.visual, images or [], videos or [], dtype, seed)

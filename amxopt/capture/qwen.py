@@ -66,16 +66,20 @@ class _QwenAdapter(Adapter):
                 self.model_name,
                 " and ".join(asked),
             )
+        # Qwen3-VL-MoE's whole model passes its language model's router flag on to the tower, which
+        # has no router: eager's output is the same with or without it.
+        call.pop("output_router_logits", None)
         extra = {k for k, v in call.items() if v is not None and k not in allowed}
         if extra:
             raise ValueError(f"amxopt: {self.model_name} is optimized without these arguments: {sorted(extra)}")
 
 
 class QwenVisionAdapter(_QwenAdapter):
-    """Qwen3-VL / Qwen3-Omni vision encoder: ``(hidden_states [T, C*t*p*p], grid_thw [N, 3])``."""
+    """Qwen3-VL (dense and MoE: the same tower) / Qwen3-Omni vision encoder:
+    ``(hidden_states [T, C*t*p*p], grid_thw [N, 3])``."""
 
     name = "qwen3_vision"
-    classes = ("Qwen3VLVisionModel", "Qwen3OmniMoeVisionEncoder")
+    classes = ("Qwen3VLVisionModel", "Qwen3VLMoeVisionModel", "Qwen3OmniMoeVisionEncoder")
     dynamic_dims = {
         "hidden_states": (0,),
         "cu_seqlens": (0,),

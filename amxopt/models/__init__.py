@@ -7,7 +7,7 @@ checkpoint-like init (``build.py``). No hub access is needed or attempted.
 
 Families:
 
-* ``qwen3_vl_vision``: ``transformers`` ``Qwen3VLVisionModel`` (Qwen3-VL 2B / 8B vision towers).
+* ``qwen3_vl_vision``: ``transformers`` ``Qwen3VLVisionModel`` (Qwen3-VL 2B / 8B vision towers; the MoE models' ``Qwen3VLMoeVisionModel`` is the same tower).
 * ``qwen3_omni_vision``: ``Qwen3OmniMoeVisionEncoder`` (Qwen3-Omni vision tower).
 * ``qwen3_omni_audio``: ``Qwen3OmniMoeAudioEncoder`` (Qwen3-Omni audio tower).
 * ``wan``: ``diffusers`` ``WanTransformer3DModel`` (Wan 2.1 T2V 1.3B / 14B, Wan 2.2 TI2V 5B).

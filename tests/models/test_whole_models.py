@@ -64,6 +64,28 @@ def test_qwen3_vl_generate_same_tokens_fp32(prompt, provider):
     assert again is model and again.amxopt_report.optimized["model.visual"] is report.optimized["model.visual"]
 
 
+def test_qwen3_vl_moe_tower_is_optimized_and_generates_the_same_tokens():
+    # Qwen3-VL-30B-A3B's class: its tower (Qwen3VLMoeVisionModel, the dense tower's architecture) was
+    # matched by no adapter, so the whole model was wrapped and every call failed to export; and its
+    # calls pass output_router_logits on to the tower, which has no router.
+    model = pipelines.build_qwen3_vl("tiny", torch.float32, moe=True)
+    inputs = pipelines.qwen3_vl_prompt(model, **VL_PROMPTS["video"])
+    expected, logits = _generate(model, inputs), _logits(model, inputs)
+    opt = amxopt.optimize(model, config=CONFIG)
+    assert type(opt.model.visual._source).__name__ == "Qwen3VLMoeVisionModel"
+    assert list(opt.amxopt_report.optimized) == ["model.visual"]
+    assert torch.equal(_generate(opt, inputs), expected)
+    assert max_abs_error(_logits(opt, inputs), logits) <= 1e-4
+
+
+def test_a_video_prompt_pads_its_frames_as_the_video_processor_does():
+    model = pipelines.build_qwen3_vl("tiny", torch.float32)
+    assert pipelines.qwen3_vl_prompt(model, videos=[(5, 4, 4)])["video_grid_thw"].tolist() == [[3, 4, 4]]
+    assert pipelines.qwen3_vl_prompt(model, videos=[(1, 4, 4)])["video_grid_thw"].tolist() == [[1, 4, 4]]
+    with pytest.raises(ValueError, match=r"a video needs at least one frame, got videos=\[\(0, 4, 4\)\]"):
+        pipelines.qwen3_vl_prompt(model, videos=[(0, 4, 4)])
+
+
 @pytest.mark.parametrize("build", [pipelines.build_qwen3_vl, pipelines.build_qwen3_omni_thinker])
 def test_a_bf16_whole_model_is_built_as_from_pretrained_builds_it(build):
     # model.to(bf16) cast the rotary and position tables, which from_pretrained(dtype=bf16) keeps fp32.
