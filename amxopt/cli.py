@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import os
 import pathlib
 import sys
 import time
@@ -112,6 +113,8 @@ def _cmd_dump(args) -> int:
     if args.tp > 1:  # one rank's shard, as that rank would build it; the graph is written, not run
         config = dataclasses.replace(config, tp=args.tp, tp_rank=args.rank, tp_group="amxopt-dump")
     model, inputs = dump.load_target(args.model, _DTYPES[args.dtype], args.size)
+    if model.training:  # as optimize() refuses it: dropout would stay in the dumped graph
+        raise ValueError(f"{type(model).__name__} is in training mode; amxopt optimizes inference, call .eval()")
     adapter, graph_inputs = prepare(model, inputs)
     graph = build_graph(model, adapter, graph_inputs, config, keep_text=True)
     out = pathlib.Path(args.out or f"dumps/{args.model.replace(':', '.')}")
@@ -270,8 +273,14 @@ def check_run_options(parser: argparse.ArgumentParser, repeats: int, json: str |
     profile command and the benches: a run ended in a StatisticsError, or lost its results at the end)."""
     if repeats < 1:
         parser.error(f"{flag} {repeats}: at least 1")
-    if json and not pathlib.Path(json).resolve().parent.is_dir():
-        parser.error(f"--json {json}: its directory does not exist")
+    if json:
+        path = pathlib.Path(json).resolve()
+        if not path.parent.is_dir():
+            parser.error(f"--json {json}: its directory does not exist")
+        if path.is_dir():
+            parser.error(f"--json {json}: is a directory (name a file)")
+        if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            parser.error(f"--json {json}: not writable")
 
 
 _MAX_COUNT = 1 << 16  # --threads, --tp: a thread or rank count, past any machine's

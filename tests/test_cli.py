@@ -189,6 +189,19 @@ def test_info_prints_the_cores_of_tp_ranks(capsys):
     assert "provider reference" in capsys.readouterr().out
 
 
+def build_tiny_in_training_mode():
+    model, inputs = build_tiny()
+    return model.train(), inputs
+
+
+def test_dump_refuses_a_model_in_training_mode_as_optimize_does(tmp_path, capsys):
+    # It dumped a graph that kept the dropout, and replaced its Linears.
+    args = ["dump", "tests.test_cli:build_tiny_in_training_mode", "--out", str(tmp_path), "--dtype", "fp32"]
+    assert cli.main(args) == 2
+    assert "is in training mode; amxopt optimizes inference, call .eval()" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_factorys_model_is_cast_to_the_dtype_asked_for(tmp_path):
     args = ["dump", "tests.test_cli:build_tiny", "--out", str(tmp_path), "--no-autotune"]
     assert cli.main([*args, "--dtype", "bf16"]) == 0
@@ -353,6 +366,9 @@ def test_dump_of_a_tp_shard_shows_the_collectives(tmp_path, capsys):
     [
         ("bench_ops", ["--repeats", "0"], "--repeats 0: at least 1"),
         ("bench_ops", ["--json", "/no/such/dir/x.json"], "its directory does not exist"),
+        ("bench_ops", ["--json", "/tmp"], "--json /tmp: is a directory"),  # (a run's results lost at its end)
+        ("bench_ops", ["--warmup", "-4"], "--warmup -4: at least 0"),  # (no warm-up, silently)
+        ("bench_models", ["--models", "qwen3-vl-2b-generate", "--without", "replace_norms"], "--without: model rows"),
         ("bench_models", ["--repeats", "0"], "--repeats 0: at least 1"),
         ("bench_tp", ["--repeat", "0"], "--repeat 0: at least 1"),
         ("bench_load", ["--models", "nosuch"], "--models: unknown ['nosuch']"),

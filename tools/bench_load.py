@@ -160,7 +160,9 @@ def main() -> None:
     parser.add_argument("--models", default="qwen3-vl-2b-vision,wan2.1-t2v-1.3b")
     parser.add_argument("--compile", action="store_true", help="also time from_pretrained + torch.compile")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every route (interleaved); medians reported")
-    parser.add_argument("--dir", default=None, help="working directory for checkpoints (default: a temp dir)")
+    parser.add_argument(
+        "--dir", default=None, help="working directory for checkpoints, kept (default: a temp dir, removed at the end)"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -183,8 +185,10 @@ def main() -> None:
     )
     results = []
     routes = list(ROUTES) + (["hf+compile"] if args.compile else [])
+    # without --dir, the checkpoints (GBs at the real sizes) go when the run ends
+    scratch = None if args.dir else tempfile.TemporaryDirectory(prefix="amxopt-bench-load-")
     for name in args.models.split(","):
-        root = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="amxopt-bench-load-")) / name
+        root = pathlib.Path(args.dir or scratch.name) / name
         if not (root / "hf").exists():
             models.build_model(name, torch.bfloat16).save_pretrained(root / "hf")
         shutil.rmtree(root / "artifact", ignore_errors=True)  # an earlier run's (other amxopt code): saved anew
@@ -217,6 +221,8 @@ def main() -> None:
             cold = ", ".join(f"{run[routes.index('hf+optimize')]['optimize_s']:.2f}" for run in runs)
             print(f"cold optimize() setup per run: {cold} s")
         results += rows
+    if scratch is not None:
+        scratch.cleanup()
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 

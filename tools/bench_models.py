@@ -300,12 +300,14 @@ def main() -> int:
     parser.add_argument(
         "--without",
         default="",
-        help="also run amxopt with these passes (comma-separated, e.g. replace_glue) left out, interleaved",
+        help="also run amxopt with these passes (comma-separated, e.g. replace_glue) left out, interleaved; "
+        "model rows only",
     )
     parser.add_argument(
         "--autotune-off",
         action="store_true",
-        help="also run amxopt with autotune off (every rewrite kept), interleaved: what autotune's choices are worth",
+        help="also run amxopt with autotune off (every rewrite kept), interleaved: what autotune's choices are "
+        "worth; model rows only",
     )
     parser.add_argument(
         "--no-compile",
@@ -360,6 +362,12 @@ def main() -> int:
         parser.error(
             f"--pinned-schedules: the GEMM schedules order the amx tier, and this CPU runs {native.active_tier()}"
         )
+    row_flags = {"--without": args.without, "--autotune-off": args.autotune_off}
+    row_flags.update({"--pinned-schedules": args.pinned_schedules, "--pool-off": args.pool_off})
+    if (asked := [flag for flag, value in row_flags.items() if value]) and all(
+        n in E2E for n in args.models.split(",")
+    ):
+        parser.error(f"{' / '.join(asked)}: model rows only, and --models names end-to-end rows only")
     without = tuple(p for p in args.without.split(",") if p)
     unknown = [p for p in without if p not in {q.__name__ for q in DEFAULT_PASSES}]
     if unknown:

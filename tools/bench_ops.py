@@ -333,6 +333,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     check_run_options(parser, args.repeats, args.json)
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup}: at least 0")
     native.refuse_software_tiles("bench_ops")
 
     providers = variants()

@@ -8,6 +8,7 @@ Qwen3-Omni configures it) for audio.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -228,10 +229,14 @@ def audio_inputs(
 def _image_sizes(size: Any) -> list[tuple[int, int]]:
     def one(item: Any) -> tuple[int, int]:
         if isinstance(item, (int, np.integer)):
-            return int(item), int(item)
-        if isinstance(item, (tuple, list)) and len(item) == 2:
-            return int(item[0]), int(item[1])
-        raise ValueError(f"bad image size {item!r}: expected an int or (height, width)")
+            sides = int(item), int(item)
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            sides = int(item[0]), int(item[1])
+        else:
+            raise ValueError(f"bad image size {item!r}: expected an int or (height, width)")
+        if min(sides) < 1:
+            raise ValueError(f"bad image size {item!r}: sides must be >= 1 pixel")
+        return sides
 
     if isinstance(size, tuple) and len(size) == 2 and all(isinstance(v, int) for v in size):
         return [one(size)]
@@ -246,8 +251,12 @@ def _audio_lengths(size: Any) -> list[float]:
     if isinstance(size, (list, tuple)):
         if not size:
             raise ValueError("empty list of audio lengths")
-        return [float(s) for s in size]
-    return [float(size)]
+        lengths = [float(s) for s in size]
+    else:
+        lengths = [float(size)]
+    if not all(0 < s < math.inf for s in lengths):
+        raise ValueError(f"bad audio length {size!r}: seconds must be positive and finite")
+    return lengths
 
 
 def _image_examples(spec: ModelSpec, config: Any, size: Any, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:

@@ -247,6 +247,20 @@ def test_wan_default_inputs() -> None:
     assert models.example_inputs("tiny-wan", size=(2.0, 8, 8))["hidden_states"].shape[2] == 2
 
 
+@pytest.mark.parametrize(
+    "name, size, error",
+    [
+        ("tiny-qwen3-vl-vision", 0, "bad image size 0: sides must be >= 1 pixel"),  # (a ZeroDivisionError)
+        ("tiny-qwen3-vl-vision", [64, (0, 64)], r"bad image size \(0, 64\)"),
+        ("tiny-qwen3-omni-audio", -5, "bad audio length -5: seconds must be positive"),  # (numpy's words)
+        ("tiny-qwen3-omni-audio", [1.0, float("inf")], "bad audio length"),
+    ],
+)
+def test_example_inputs_refuse_sizes_below_one(name, size, error):
+    with pytest.raises(ValueError, match=error):
+        models.example_inputs(name, size=size)
+
+
 def test_synthetic_data() -> None:
     a = np.asarray(models.synthetic_image(64, 96, seed=1))
     assert a.shape == (64, 96, 3) and a.dtype == np.uint8
