@@ -83,8 +83,14 @@ def release(model: nn.Module, keep: set[int]) -> int:
     """Replace every packed (or tp-sharded) parameter of ``model`` by a meta placeholder, except ids in ``keep``.
 
     Returns the bytes freed. Tied parameters (one tensor under several names) are replaced once
-    and stay tied.
+    and stay tied. A first call under ``torch.inference_mode`` releases: what this puts in the
+    model is made outside it (an inference tensor in the source fails every later capture).
     """
+    with torch.inference_mode(False):
+        return _release(model, keep)
+
+
+def _release(model: nn.Module, keep: set[int]) -> int:
     freed, done = 0, {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -194,7 +200,8 @@ def exportable(model: nn.Module):
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and is_released(p) and p.device.type == "meta":
-                stand_in = nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=False)
+                with torch.inference_mode(False):  # (a call under it captures: export refuses inference tensors)
+                    stand_in = nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), requires_grad=False)
                 transfer(p, stand_in)
                 module._parameters[name] = stand_in
                 swapped.append((module, name, p))
