@@ -9,8 +9,10 @@ import os
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from diffusers import WanTransformer3DModel
+from diffusers import ModelMixin, WanTransformer3DModel
+from diffusers.configuration_utils import ConfigMixin, register_to_config
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import Qwen3VLVisionModel
 
 import amxopt
@@ -115,6 +117,46 @@ def _edit_manifest(directory, **values):
     (directory / loading.MANIFEST).write_text(json.dumps(manifest))
 
 
+def test_from_pretrained_refuses_a_truncated_checkpoint(checkpoint, tmp_path):
+    for f in checkpoint.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    os.truncate(tmp_path / "model.safetensors", os.path.getsize(tmp_path / "model.safetensors") - 4096)
+    with pytest.raises(amxopt.CheckpointError, match=r"model.safetensors is truncated: its header needs \d+ bytes"):
+        amxopt.from_pretrained(Qwen3VLVisionModel, tmp_path, torch.bfloat16, RELEASE)
+
+
+class _ConvNet(ModelMixin, ConfigMixin):
+    """A user's diffusers model: a convolution, then a Linear over its positions."""
+
+    @register_to_config
+    def __init__(self, kernel: int = 2, stride: int = 2, groups: int = 1):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, kernel, stride=stride, groups=groups)
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.fc(self.conv(x).flatten(2).transpose(1, 2))
+
+
+@pytest.mark.parametrize(
+    "kernel, stride, groups, dtype",
+    [(3, 1, 1, torch.float32), (2, 2, 2, torch.float32), (2, 2, 1, torch.float64)],
+    ids=["conv-not-a-patch-embedding", "grouped-conv", "float64"],
+)
+def test_from_pretrained_packs_only_what_its_graphs_read_packed(kernel, stride, groups, dtype, tmp_path):
+    # A convolution that is not a patch embedding (the packer's rule for one) runs as a convolution,
+    # reading its weight, and a float64 weight is no kernel's: packed and released as read, each
+    # call was refused ("released after packing, but this graph reads it unpacked"; an AmxOpError).
+    torch.manual_seed(0)
+    model = _ConvNet(kernel, stride, groups).to(dtype).eval()
+    model.save_pretrained(tmp_path)
+    x = torch.randn(1, 4, 6, 6, dtype=dtype)
+    with torch.no_grad():
+        expected = model(x)
+        for opt in (amxopt.optimize(model, (x,), RELEASE), amxopt.from_pretrained(_ConvNet, tmp_path, dtype, RELEASE)):
+            torch.testing.assert_close(opt(x), expected)
+
+
 @pytest.mark.parametrize(
     "values,message",
     [
@@ -185,6 +227,12 @@ def _graph_without_output(directory):
     return {"graphs": graphs}
 
 
+def _graph_with_two_outputs(directory):
+    graphs = json.loads((directory / loading.MANIFEST).read_text())["graphs"]
+    graphs[0]["nodes"].append(graphs[0]["nodes"][-1])
+    return {"graphs": graphs}
+
+
 @pytest.mark.parametrize(
     "edit,message",
     [
@@ -200,6 +248,7 @@ def _graph_without_output(directory):
         (lambda d: {"buffer_dtypes": {"nope": "F32"}}, r"dtype for buffer 'nope', which Qwen3VLVisionModel built"),
         # A graph without its output node was restored, and every call returned None.
         (_graph_without_output, r"saved graph 0 cannot be restored: stored graph has 0 output node\(s\)"),
+        (_graph_with_two_outputs, r"saved graph 0 cannot be restored: stored graph has 2 output node\(s\)"),
     ],
     ids=[
         "packed-renamed",
@@ -210,6 +259,7 @@ def _graph_without_output(directory):
         "class",
         "buffer",
         "no-output-node",
+        "two-output-nodes",
     ],
 )
 def test_a_damaged_manifest_is_a_checkpoint_error_naming_what(tmp_path, edit, message):
