@@ -95,6 +95,7 @@ def _capture_and_rewrite(
 ) -> GraphEntry:
     with weights.exportable(model):
         captured = export(model, adapter, graph_inputs, config.dynamic, config.stamp_blocks)
+    _refuse_mixed_products(captured.gm, adapter.model_name)
     records = run_passes(captured.gm, config, keep_text=keep_text)
     _check_no_released_reads(captured.gm, adapter.model_name)
     notes = [captured.note] if captured.note else []
@@ -126,6 +127,34 @@ def _tensor_leaves(graph_inputs: dict) -> dict[str, torch.Tensor]:
 
 def _tensor_dtypes(graph_inputs: dict) -> dict[str, torch.dtype]:
     return {path: leaf.dtype for path, leaf in _tensor_leaves(graph_inputs).items()}
+
+
+_PRODUCTS = {
+    torch.ops.aten.linear.default,
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.matmul.default,
+    torch.ops.aten.convolution.default,
+    torch.ops.aten.conv2d.default,
+    torch.ops.aten.conv3d.default,
+}
+
+
+def _refuse_mixed_products(gm: fx.GraphModule, model_name: str) -> None:
+    """A matrix product or convolution of two floating dtypes, which export traces and eager refuses
+    when it runs (fp16 encoder_hidden_states into an fp32 Wan): a failed capture, told by the
+    caller as the input's dtype, not a graph that fails at every call."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _PRODUCTS:
+            continue
+        vals = [a.meta.get("val") for a in node.args if isinstance(a, fx.Node)]
+        dtypes = {v.dtype for v in vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point}
+        if len(dtypes) > 1:
+            raise CaptureError(
+                f"amxopt: {model_name}: {node.name} ({node.target}) multiplies {' by '.join(map(str, sorted(dtypes, key=str)))}, "
+                "which eager PyTorch refuses too"
+            )
 
 
 def _check_no_released_reads(gm: fx.GraphModule, model_name: str) -> None:
