@@ -40,6 +40,7 @@ import re
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.infra.pass_base import PassResult
 
 from amxopt.config import AmxConfig
@@ -748,4 +749,19 @@ def shard_tensor_parallel(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
         if config.release_weights:
             drop_unread(gm, sliced, "full copy kept")
         cleanup(gm)
+        _refresh_shapes(gm)
     return PassResult(gm, n_sharded > 0)
+
+
+def _refresh_shapes(gm: fx.GraphModule) -> None:
+    """Every node's ``meta["val"]`` as this rank computes it: the sharded Linears, views and weights
+    kept the whole model's shapes, which the dumps and later passes read."""
+    inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    fake = detect_fake_mode([v for v in inputs if isinstance(v, torch.Tensor)])
+    if fake is None:
+        return
+    allowed, fake.allow_non_fake_inputs = fake.allow_non_fake_inputs, True  # (constants are real tensors)
+    try:
+        FakeTensorProp(gm, fake).propagate_dont_convert_inputs(*inputs)
+    finally:
+        fake.allow_non_fake_inputs = allowed

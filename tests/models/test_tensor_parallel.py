@@ -404,6 +404,14 @@ def test_the_report_counts_the_all_reduces_a_shard_runs():
     units = 3 * _blocks(model)
     assert reduces > units
     assert any(f"{units} attention/MLP units sharded, {reduces} all-reduces" in n for n in graph.report.notes)
+    # The shapes the dumps print are this rank's: they kept the whole model's (a Linear of 96 columns
+    # shown as 192, a 2-head view as 4 heads).
+    gm = graph.captured.gm
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            assert n.meta["val"].shape == fetch(gm, n.target).shape, n.name
+        elif n.target is torch.ops.amxopt.linear.default:
+            assert n.meta["val"].shape[-1] == n.args[4], n.name
     # the q/k norms it decomposed are in the table, left as ATen, not gone from it
     one = build_graph(model, adapter, graph_inputs, dataclasses.replace(CONFIG, tp=1))
     norms = one.report.counts()["rms_norm"]
