@@ -67,7 +67,7 @@ class _QwenAdapter(Adapter):
                 " and ".join(asked),
             )
         # Qwen3-VL-MoE's whole model passes its language model's router flag on to the tower, which
-        # has no router: eager's output is the same with or without it.
+        # has no router: its output gains only an empty router_logits entry, which the model drops.
         call.pop("output_router_logits", None)
         extra = {k for k, v in call.items() if v is not None and k not in allowed}
         if extra:

@@ -148,13 +148,28 @@ def _refuse_mixed_products(gm: fx.GraphModule, model_name: str) -> None:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _PRODUCTS:
             continue
-        vals = [a.meta.get("val") for a in node.args if isinstance(a, fx.Node)]
-        dtypes = {v.dtype for v in vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point}
-        if len(dtypes) > 1:
+        args = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        floating = [a for a in args if a.meta["val"].dtype.is_floating_point]
+        if len({a.meta["val"].dtype for a in floating}) > 1:
+            operands = " by ".join(f"{a.meta['val'].dtype} (from {', '.join(_roots(a))})" for a in floating)
             raise CaptureError(
-                f"amxopt: {model_name}: {node.name} ({node.target}) multiplies {' by '.join(map(str, sorted(dtypes, key=str)))}, "
-                "which eager PyTorch refuses too"
+                f"amxopt: {model_name}: {node.name} ({node.target}) multiplies {operands}, which eager PyTorch "
+                "refuses outside torch.autocast (amxopt runs its graphs without autocast)"
             )
+
+
+def _roots(node: fx.Node, most: int = 3) -> list[str]:
+    """The graph inputs and constants ``node`` is computed from (its first ``most``), for a message."""
+    seen, todo, roots = set(), [node], []
+    while todo and len(roots) < most:
+        n = todo.pop(0)
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op in ("placeholder", "get_attr"):
+            roots.append(str(n.target))
+        todo.extend(n.all_input_nodes)
+    return roots
 
 
 def _check_no_released_reads(gm: fx.GraphModule, model_name: str) -> None:
@@ -1045,18 +1060,25 @@ class OptimizedModule(nn.Module):
         graph took: a call in another floating dtype is captured again, as eager takes it (a bf16
         Omni tower takes the processor's fp32 features and bf16 ones); where eager cannot run it
         either (fp32 latents into a bf16 Wan), the capture's error is told as the input's dtype."""
-        leaves = _tensor_leaves(graph_inputs)
+        leaves, took, got = _tensor_leaves(graph_inputs), [], []
         for name, dtype in self._graphs[0].dtypes.items() if self._graphs else ():
-            got = leaves.get(name)
-            if not (got is not None and got.is_floating_point() and dtype.is_floating_point):
+            given = leaves.get(name)
+            if not (given is not None and given.is_floating_point() and dtype.is_floating_point):
                 continue
-            if all(g.dtypes.get(name) != got.dtype for g in self._graphs):
-                arg = self._argument(name)
-                return (
-                    f"amxopt: {self.adapter.model_name} was optimized for {arg} in {dtype}, got {got.dtype}, and "
-                    f"its capture in {got.dtype} failed (cast {arg} to {dtype}): {error}"
-                )
-        return None
+            if all(g.dtypes.get(name) != given.dtype for g in self._graphs):
+                # every such input: the graph may not say which one eager would refuse (a dtype
+                # read through type_as is a constant in it)
+                took.append((self._argument(name), dtype))
+                got.append(given.dtype)
+        if not took:
+            return None
+        wanted = " and ".join(f"{arg} in {dtype}" for arg, dtype in took)
+        given = " and ".join(map(str, got))
+        casts = " and ".join(f"{arg} to {dtype}" for arg, dtype in took)
+        return (
+            f"amxopt: {self.adapter.model_name} was optimized for {wanted}, got {given}, and its capture in "
+            f"{given} failed (cast {casts}): {error}"
+        )
 
     def _recapture(self, graph_inputs: dict, call: dict) -> GraphEntry:
         model = self.__dict__["_source"]

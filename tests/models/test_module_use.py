@@ -322,6 +322,16 @@ def test_an_input_in_a_dtype_eager_refuses_is_told_as_its_dtype(tmp_path, name, 
     # Once refused, refused before running anything (it exported again at every call; at tp, on every rank)
     with pytest.raises(TypeError, match=r"its capture in torch.bfloat16 failed"):
         opt.check_inputs(**wrong)
+    if name == "encoder_hidden_states" and keep_source:
+        # A bf16 timestep too (eager takes that one): both named, as the graph cannot tell which one
+        # eager refuses (the text states' dtype reaches the Linear through type_as, a constant in it)
+        both = {**wrong, "timestep": inputs["timestep"].bfloat16()}
+        with pytest.raises(TypeError) as refused:
+            opt(**both)
+        assert "optimized for timestep in torch.float32 and encoder_hidden_states in torch.float32" in str(
+            refused.value
+        )
+        assert "refuses outside torch.autocast" in str(refused.value)
 
 
 def test_an_audio_input_is_named_as_the_caller_passed_it(tmp_path):
