@@ -150,8 +150,11 @@ def _refuse_mixed_products(gm: fx.GraphModule, model_name: str) -> None:
             continue
         args = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
         floating = [a for a in args if a.meta["val"].dtype.is_floating_point]
-        if len({a.meta["val"].dtype for a in floating}) > 1:
-            operands = " by ".join(f"{a.meta['val'].dtype} (from {', '.join(_roots(a))})" for a in floating)
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for a in floating:  # (a bias in the weight's dtype goes with it)
+            by_dtype.setdefault(a.meta["val"].dtype, []).extend(_roots(a))
+        if len(by_dtype) > 1:
+            operands = " by ".join(f"{d} (from {', '.join(dict.fromkeys(r))})" for d, r in by_dtype.items())
             raise CaptureError(
                 f"amxopt: {model_name}: {node.name} ({node.target}) multiplies {operands}, which eager PyTorch "
                 "refuses outside torch.autocast (amxopt runs its graphs without autocast)"
