@@ -43,6 +43,8 @@ _TEXT = {
                   num_key_value_heads=8, head_dim=128, mrope_section=[24, 20, 20]),
 }  # fmt: skip
 _VISION = {"tiny": "tiny-qwen3-vl-vision", "small": "qwen3-vl-2b-vision"}
+# The MoE decoders (Qwen3-Omni's thinker, Qwen3-VL-MoE): 4 experts, 2 per token, in every layer.
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)
 
 
 def _text_config(size: str) -> dict[str, Any]:
@@ -78,7 +80,7 @@ def build_qwen3_vl(
     vision = models.ZOO[_VISION[size]].config()
     text = _text_config(size)
     if moe:
-        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=text["intermediate_size"] // 2)
+        text.update(_MOE)
     vision.out_hidden_size = text["hidden_size"]
     prefix = "Qwen3VLMoe" if moe else "Qwen3VL"
     config = getattr(transformers, f"{prefix}Config")(
@@ -147,7 +149,7 @@ def build_qwen3_omni_thinker(dtype: torch.dtype = torch.float32, seed: int = 0) 
     )
 
     text = _text_config("tiny")
-    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)
+    text.update(_MOE)
     vision = models.ZOO["tiny-qwen3-omni-vision"].config()
     vision.out_hidden_size = text["hidden_size"]
     audio = models.ZOO["tiny-qwen3-omni-audio"].config()

@@ -29,7 +29,7 @@ from amxopt.capture import Adapter, CaptureError, export, repeated, split_inputs
 from amxopt.config import AmxConfig
 from amxopt.ops import packed
 from amxopt.passes import run_passes
-from amxopt.passes._graph import fetch
+from amxopt.passes._graph import dtype_of, fetch
 from amxopt.runtime import graph_store, isolated, weights
 from amxopt.runtime.graph_store import GraphEntry
 from amxopt.runtime.profile import Profile, profile_graph
@@ -148,11 +148,10 @@ def _refuse_mixed_products(gm: fx.GraphModule, model_name: str) -> None:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _PRODUCTS:
             continue
-        args = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-        floating = [a for a in args if a.meta["val"].dtype.is_floating_point]
         by_dtype: dict[torch.dtype, list[str]] = {}
-        for a in floating:  # (a bias in the weight's dtype goes with it)
-            by_dtype.setdefault(a.meta["val"].dtype, []).extend(_roots(a))
+        for a in node.args:  # (a bias in the weight's dtype goes with it)
+            if isinstance(a, fx.Node) and (dtype := dtype_of(a)) is not None and dtype.is_floating_point:
+                by_dtype.setdefault(dtype, []).extend(_roots(a))
         if len(by_dtype) > 1:
             operands = " by ".join(f"{d} (from {', '.join(dict.fromkeys(r))})" for d, r in by_dtype.items())
             raise CaptureError(
