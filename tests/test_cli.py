@@ -174,6 +174,12 @@ def test_bad_arguments_are_refused_before_anything_is_built(args, error, capsys)
     assert exit_.value.code == 2 and error in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, size", [("448", 448), ("30.5", 30.5), ("1e3", 1000.0), ("5,32,32", (5, 32, 32))])
+def test_sizes_read_as_python_reads_numbers(text, size):
+    # 1e3 was refused as "not a positive number" (only text with a dot was read as a float)
+    assert cli._parse_size(text) == size and type(cli._parse_size(text)) is type(size)
+
+
 @pytest.mark.parametrize("args", [["--threads", "-1"], ["--threads", "99999999999999999999"], ["--tp", "70000"]])
 def test_info_refuses_counts_out_of_range(args, capsys):
     # 2**64 and more reached the C++ work-split as a pybind11 cast error naming no flag.
@@ -367,6 +373,8 @@ def test_dump_of_a_tp_shard_shows_the_collectives(tmp_path, capsys):
         ("bench_ops", ["--repeats", "0"], "--repeats 0: at least 1"),
         ("bench_ops", ["--json", "/no/such/dir/x.json"], "its directory does not exist"),
         ("bench_ops", ["--json", "/tmp"], "--json /tmp: is a directory"),  # (a run's results lost at its end)
+        # (os.access said yes to root, and the results were lost at the end)
+        ("bench_ops", ["--json", "/proc/version"], "--json /proc/version: not writable"),
         ("bench_ops", ["--warmup", "-4"], "--warmup -4: at least 0"),  # (no warm-up, silently)
         ("bench_models", ["--models", "qwen3-vl-2b-generate", "--without", "replace_norms"], "--without: model rows"),
         ("bench_models", ["--repeats", "0"], "--repeats 0: at least 1"),

@@ -92,7 +92,7 @@ class GraphEntry:
     """One graph of an OptimizedModule: captured (or restored) and rewritten, with what selects it."""
 
     captured: Captured
-    dtypes: dict[str, torch.dtype]  # float graph inputs and the dtype they were captured with
+    dtypes: dict[str, torch.dtype]  # tensor graph inputs and the dtype they were captured with
     signature: tuple  # input structure and non-tensor values, which export bakes into the graph
     report: Report
     records: list[PassRecord]

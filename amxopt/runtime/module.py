@@ -979,7 +979,7 @@ class OptimizedModule(nn.Module):
                 refusal = self._dtype_refusal(graph_inputs, e)
                 if refusal is not None:
                     # the next call in these dtypes is refused at once (no export; at tp, before any rank runs)
-                    self.__dict__.setdefault("_refused_dtypes", {})[_floating_dtypes(graph_inputs)] = refusal
+                    self.__dict__.setdefault("_refused_dtypes", {})[_input_dtypes(graph_inputs)] = refusal
                     raise TypeError(refusal) from e
                 if not self.eager_fallback or self._graphs:
                     raise
@@ -1034,7 +1034,7 @@ class OptimizedModule(nn.Module):
             self._refuse_training(self.adapter.model_name)
         if self._traced is None:  # (no capture yet, or its graphs dropped: _changed() compared no flags)
             self._refuse_trained()
-        refused = self.__dict__.get("_refused_dtypes", {}).get(_floating_dtypes(graph_inputs))
+        refused = self.__dict__.get("_refused_dtypes", {}).get(_input_dtypes(graph_inputs))
         if refused is not None:
             raise TypeError(refused)
         if torch.is_grad_enabled():
@@ -1058,16 +1058,15 @@ class OptimizedModule(nn.Module):
                 )
 
     def _dtype_refusal(self, graph_inputs: dict, error: Exception) -> str | None:
-        """Why a call whose capture failed is refused, where it has a floating input in a dtype no
-        graph took: a call in another floating dtype is captured again, as eager takes it (a bf16
-        Omni tower takes the processor's fp32 features and bf16 ones); where eager cannot run it
-        either (fp32 latents into a bf16 Wan), the capture's error is told as the input's dtype."""
+        """Why a call whose capture failed is refused, where it has an input in a dtype no graph
+        took: a call in another dtype is captured again, as eager takes it (a bf16 Omni tower takes
+        the processor's fp32 features and bf16 ones; Wan an integer timestep after a float one);
+        where eager cannot run it either (fp32 latents into a bf16 Wan, int64 ones into any), the
+        capture's error is told as the input's dtype."""
         leaves, took, got = _tensor_leaves(graph_inputs), [], []
         for name, dtype in self._graphs[0].dtypes.items() if self._graphs else ():
             given = leaves.get(name)
-            if not (given is not None and given.is_floating_point() and dtype.is_floating_point):
-                continue
-            if all(g.dtypes.get(name) != given.dtype for g in self._graphs):
+            if given is not None and all(g.dtypes.get(name) != given.dtype for g in self._graphs):
                 # every such input: the graph may not say which one eager would refuse (a dtype
                 # read through type_as is a constant in it)
                 took.append((self._argument(name), dtype))
@@ -1103,8 +1102,8 @@ class OptimizedModule(nn.Module):
         return graph
 
 
-def _floating_dtypes(graph_inputs: dict) -> tuple:
-    return tuple((k, v.dtype) for k, v in _tensor_leaves(graph_inputs).items() if v.is_floating_point())
+def _input_dtypes(graph_inputs: dict) -> tuple:
+    return tuple(_tensor_dtypes(graph_inputs).items())
 
 
 def _accepts(graph: GraphEntry, graph_inputs: dict) -> bool:

@@ -302,26 +302,33 @@ def test_an_input_in_another_floating_dtype_is_captured_again(tmp_path, order):
 
 
 @pytest.mark.parametrize(
-    "name, keep_source", [("hidden_states", True), ("encoder_hidden_states", True), ("encoder_hidden_states", False)]
+    "name, keep_source, dtype",
+    [
+        ("hidden_states", True, torch.bfloat16),
+        ("encoder_hidden_states", True, torch.bfloat16),
+        ("encoder_hidden_states", False, torch.bfloat16),
+        ("hidden_states", False, torch.int64),
+    ],
 )
-def test_an_input_in_a_dtype_eager_refuses_is_told_as_its_dtype(tmp_path, name, keep_source):
+def test_an_input_in_a_dtype_eager_refuses_is_told_as_its_dtype(tmp_path, name, keep_source, dtype):
     # fp32 Wan: bf16 latents fail in eager's Conv3d, bf16 text states in its time projection's Linear.
     # Export traced the latter: a graph that failed at every call with torch's words (keep_source),
-    # or a capture refused as reading a released weight, with advice that did not help.
+    # or a capture refused as reading a released weight, with advice that did not help. int64 latents
+    # gave export's error, without the input's name, at every call after a new export.
     model, inputs = _wan()
     config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=keep_source)
     opt = amxopt.optimize(model, inputs, config)
-    wrong = {**inputs, name: inputs[name].bfloat16()}
+    wrong = {**inputs, name: inputs[name].to(dtype)}
     with pytest.raises(
         TypeError,
-        match=rf"optimized for {name} in torch.float32, got torch.bfloat16, and its capture in torch.bfloat16 "
+        match=rf"optimized for {name} in torch.float32, got {dtype}, and its capture in {dtype} "
         rf"failed \(cast {name} to torch.float32\)",
     ):
         opt(**wrong)
     assert len(opt.graphs) == 1
     assert max_abs_error(_run(opt, inputs), _run(_wan()[0], inputs)) == 0.0  # and it still runs
     # Once refused, refused before running anything (it exported again at every call; at tp, on every rank)
-    with pytest.raises(TypeError, match=r"its capture in torch.bfloat16 failed"):
+    with pytest.raises(TypeError, match=rf"its capture in {dtype} failed"):
         opt.check_inputs(**wrong)
     if name == "encoder_hidden_states" and keep_source:
         # A bf16 timestep too (eager takes that one): both named, as the graph cannot tell which one
