@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import runpy
 import sys
 import xml.etree.ElementTree as ET
@@ -327,6 +328,34 @@ class _SmallWrong(nn.Module):
 
 def build_small_wrong():
     return _SmallWrong().eval(), (torch.randn(3, 8),)
+
+
+class _TwoOutputs(nn.Module):
+    """A large output off by 1e-4 (far within its bound) and a small one off by 1e-5 (near its bound)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        large, small = y * 100, y
+        if torch.compiler.is_compiling():
+            large, small = large + 1e-4, small + 1e-5
+        return large, small
+
+
+def build_two_outputs():
+    return _TwoOutputs().eval(), (torch.randn(3, 8),)
+
+
+def test_check_prints_the_largest_error_and_the_output_nearest_its_bound(capsys):
+    # "max abs error" was the error of the output nearest its bound: 1e-5 here, where one was 1e-4
+    assert cli.main(["check", "tests.test_cli:build_two_outputs", "--provider", "reference"]) == 0
+    fp32 = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("fp32"))
+    found = re.search(r"max abs error vs the original (\S+) over 2 outputs; nearest its bound: output 1, (\S+) ", fp32)
+    assert found, fp32
+    assert float(found[1]) == pytest.approx(1e-4, rel=0.1) and float(found[2]) == pytest.approx(1e-5, rel=0.1)
 
 
 class _SwappedTokens(nn.Module):

@@ -803,7 +803,7 @@ class OptimizedModule(nn.Module):
         Returns:
             A :class:`~amxopt.runtime.profile.Profile`; ``print(profile)`` shows the table. Of a
             call the model runs in parts (the Omni audio tower's past ``conv_chunksize`` chunks),
-            the first part's.
+            every part profiled and the rows of each op summed.
 
         Example::
 
@@ -817,9 +817,12 @@ class OptimizedModule(nn.Module):
                 raise RuntimeError(
                     f"amxopt profile: {self.adapter.model_name} runs as eager PyTorch ({self.eager_reason})"
                 )
-            graph_inputs = self._graph_calls(args, kwargs)[2][0]  # (of a call cut in parts, the first)
-        graph = next(g for g in self._graphs if _accepts(g, graph_inputs))
-        return profile_graph(graph.captured.gm, graph_inputs, repeats=repeats, by_shape=by_shape)
+            parts = self._graph_calls(args, kwargs)[2]
+        profiles = []
+        for graph_inputs in parts:
+            graph = next(g for g in self._graphs if _accepts(g, graph_inputs))
+            profiles.append(profile_graph(graph.captured.gm, graph_inputs, repeats=repeats, by_shape=by_shape))
+        return Profile.merged(profiles)
 
     @property
     def device(self) -> torch.device:

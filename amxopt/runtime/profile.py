@@ -132,15 +132,40 @@ class Profile:
     rows: list[Row]
     graph_seconds: float  # the graph's own call, median
     timed_seconds: float  # the interpreter's run (nodes + what it adds): the run of median total
+    parts: int = 1  # graph calls summed: a call the model runs in parts (merged)
 
     @property
     def node_seconds(self) -> float:
         return sum(r.seconds for r in self.rows)
 
+    @classmethod
+    def merged(cls, profiles: list[Profile]) -> Profile:
+        """The profiles of a call's parts as one: rows of the same op (and shapes) summed, and the
+        times of the parts' graph calls and timed runs."""
+        if len(profiles) == 1:
+            return profiles[0]
+        rows: dict[tuple[str, str], Row] = {}
+        for row in (r for p in profiles for r in p.rows):
+            had = rows.get((row.op, row.shapes))
+            rows[row.op, row.shapes] = (
+                row
+                if had is None
+                else dataclasses.replace(
+                    row, calls=had.calls + row.calls, seconds=had.seconds + row.seconds, flops=had.flops + row.flops
+                )
+            )
+        return cls(
+            sorted(rows.values(), key=lambda r: -r.seconds),
+            sum(p.graph_seconds for p in profiles),
+            sum(p.timed_seconds for p in profiles),
+            sum(p.parts for p in profiles),
+        )
+
     def __str__(self) -> str:
         total = self.node_seconds
+        parts = f"a call in {self.parts} parts, summed: " if self.parts > 1 else ""
         lines = [
-            f"graph call {self.graph_seconds * 1e3:.1f} ms; timed run {self.timed_seconds * 1e3:.1f} ms, "
+            f"{parts}graph call {self.graph_seconds * 1e3:.1f} ms; timed run {self.timed_seconds * 1e3:.1f} ms, "
             f"of it in nodes {total * 1e3:.1f} ms",
             f"{'ms':>9} {'share':>6} {'calls':>6} {'GFLOP':>8} {'TFLOP/s':>8}  op",
         ]
@@ -156,6 +181,7 @@ class Profile:
         return dict(
             graph_seconds=self.graph_seconds,
             timed_seconds=self.timed_seconds,
+            parts=self.parts,
             rows=[dataclasses.asdict(r) | dict(tflops=r.tflops) for r in self.rows],
         )
 

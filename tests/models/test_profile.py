@@ -125,3 +125,21 @@ def test_cli_profile_prints_and_writes_the_table(tmp_path, capsys):
     rows = written["rows"]
     (linear,) = [r for r in rows if r["op"] == "amxopt.linear.default"]
     assert linear["calls"] == 1 and linear["flops"] == 2 * 4 * 16 * 32
+
+
+def test_profile_of_a_call_in_parts_sums_every_part():
+    # The Omni audio tower runs a call of more than conv_chunksize chunks in parts: the profile
+    # showed the first part's time and FLOPs as the call's, and did not say so.
+    from amxopt import models
+
+    inputs = {"input_features": torch.randn(128, 3000), "feature_lens": torch.tensor([3000])}  # 30 chunks
+    profiles = []
+    for chunks in (500, 9):
+        model = models.build_model("tiny-qwen3-omni-audio", torch.float32, conv_chunksize=chunks)
+        profiles.append(amxopt.optimize(model, inputs, CONFIG).profile(inputs, repeats=1))
+    whole, cut = profiles
+    assert whole.parts == 1 and cut.parts == 4, (whole.parts, cut.parts)
+    flops = {r.op: r.flops for r in whole.rows if r.flops}
+    assert {r.op: r.flops for r in cut.rows if r.flops} == pytest.approx(flops)
+    assert str(cut).startswith("a call in 4 parts, summed: graph call") and "parts" not in str(whole)
+    assert json.loads(json.dumps(cut.to_json()))["parts"] == 4
