@@ -494,9 +494,10 @@ class TPModule(nn.Module):
             with torch.no_grad():
                 return self.module(*args, **kwargs)
         except Exception as e:
-            if not _collective_failure(e) and self._finished(call):  # every rank is through: still in step
+            own = not _collective_failure(e)  # rank 0's own error, not a collective's
+            if own and self._finished(call):  # every rank is through: still in step
                 raise
-            raise self._failed(e) from e
+            raise self._failed(e, own=own) from e
         except BaseException:
             self._failed(None)
             raise
@@ -513,9 +514,10 @@ class TPModule(nn.Module):
             time.sleep(0.02 if waiting else 0)
         return not waiting
 
-    def _failed(self, e: BaseException | None) -> RuntimeError:
+    def _failed(self, e: BaseException | None, own: bool = False) -> RuntimeError:
         """Close the module after a rank failed or the ranks fell out of step (no stop message: a
-        worker may be waiting in a collective of the failed call); the error that says which and how."""
+        worker may be waiting in a collective of the failed call); the error that says which and how.
+        ``own``: ``e`` is rank 0's own error in the call, which the workers' failures followed."""
         self._state["in_step"] = False
         time.sleep(0.2)  # let a dying worker's exit code settle
         failed = []
@@ -525,6 +527,12 @@ class TPModule(nn.Module):
             elif self._raised_in(r, self._state["calls"]):  # raised alone: the others waited in a collective
                 failed.append(f"rank {r} raised in call {self._state['calls']}{self._error_of(r)}")
         self.close()
+        if own:  # (the workers' errors, a collective's timeout waiting for rank 0, come after the cause)
+            after = f"; the other ranks waited for it: {'; '.join(failed)}" if failed else ""
+            return RuntimeError(
+                f"amxopt: a tensor-parallel call failed: rank 0 raised in call {self._state['calls']}: "
+                f"{type(e).__name__}: {e}{after}"
+            )
         detail = "; ".join(failed) if failed else "no rank exited: one hung past tp_timeout_s or failed in the call"
         return RuntimeError(f"amxopt: a tensor-parallel call failed: {detail} ({e})")
 

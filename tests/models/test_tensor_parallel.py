@@ -767,8 +767,11 @@ def test_an_argument_that_cannot_be_sent_is_refused_and_the_module_stays_usable(
 
 @torch.library.custom_op("amxopt_tests::fails_in_a_worker", mutates_args=())
 def _fails_in_a_worker(x: torch.Tensor, parent: int) -> torch.Tensor:
+    """Fails in a worker alone on 3 rows, in rank 0 alone on 5."""
     if os.getpid() != parent and x.shape[0] == 3:
         raise MemoryError("out of memory in this worker alone")
+    if os.getpid() == parent and x.shape[0] == 5:
+        raise MemoryError("out of memory in rank 0 alone")
     return x.clone()
 
 
@@ -811,6 +814,25 @@ def test_every_call_reaches_the_ranks_with_its_own_values_and_a_rank_that_raises
             # A worker raising alone: rank 0 waits in a collective; the error was "no rank exited".
             with pytest.raises(RuntimeError, match=r"rank 1 raised in call \d+:(.|\n)*out of memory in this worker"):
                 sharded(torch.randn(3, 32))
+    finally:
+        sharded.close()
+
+
+def test_rank_0_raising_alone_is_the_error_and_closes_the_module():
+    # The workers wait for it in a collective until tp_timeout_s: the error named rank 1's timeout
+    # first, rank 0's own error last in brackets; no test had rank 0 fail alone.
+    model = _ScaledBlocks(os.getpid()).eval()
+    sharded = amxopt.optimize(model, (torch.randn(4, 32),), dataclasses.replace(CONFIG, tp=2, tp_timeout_s=3))
+    try:
+        with torch.no_grad():
+            with pytest.raises(
+                RuntimeError,
+                match=r"^amxopt: a tensor-parallel call failed: rank 0 raised in call \d+: MemoryError: out of "
+                r"memory in rank 0 alone; the other ranks waited for it: rank 1 ",
+            ):
+                sharded(torch.randn(5, 32))
+            with pytest.raises(RuntimeError, match="this TPModule is closed"):  # (out of step: not called again)
+                sharded(torch.randn(4, 32))
     finally:
         sharded.close()
 
