@@ -142,9 +142,10 @@ class QwenVisionAdapter(_QwenAdapter):
         who = f"amxopt: {self.model_name}"
         if not isinstance(x, torch.Tensor) or not isinstance(grid, torch.Tensor):
             raise TypeError(f"{who} needs tensors hidden_states and grid_thw")
-        if x.dim() != 2 or x.shape[1] != self.patch_dim or not x.is_floating_point():
+        # (any real dtype: the patch embedding casts it to the weights', as in eager)
+        if x.dim() != 2 or x.shape[1] != self.patch_dim or x.is_complex():
             raise ValueError(
-                f"{who}: hidden_states must be float [num_patches, {self.patch_dim}], got {x.dtype} {tuple(x.shape)}"
+                f"{who}: hidden_states must be real [num_patches, {self.patch_dim}], got {x.dtype} {tuple(x.shape)}"
             )
         if grid.dim() != 2 or grid.shape[1] != 3 or grid.is_floating_point():
             raise ValueError(
@@ -234,8 +235,8 @@ class QwenAudioAdapter(_QwenAdapter):
         feats, lens = call.get("input_features"), call.get("feature_lens")
         self._validate(feats, lens)  # (the caller's whole input, before it is cut)
         chunk = 2 * self.n_window
-        window = self.n_window_infer // chunk  # chunks of one attention window
-        if self.n_window_infer % chunk or window == 0 or self.conv_chunksize < window:
+        window = self.n_window_infer // chunk  # chunks of one attention window (as eager rounds it down)
+        if window == 0 or self.conv_chunksize < window:
             return [call]  # (no cut that keeps the windows: not a released config)
         most = self.conv_chunksize // window * window  # chunks of a cut clip's part
         parts: list[list[int]] = [[]]

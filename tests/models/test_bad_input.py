@@ -28,12 +28,13 @@ def qwen():
 def test_another_input_dtype_runs_as_eager_runs_it(qwen):
     # Qwen's patch embedding casts its input to the weights' dtype: bf16 pixels into an fp32 tower
     # are not bad input (they were refused). One eager cannot take is: test_module_use.py.
+    # Integer pixels too (they were refused as not float).
     _, inputs, opt = qwen
-    pixels = inputs["hidden_states"].bfloat16()
-    with torch.no_grad():
-        got = opt(pixels, inputs["grid_thw"]).last_hidden_state
-        want = models.build_model("tiny-qwen3-vl-vision")(pixels, inputs["grid_thw"]).last_hidden_state
-    torch.testing.assert_close(got, want)
+    for pixels in (inputs["hidden_states"].bfloat16(), (inputs["hidden_states"] * 10).long()):
+        with torch.no_grad():
+            got = opt(pixels, inputs["grid_thw"]).last_hidden_state
+            want = models.build_model("tiny-qwen3-vl-vision")(pixels, inputs["grid_thw"]).last_hidden_state
+        torch.testing.assert_close(got, want)
 
 
 def test_grid_thw_not_matching_patches(qwen):
@@ -53,7 +54,7 @@ def test_grid_thw_not_divisible_by_merge(qwen):
 
 def test_wrong_patch_width(qwen):
     _, inputs, opt = qwen
-    with pytest.raises(ValueError, match=r"hidden_states must be float \[num_patches, 1536\]"):
+    with pytest.raises(ValueError, match=r"hidden_states must be real \[num_patches, 1536\]"):
         opt(inputs["hidden_states"][:, :100], inputs["grid_thw"])
 
 
@@ -61,25 +62,37 @@ def test_precomputed_vision_metadata_is_used_as_eager_uses_it(qwen):
     # transformers' vision_utils: the tower takes cu_seqlens, position_ids and the interpolation
     # taps precomputed (the whole model forwards image_cu_seqlens etc. as these). They were refused.
     # Ones that differ from what grid_thw gives show that the caller's are the ones used.
-    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+    from transformers.vision_utils import (
+        get_vision_cu_seqlens,
+        get_vision_interpolation_indices_and_weights,
+        get_vision_position_ids,
+    )
 
-    model, inputs, opt = qwen
+    model, _, opt = qwen
+    # two images: one segment over both differs from grid_thw's two
+    inputs = models.example_inputs("tiny-qwen3-vl-vision", size=[(64, 64), (32, 64)])
     x, grid = inputs["hidden_states"], inputs["grid_thw"]
     n = x.shape[0]
-    given = {
-        "cu_seqlens": get_vision_cu_seqlens(grid)[[0, -1]],  # one segment over every image
-        "position_ids": get_vision_position_ids(grid, 2).flip(0),
-        "max_seqlen": n,
+    side = model.config.num_position_embeddings**0.5
+    indices, weights = get_vision_interpolation_indices_and_weights(grid, num_grid_per_side=int(side))
+    cases = {
+        "cu_seqlens": {"cu_seqlens": get_vision_cu_seqlens(grid)[[0, -1]], "max_seqlen": n},
+        "position_ids": {"position_ids": get_vision_position_ids(grid, 2).flip(0)},
+        "interpolation taps": {"interp_indices": indices, "interp_weights": weights.flip(-1)},
     }
     with torch.no_grad():
-        want = model(x, grid, **given)
-        got = opt(x, grid, **given)
         plain = opt(x, grid)
-    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state)
-    torch.testing.assert_close(got.pooler_output, want.pooler_output)
-    assert not torch.allclose(plain.last_hidden_state, want.last_hidden_state)
+        torch.testing.assert_close(plain.last_hidden_state, model(x, grid).last_hidden_state)
+        for case, given in cases.items():
+            want, got = model(x, grid, **given), opt(x, grid, **given)
+            torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, msg=case)
+            torch.testing.assert_close(got.pooler_output, want.pooler_output, msg=case)
+            assert not torch.allclose(plain.last_hidden_state, want.last_hidden_state), case
+        # passed as None: computed from grid_thw, as eager does (a keyword given is not a value given)
+        none = dict.fromkeys(("cu_seqlens", "position_ids", "max_seqlen", "interp_indices", "interp_weights"))
+        torch.testing.assert_close(opt(x, grid, **none).last_hidden_state, plain.last_hidden_state)
     with pytest.raises(ValueError, match=rf"a precomputed position_ids must have one row per patch \({n}\)"):
-        opt(x, grid, position_ids=given["position_ids"][:-4])
+        opt(x, grid, position_ids=cases["position_ids"]["position_ids"][:-4])
     with pytest.raises(ValueError, match=rf"a precomputed cu_seqlens must be integer offsets from 0 to the {n}"):
         opt(x, grid, cu_seqlens=torch.tensor([0, n - 4], dtype=torch.int32))
 

@@ -562,6 +562,25 @@ def test_an_argument_given_as_its_default_none_takes_the_same_graph(tmp_path):
     assert len(opt.graphs) == 1
 
 
+@pytest.mark.parametrize("overrides", [{"conv_chunksize": 8}, {"conv_chunksize": 9, "n_window_infer": 850}])
+def test_long_audio_is_cut_at_whole_windows_in_other_configs(tmp_path, overrides):
+    # conv_chunksize a multiple of the 8-chunk window: a clip of whole windows must not leave a part
+    # of 0 frames. An n_window_infer that is not whole chunks (eager rounds the window down to 8):
+    # calls were never cut, and took a graph per round of convolutions (4 here).
+    model = models.build_model("tiny-qwen3-omni-audio", torch.float32, **overrides)
+    gen = torch.Generator().manual_seed(0)
+
+    def audio(lens):
+        return {"input_features": torch.randn(128, sum(lens), generator=gen), "feature_lens": torch.tensor(lens)}
+
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True)
+    opt = amxopt.optimize(model, audio([200]), config)
+    for lens in ([1600, 30], [3000], [850, 30], [1700, 901, 40]):
+        inputs = audio(lens)
+        assert max_abs_error(_run(opt, inputs), _run(model, inputs)) <= 1e-5, lens
+    assert len(opt.graphs) == 1
+
+
 def test_long_audio_and_large_batches_take_one_graph(tmp_path):
     # The forward convolves conv_chunksize chunks at a time in a Python loop, which export unrolls:
     # each longer call took new graphs (two per 500 s of audio) until max_recaptures refused it.
