@@ -287,11 +287,13 @@ def check_run_options(parser: argparse.ArgumentParser, repeats: int, json: str |
     if repeats < 1:
         parser.error(f"{flag} {repeats}: at least 1")
     if json:
-        path = pathlib.Path(json).resolve()
-        if not path.parent.is_dir():
+        path = pathlib.Path(json)
+        if not path.resolve().parent.is_dir():
             parser.error(f"--json {json}: its directory does not exist")
         if path.is_dir():
             parser.error(f"--json {json}: is a directory (name a file)")
+        if path.exists() and not path.is_file():
+            return  # a pipe or a device (/dev/stdout): opening it to try would block or end its reader
         existed = path.exists()
         try:  # opened, not os.access: that says yes to root, whatever the file system says at the write
             with open(path, "a"):  # (appending nothing: an existing file is left as it is)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import pathlib
 import re
 import runpy
 import sys
+import threading
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -179,6 +182,20 @@ def test_bad_arguments_are_refused_before_anything_is_built(args, error, capsys)
 def test_sizes_read_as_python_reads_numbers(text, size):
     # 1e3 was refused as "not a positive number" (only text with a dot was read as a float)
     assert cli._parse_size(text) == size and type(cli._parse_size(text)) is type(size)
+
+
+def test_a_json_pipe_is_not_opened_to_try_it(tmp_path):
+    # The writability check opened --json: on a FIFO with no reader it blocked, and one with a reader
+    # was sent EOF (the run's write then blocked); /dev/stdout into a pipe was refused.
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+    check = threading.Thread(target=cli.check_run_options, args=(argparse.ArgumentParser(), 1, str(fifo)), daemon=True)
+    check.start()
+    check.join(5)
+    blocked = check.is_alive()
+    if blocked:  # let it go
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+    assert not blocked
 
 
 @pytest.mark.parametrize("args", [["--threads", "-1"], ["--threads", "99999999999999999999"], ["--tp", "70000"]])

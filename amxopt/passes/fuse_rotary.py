@@ -154,7 +154,7 @@ def _why_not(attn: fx.Node, rq: fx.Node, rk: fx.Node) -> str | None:
         return "the rotary's output is laid out otherwise than export saw it (a transposed q or k)"
     factors = [(arg(r, 1, "cos"), arg(r, 2, "sin"), arg(r, 3, "interleaved")) for r in (rq, rk)]
     if not all(_same_value(a, b) for a, b in zip(*factors)):
-        return "q and k are rotated by different cos / sin"
+        return "q and k are rotated by different cos / sin, or pair their values otherwise"
     provider = arg(attn, 9, "provider", "auto")
     if any(arg(r, 4, "provider", "auto") != provider for r in (rq, rk)):
         return "the rotary and the attention run on different providers"

@@ -1061,15 +1061,18 @@ class OptimizedModule(nn.Module):
                 )
 
     def _dtype_refusal(self, graph_inputs: dict, error: Exception) -> str | None:
-        """Why a call whose capture failed is refused, where it has an input in a dtype no graph
-        took: a call in another dtype is captured again, as eager takes it (a bf16 Omni tower takes
-        the processor's fp32 features and bf16 ones; Wan an integer timestep after a float one);
-        where eager cannot run it either (fp32 latents into a bf16 Wan, int64 ones into any), the
-        capture's error is told as the input's dtype."""
+        """Why a call whose capture failed is refused, where an input the graphs took in a floating
+        dtype comes in a dtype no graph took: a call in another dtype is captured again, as eager
+        takes it (a bf16 Omni tower takes the processor's fp32 features and bf16 ones; Wan an integer
+        timestep after a float one); where eager cannot run it either (fp32 latents into a bf16 Wan,
+        int64 ones into any), the capture's error is told as the input's dtype. Integer inputs
+        (ids, lengths) change between int32 and int64 and say nothing of why a capture failed."""
         leaves, took, got = _tensor_leaves(graph_inputs), [], []
         for name, dtype in self._graphs[0].dtypes.items() if self._graphs else ():
             given = leaves.get(name)
-            if given is not None and all(g.dtypes.get(name) != given.dtype for g in self._graphs):
+            if not (given is not None and dtype.is_floating_point):
+                continue
+            if all(g.dtypes.get(name) != given.dtype for g in self._graphs):
                 # every such input: the graph may not say which one eager would refuse (a dtype
                 # read through type_as is a constant in it)
                 took.append((self._argument(name), dtype))

@@ -228,18 +228,20 @@ def _worker(rank: int, world: int, port: int, cores, model, example_inputs, conf
         opt = amxopt.optimize(model, example_inputs, rank_cfg)
         del model
         store.set(_OPTIMIZED.format(rank), "1")
-        failed = False  # the last call raised: its error stays readable until one succeeds
+        failed = False  # the last call raised: its error stays readable until the next call starts
         for call in itertools.count(1):
             _wait_for_call(store, call)
             kind, args, kwargs = pickle.loads(_received())
             if kind == "stop":
                 break
+            if failed:
+                # Dropped as this call starts, not after it: rank 0 returns from the call while this
+                # rank is still finishing it, and a death then is not to be told with the old error.
+                store.delete_key(_ERROR.format(rank))
+                failed = False
             try:
                 with torch.no_grad():
                     opt(*args, **kwargs)
-                if failed:
-                    store.delete_key(_ERROR.format(rank))
-                    failed = False
             except Exception as e:  # noqa: BLE001 - the call's own error: rank 0 raises it; wait for the next
                 if _collective_failure(e):  # out of step with the others: this rank is done
                     raise

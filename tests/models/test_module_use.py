@@ -342,6 +342,36 @@ def test_an_input_in_a_dtype_eager_refuses_is_told_as_its_dtype(tmp_path, name, 
         assert "refuses outside torch.autocast" in str(refused.value)
 
 
+class _IdsAndDataDependentLength(nn.Module):
+    """Token ids in either integer dtype; one length export cannot capture (data-dependent)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(10, 16), nn.Linear(16, 16)
+
+    def forward(self, x, ids):
+        h = self.lin(x) + self.emb(ids)
+        if x.shape[0] == 3 and bool(ids.sum() > 0):
+            h = h * 2
+        return h
+
+
+def test_a_capture_failing_otherwise_is_not_told_as_an_integer_inputs_dtype(tmp_path):
+    # int32 ids after int64 ones, at the one length export cannot capture: its error was told as
+    # the ids' dtype ("cast ids to torch.int64"), and every later int32 call refused with it.
+    model = _IdsAndDataDependentLength().eval()
+
+    def inputs(n, dtype):
+        return {"x": torch.randn(n, 16), "ids": torch.arange(n, dtype=dtype) % 10}
+
+    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), keep_source=True)
+    opt = amxopt.optimize(model, inputs(4, torch.int64), config)
+    with pytest.raises(amxopt.CaptureError, match="could not capture"):
+        _run(opt, inputs(3, torch.int32))
+    later = inputs(5, torch.int32)
+    assert max_abs_error(_run(opt, later), _run(model, later)) == 0.0
+
+
 def test_an_audio_input_is_named_as_the_caller_passed_it(tmp_path):
     model = models.build_model("tiny-qwen3-omni-audio", torch.float32)
     inputs = models.example_inputs("tiny-qwen3-omni-audio", torch.float32)

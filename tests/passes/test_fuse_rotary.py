@@ -106,7 +106,9 @@ def test_fuse_rotary_leaves_different_angles_with_the_reason():
     assert not fuse_rotary(gm, NATIVE).modified
     assert _rotaries(gm) == 2
     reasons = [n.meta[LEFT] for n in gm.graph.nodes if LEFT in n.meta]
-    assert reasons == ["its rotary embedding stays a separate op: q and k are rotated by different cos / sin"]
+    assert reasons == [
+        "its rotary embedding stays a separate op: q and k are rotated by different cos / sin, or pair their values otherwise"
+    ]
 
 
 class SequenceFirst(nn.Module):
@@ -191,6 +193,16 @@ class _WrittenBetween(nn.Module):
         return F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), scale=0.25)
 
 
+class _PairedOtherwise(nn.Module):
+    """q rotated with interleaved pairs, k with halves, by the same cos / sin (amxopt's own op)."""
+
+    def forward(self, q, k, v, angle):
+        cos, sin = angle.cos(), angle.sin()
+        q = torch.ops.amxopt.rotary_embedding(q, cos, sin, True, "native")
+        k = torch.ops.amxopt.rotary_embedding(k, cos, sin, False, "native")
+        return F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), scale=0.25)
+
+
 def _r(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -207,8 +219,10 @@ def _r(*shape, seed=0):
                            "freqs": _r(6, 2, 8)}, "is not one angle per token for every head"),
         (_WrittenBetween(), {"q": _r(6, 2, 16), "k": _r(6, 2, 16, seed=1), "v": _r(6, 2, 16, seed=2),
                              "freqs": _r(6, 8)}, "writes a tensor in place between them"),
+        (_PairedOtherwise(), {"q": _r(6, 2, 16), "k": _r(6, 2, 16, seed=1), "v": _r(6, 2, 16, seed=2),
+                              "angle": _r(6, 1, 8)}, "pair their values otherwise"),
     ],
-    ids=["shifted-slices-of-one-table", "cross-attention", "angle-per-head", "written-between"],
+    ids=["shifted-slices-of-one-table", "cross-attention", "angle-per-head", "written-between", "pairing"],
 )  # fmt: skip
 def test_fuse_rotary_leaves_pairs_it_cannot_take_with_the_reason(model, inputs, reason):
     # Each survived a mutation of its check (stop 50): k rotated by q's angles (2.0 off), or a crash.

@@ -317,25 +317,34 @@ def test_a_rotary_of_heads_first_q_and_k_into_sdpa(config, rotary):
 
 
 class _Modulate(nn.Module):
-    """An adaLN window, ``(norm(x.float()) * (1 + scale) + shift).type_as(x)``, of either norm."""
+    """An adaLN window, ``(norm(x.float()) * (1 + scale) + shift).type_as(x)``, of either norm, with
+    or without the norm's own weight (and bias)."""
 
-    def __init__(self, norm: str, eps: float):
+    def __init__(self, norm: str, eps: float, affine: bool = False, dim: int = 32):
         super().__init__()
         self.norm, self.eps = norm, eps
+        g = torch.Generator().manual_seed(1)
+        self.weight = nn.Parameter(torch.randn(dim, generator=g)) if affine else None
+        self.bias = nn.Parameter(torch.randn(dim, generator=g)) if affine and norm == "layer" else None
 
     def forward(self, x, scale, shift):
-        norm = F.rms_norm if self.norm == "rms" else F.layer_norm
-        return (norm(x.float(), (x.shape[-1],), eps=self.eps) * (1 + scale) + shift).type_as(x)
+        if self.norm == "rms":
+            normed = F.rms_norm(x.float(), (x.shape[-1],), self.weight, eps=self.eps)
+        else:
+            normed = F.layer_norm(x.float(), (x.shape[-1],), self.weight, self.bias, eps=self.eps)
+        return (normed * (1 + scale) + shift).type_as(x)
 
 
+@pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
 @pytest.mark.parametrize("norm", ["rms", "layer"])
-def test_a_modulated_norm_keeps_its_kind_and_eps(norm):
+def test_a_modulated_norm_keeps_its_kind_and_eps(norm, affine):
     # Wan's (LayerNorm, eps 1e-6, unit variance) was the only case: a rewrite running every window as
     # a LayerNorm, or with fp32's default eps, passed. Rows of small spread make eps count (0.28 off).
+    # Affine: weight and bias swapped, or the weight dropped, passed too (Wan's norms have none).
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(2, 6, 32, generator=g) * 0.01 + 0.3).bfloat16()
     inputs = {"x": x, "scale": torch.randn(1, 1, 32, generator=g), "shift": torch.randn(1, 1, 32, generator=g)}
-    model = _Modulate(norm, eps=1e-2).eval()
+    model = _Modulate(norm, eps=1e-2, affine=affine).eval()
     gm, gi = captured(model, inputs, dynamic=False)
     assert replace_glue(gm, CONFIG).modified and count(gm, amx.norm_modulate.default) == 1
     gm.recompile()

@@ -23,7 +23,7 @@ from amxopt.passes import (
     replace_norms,
     replace_patch_embed,
 )
-from amxopt.passes._graph import LEFT
+from amxopt.passes._graph import LEFT, arg
 from tests.helpers import CONFIG, captured, check_rewrite, count, targets
 
 aten = torch.ops.aten
@@ -125,6 +125,32 @@ class MLP(nn.Module):
             self.act
         ](h)
         return self.fc2(h)
+
+
+def test_replace_linear_without_fuse_activation_keeps_the_activation():
+    model = MLP("gelu").eval()
+    gm, gi = captured(model, {"x": torch.randn(3, 5, 24)})
+    assert replace_linear(gm, dataclasses.replace(CONFIG, fuse_activation=False)).modified
+    assert count(gm, amx.linear.default) == 2 and count(gm, aten.gelu.default) == 1
+    assert_same(gm, gi, model)
+
+
+class _TransposedWeight(nn.Module):
+    """A weight stored [in, out] and transposed in the forward (tied embeddings, Conv1D-style layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x):
+        return F.linear(x, self.w.t())
+
+
+def test_replace_linear_takes_a_transposed_parameter_as_its_weight():
+    model = _TransposedWeight().eval()
+    gm, gi = captured(model, {"x": torch.randn(2, 5, 16)})
+    assert run(replace_linear, gm) and count(gm, amx.linear.default) == 1
+    assert_same(gm, gi, model)
 
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu", "none"])
@@ -411,6 +437,49 @@ def test_replace_attention_leaves_causal_cross_attention():
     gm, _ = captured(SDPA(causal=True, scale=0.3), inputs, dynamic=False)
     assert not run(replace_attention, gm)
     assert "causal" in left_reasons(gm, aten.scaled_dot_product_attention.default)[0]
+
+
+def test_a_causal_attention_whose_lengths_may_differ_is_left():
+    # Captured dynamic on q and k of one length, called with k longer: SDPA's causal mask is
+    # top-left aligned, the op's bottom-right (3.07 off where the rule compared the example's sizes).
+    def inputs(lq, lk):
+        return {"q": torch.randn(1, 2, lq, 16), "k": torch.randn(1, 2, lk, 16), "v": torch.randn(1, 2, lk, 16)}
+
+    model = SDPA(causal=True, scale=0.25)
+    gm, _ = captured(model, inputs(6, 6), dynamic=True)
+    assert not run(replace_attention, gm)
+    assert "causal" in left_reasons(gm, aten.scaled_dot_product_attention.default)[0]
+    gm.recompile()
+    longer = inputs(4, 9)
+    assert_same(gm, longer, model)
+
+
+class _CallsTheOp(nn.Module):
+    """A model calling amxopt.varlen_attention itself, on the reference provider: causal, segments of
+    other lengths in q and k."""
+
+    def forward(self, q, k, v, cu_q, cu_k):
+        return torch.ops.amxopt.varlen_attention(q, k, v, cu_q, cu_k, 5, 9, 0.25, True, "reference")
+
+
+def test_an_attention_the_model_calls_itself_is_moved_to_the_provider_as_it_was():
+    # The rule that moves it to the configured provider: only non-causal self-attention, on the
+    # reference provider (where the rule does not apply), was tested (causal dropped: 2.33 off).
+    g = torch.Generator().manual_seed(0)
+    inputs = {
+        "q": torch.randn(8, 2, 16, generator=g),
+        "k": torch.randn(12, 2, 16, generator=g),
+        "v": torch.randn(12, 2, 16, generator=g),
+        "cu_q": torch.tensor([0, 3, 8], dtype=torch.int32),
+        "cu_k": torch.tensor([0, 3, 12], dtype=torch.int32),
+    }
+    model = _CallsTheOp()
+    gm, gi = captured(model, inputs, dynamic=False)
+    assert replace_attention(gm, NATIVE).modified
+    (node,) = [n for n in gm.graph.nodes if n.target == amx.varlen_attention.default]
+    assert arg(node, 9, "provider", "auto") != "reference" and node.args[5:9] == (5, 9, 0.25, True), node.args
+    gm.recompile()
+    torch.testing.assert_close(gm(**gi), model(**inputs), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -707,6 +776,17 @@ def test_replace_norms_folds_type_as_window_in_bf16():
     assert not run(replace_norms, gm)
     with torch.no_grad():
         torch.testing.assert_close(gm(**gi), model(x), atol=0, rtol=0)
+
+
+def test_replace_norms_rewrites_the_fp32_norm_of_an_fp16_window():
+    # x in fp16, which no kernel takes: the window is not folded, but the fp32 norm inside it is
+    # rewritten (a window check that did not look at x's dtype refused the fp32 norm as fp16's).
+    model = TypeAsNorm().eval()
+    gm, gi = captured(model, {"x": torch.randn(3, 7, 32, dtype=torch.float16)})
+    assert run(replace_norms, gm)
+    ln = next(n for n in gm.graph.nodes if n.target == amx.layer_norm.default)
+    assert ln.args[0].meta["val"].dtype == torch.float32
+    assert_same(gm, gi, model)
 
 
 class CastElsewhereNorm(nn.Module):
