@@ -217,26 +217,17 @@ def test_attention_scale_sgl_may_not_take_runs_native(backend):
         assert backend.calls.get("flash_attn_varlen_func", 0) == (1 if takes_scale else 0)
 
 
-def test_cross_attention_on_sgl_matches_reference(backend):
-    # Segments of other lengths in q and k (Wan's text keys): a mapping that swapped their bounds
-    # passed every other test here.
+@pytest.mark.parametrize("causal", [False, True])
+def test_cross_attention_on_sgl_matches_reference(backend, causal):
+    # Segments of other lengths in q and k (Wan's text keys): on sgl_kernel (a mapping that swapped
+    # their bounds passed every other test here), and causal, bottom-right aligned, native.
     torch.manual_seed(0)
     cu_q, cu_k = _segments([5, 9]), _segments([16, 3])
     q, k, v = _bf16(14, 2, 16), _bf16(19, 2, 16), _bf16(19, 2, 16)
-    out = ops.varlen_attention(q, k, v, cu_q, cu_k, 9, 16, 0.25, False, P)
-    expected = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, 9, 16, 0.25, False)
+    out = ops.varlen_attention(q, k, v, cu_q, cu_k, 9, 16, 0.25, causal, P)
+    expected = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, 9, 16, 0.25, causal)
     assert_close_dtype(out, expected, torch.bfloat16)
-    _called(backend, "flash_attn_varlen_func")
-
-
-def test_causal_cross_attention_runs_native(backend):
-    torch.manual_seed(0)
-    cu_q, cu_k = _segments([3, 4]), _segments([6, 8])
-    q, k, v = _bf16(7, 2, 16), _bf16(14, 2, 16), _bf16(14, 2, 16)
-    out = ops.varlen_attention(q, k, v, cu_q, cu_k, 4, 8, 0.25, True, P)
-    expected = reference.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, 4, 8, 0.25, True)
-    assert_close_dtype(out, expected, torch.bfloat16)
-    _called(backend, "flash_attn_varlen_func", expected=False)
+    _called(backend, "flash_attn_varlen_func", expected=not causal)
 
 
 @pytest.mark.parametrize("rms", [False, True])

@@ -778,17 +778,6 @@ def test_replace_norms_folds_type_as_window_in_bf16():
         torch.testing.assert_close(gm(**gi), model(x), atol=0, rtol=0)
 
 
-def test_replace_norms_rewrites_the_fp32_norm_of_an_fp16_window():
-    # x in fp16, which no kernel takes: the window is not folded, but the fp32 norm inside it is
-    # rewritten (a window check that did not look at x's dtype refused the fp32 norm as fp16's).
-    model = TypeAsNorm().eval()
-    gm, gi = captured(model, {"x": torch.randn(3, 7, 32, dtype=torch.float16)})
-    assert run(replace_norms, gm)
-    ln = next(n for n in gm.graph.nodes if n.target == amx.layer_norm.default)
-    assert ln.args[0].meta["val"].dtype == torch.float32
-    assert_same(gm, gi, model)
-
-
 class CastElsewhereNorm(nn.Module):
     """An fp32 LayerNorm window that casts back to another dtype than its input's (bf16 -> fp16)."""
 
@@ -800,10 +789,14 @@ class CastElsewhereNorm(nn.Module):
         return self.ln(x.float()).half()
 
 
-def test_replace_norms_rewrites_the_norm_of_a_window_that_casts_elsewhere():
-    # Not folded (the op returns x's dtype), and not left either: the fp32 LayerNorm inside is rewritten.
-    model = CastElsewhereNorm().eval()
-    gm, gi = captured(model, {"x": torch.randn(3, 7, 32, dtype=torch.bfloat16)})
+@pytest.mark.parametrize(
+    "model, dtype", [(CastElsewhereNorm, torch.bfloat16), (TypeAsNorm, torch.float16)], ids=["casts-elsewhere", "fp16"]
+)
+def test_replace_norms_rewrites_the_fp32_norm_of_a_window_it_cannot_fold(model, dtype):
+    # Not folded (the op returns x's dtype; no kernel takes fp16), and not left either: the fp32
+    # LayerNorm inside is rewritten (a window check that did not look at x's dtype refused it as fp16's).
+    model = model().eval()
+    gm, gi = captured(model, {"x": torch.randn(3, 7, 32, dtype=dtype)})
     assert run(replace_norms, gm)
     ln = next(n for n in gm.graph.nodes if n.target == amx.layer_norm.default)
     assert ln.args[0].meta["val"].dtype == torch.float32
