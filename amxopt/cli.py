@@ -288,18 +288,19 @@ def check_run_options(parser: argparse.ArgumentParser, repeats: int, json: str |
         parser.error(f"{flag} {repeats}: at least 1")
     if json:
         path = pathlib.Path(json)
-        if not path.resolve().parent.is_dir():
+        target = path.resolve()  # (a symlink's target, which the run writes; made and removed below, not the link)
+        if not target.parent.is_dir():
             parser.error(f"--json {json}: its directory does not exist")
         if path.is_dir():
             parser.error(f"--json {json}: is a directory (name a file)")
         if path.exists() and not path.is_file():
             return  # a pipe or a device (/dev/stdout): opening it to try would block or end its reader
-        existed = path.exists()
+        existed = target.exists()
         try:  # opened, not os.access: that says yes to root, whatever the file system says at the write
-            with open(path, "a"):  # (appending nothing: an existing file is left as it is)
+            with open(target, "a"):  # (appending nothing: an existing file is left as it is)
                 pass
             if not existed:
-                path.unlink()
+                target.unlink()
         except OSError as e:
             parser.error(f"--json {json}: not writable ({e.strerror or e})")
 

@@ -184,6 +184,14 @@ def test_sizes_read_as_python_reads_numbers(text, size):
     assert cli._parse_size(text) == size and type(cli._parse_size(text)) is type(size)
 
 
+def test_a_json_symlink_to_a_file_not_there_yet_is_left_as_it_was(tmp_path):
+    # The check makes and removes the file it tries: the link's target, not the link.
+    link = tmp_path / "latest.json"
+    link.symlink_to(tmp_path / "run1.json")
+    cli.check_run_options(argparse.ArgumentParser(), 1, str(link))
+    assert link.is_symlink() and not (tmp_path / "run1.json").exists()
+
+
 def test_a_json_pipe_is_not_opened_to_try_it(tmp_path):
     # The writability check opened --json: on a FIFO with no reader it blocked, and one with a reader
     # was sent EOF (the run's write then blocked); /dev/stdout into a pipe was refused.
