@@ -1069,14 +1069,16 @@ class OptimizedModule(nn.Module):
         (ids, lengths) change between int32 and int64 and say nothing of why a capture failed."""
         leaves, took, got = _tensor_leaves(graph_inputs), [], []
         for name, dtype in self._graphs[0].dtypes.items() if self._graphs else ():
-            given = leaves.get(name)
-            if not (given is not None and dtype.is_floating_point):
-                continue
-            if all(g.dtypes.get(name) != given.dtype for g in self._graphs):
-                # every such input: the graph may not say which one eager would refuse (a dtype
-                # read through type_as is a constant in it)
+            tensor = leaves.get(name)
+            # every such input: the graph may not say which one eager would refuse (a dtype read
+            # through type_as is a constant in it)
+            if (
+                tensor is not None
+                and dtype.is_floating_point
+                and all(g.dtypes.get(name) != tensor.dtype for g in self._graphs)
+            ):
                 took.append((self._argument(name), dtype))
-                got.append(given.dtype)
+                got.append(tensor.dtype)
         if not took:
             return None
         wanted = " and ".join(f"{arg} in {dtype}" for arg, dtype in took)
