@@ -844,6 +844,26 @@ def test_a_view_after_a_channels_last_patch_embedding_becomes_a_reshape(config, 
     assert count(opt.graph_module, amx.patch_embed.default) == 1
 
 
+class ConvStackHead(nn.Module):
+    """A small conv (conv.cpp's direct kernel: channels-last output) feeding a wide one (ATen's
+    convolution, whose output follows its input's layout), read through ``view(B, -1)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.small = nn.Conv2d(1, 8, 3, stride=2, padding=1)
+        self.wide = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = self.wide(torch.relu(self.small(x)))
+        return y.view(y.size(0), -1)
+
+
+def test_a_view_after_a_conv_that_follows_its_inputs_layout_becomes_a_reshape():
+    # The wide conv's output is channels-last because its input is: left a view, it fails on every call.
+    opt = check_rewrite(ConvStackHead().eval(), (torch.randn(2, 1, 8, 8),), {"conv2d": 2}, NATIVE)
+    assert count(opt.graph_module, amx.conv2d.default) == 2
+
+
 class SDPAThenView(nn.Module):
     """SDPA on contiguous q, k, v (eager returns it contiguous), its heads then folded into the batch."""
 
