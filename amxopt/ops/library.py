@@ -307,6 +307,12 @@ def _check_conv2d(x, weight, bias, stride, padding, dilation, groups, activation
     )
     _check(weight.shape[0] != 0, op, f"weight {tuple(weight.shape)} has no output channels")
     _check(weight.shape[2] != 0 and weight.shape[3] != 0, op, f"weight {tuple(weight.shape)} has an empty kernel")
+    if all(isinstance(n, int) for n in x.shape):  # as eager's convolution: empty images only in an empty batch
+        _check(
+            x.shape[0] == 0 or x.shape[1] == 0 or (x.shape[2] > 0 and x.shape[3] > 0),
+            op,
+            f"x {tuple(x.shape)} has an empty spatial dim (only an empty batch or no channels may be empty)",
+        )
     for d in range(2):
         _check(
             stride[d] > 0 and padding[d] >= 0 and dilation[d] > 0,

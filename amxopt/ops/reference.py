@@ -69,8 +69,9 @@ def varlen_attention(
             # Bottom-right aligned, as flash-attention defines causal for len_q != len_k.
             rows = torch.arange(q1 - q0).unsqueeze(1) + (k1 - k0) - (q1 - q0)
             mask = rows >= torch.arange(k1 - k0).unsqueeze(0)
-        if k1 == k0 or (mask is not None and not mask.any(dim=1).all()):
-            # Rows that see no key: define their output as zeros (flash-attention's convention).
+        if k1 == k0 or (mask is not None and not mask.any(dim=1).all()) or not _finite(qs, ks, vs):
+            # Rows that see no key: define their output as zeros (flash-attention's convention). NaN and
+            # inf: as the math gives them (ATen's fused kernels write zeros for a NaN query row).
             seg = _masked_attention(qs, ks, vs, mask, seg_scale, gqa)
         elif causal and q1 - q0 == k1 - k0 and scale != 0:  # (ATen's causal kernel gives NaN at scale 0)
             seg = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=seg_scale, enable_gqa=gqa)
@@ -80,14 +81,18 @@ def varlen_attention(
     return out
 
 
+def _finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def _masked_attention(q, k, v, mask, scale, gqa):
     if gqa:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    probs = torch.softmax(scores if mask is None else scores.masked_fill(~mask, float("-inf")), dim=-1)
+    if mask is not None:  # a row that sees no key: zeros, not the NaN of a softmax over -inf alone
+        probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
     return (probs @ v.float()).to(q.dtype)
 
 

@@ -371,6 +371,10 @@ ERROR_CASES = {
         lambda p: _attn(p, cu_q=_cu(1, 6)),
         r"amxopt\.varlen_attention: cu_seqlens_q must start at 0, got 1",
     ),
+    "varlen-cu-negative-start": (  # a slice q[-1:6] would read nothing, silently
+        lambda p: _attn(p, cu_q=_cu(-1, 6)),
+        r"amxopt\.varlen_attention: cu_seqlens_q must start at 0, got -1",
+    ),
     "varlen-cu-end": (
         lambda p: _attn(p, cu_k=_cu(0, 4)),
         r"amxopt\.varlen_attention: cu_seqlens_k ends at 4 but there are 6 tokens",
@@ -752,6 +756,7 @@ def test_linear_amx_schedules(provider, shape, threads):
 
 def test_amx_schedule_is_checked(provider):
     before = native.amx_schedule(), native.amx_schedule_pinned()
+    assert before[1] or before[0] == "groups"  # the default, unless the process pins one
     with pytest.raises(ValueError, match="unknown AMX GEMM schedule 'cols'"):
         with native.use_amx_schedule("cols"):
             pass
@@ -1152,6 +1157,12 @@ def test_conv2d_rounds_an_fp32_bias_to_x_dtype_first(provider, cin):
             ),
             r"amxopt\.conv2d: weight \(4, 1, 0, 3\) has an empty kernel",
         ),
+        (  # eager's convolution refuses it too; native wrote the bias into a (1, 4, 2, 4) output
+            lambda p: ops.conv2d(
+                torch.randn(1, 3, 0, 6), torch.randn(4, 3, 1, 3), None, [1, 1], [1, 0], [1, 1], 1, provider=p
+            ),
+            r"amxopt\.conv2d: x \(1, 3, 0, 6\) has an empty spatial dim",
+        ),
     ],
     ids=[
         "3d-x",
@@ -1165,6 +1176,7 @@ def test_conv2d_rounds_an_fp32_bias_to_x_dtype_first(provider, cin):
         "stride",
         "no-output-channels",
         "empty-kernel",
+        "empty-image",
     ],
 )
 def test_conv2d_bad_input_raises(provider, call, match):
@@ -1279,18 +1291,19 @@ def test_work_items_on_two_threads_are_the_tuned_ones(provider):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_propagates_nan_and_inf_scores_as_aten_does(provider, dtype):
-    # A NaN key makes every row NaN, a NaN query its own row, a +inf score the rows it reaches:
-    # never a key treated as masked or a row of zeros (the fp32 softmax did both). (ATen's own bf16
-    # flash kernel, the reference in bf16, zeroes those rows: not what the math says.)
-    if provider == "reference" and dtype == torch.bfloat16:
-        pytest.skip("ATen's bf16 flash attention on the CPU writes zeros for NaN scores")
-    cu = torch.tensor([0, 40], dtype=torch.int32)
-    q, k, v = (torch.randn(40, 1, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
+@pytest.mark.parametrize("length", [40, 6])
+def test_attention_propagates_nan_and_inf_scores_as_the_math_does(provider, dtype, length):
+    # A NaN key makes every row NaN, a NaN query element its own row, a +inf score the rows it
+    # reaches: never a key treated as masked or a row of zeros (the fp32 softmax did both; ATen's
+    # fused kernels, which the reference called, write zeros for a NaN query row, in bf16 and in
+    # short fp32 segments).
+    cu = torch.tensor([0, length], dtype=torch.int32)
+    q, k, v = (torch.randn(length, 1, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
     nan_key, nan_query, inf_key = k.clone(), q.clone(), k.clone()
-    nan_key[3, 0, 5], nan_query[0, 0], inf_key[3, 0, 5] = math.nan, math.nan, math.inf
+    nan_key[3, 0, 5], nan_query[1, 0, 2], inf_key[3, 0, 5] = math.nan, math.nan, math.inf
     for qq, kk in ((q, nan_key), (nan_query, k), (q, inf_key)):
-        want = ops.varlen_attention(qq, kk, v, cu, cu, 0, 0, 0.125, False, "reference").isnan()
+        scores = qq[:, 0] @ kk[:, 0].T * 0.125
+        want = torch.softmax(scores, dim=-1).isnan().any(dim=-1)[:, None, None].expand(length, 1, 64)
         got = ops.varlen_attention(qq.to(dtype), kk.to(dtype), v.to(dtype), cu, cu, 0, 0, 0.125, False, provider)
         assert torch.equal(got.isnan(), want) and want.any()
 

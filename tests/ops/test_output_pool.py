@@ -99,6 +99,9 @@ def test_pool_switched_off_and_on(empty_pool):
     native.use_output_pool(False)  # a bare call switches it off for good
     try:
         assert not native.output_pool_enabled()
+        with native.use_output_pool(False):  # a block that switches it off while off leaves it off
+            pass
+        assert not native.output_pool_enabled()
     finally:
         native.use_output_pool(True)
     assert native.output_pool_enabled()

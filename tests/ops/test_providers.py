@@ -44,6 +44,11 @@ def test_max_tier_caps_and_restores():
     finally:
         native.max_tier(best)
     assert native.active_tier() == best
+    with native.max_tier("avx512_bf16"):  # nested caps: the inner one restores the outer one's
+        with native.max_tier("fp32"):
+            assert native.active_tier() == "fp32"
+        assert native._cap == "avx512_bf16" and native.active_tier() == max(best, "avx512_bf16", key=native.TIERS.index)
+    assert native.active_tier() == best
     with pytest.raises(ValueError, match="unknown tier 'avx9'"):
         with native.max_tier("avx9"):
             pass

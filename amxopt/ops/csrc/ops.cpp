@@ -251,6 +251,8 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<
             ", ", list(dilation.vec()));
   AMX_CHECK(w.size(0) > 0, op, "weight ", shape(w.sizes()), " has no output channels");
   AMX_CHECK(w.size(2) > 0 && w.size(3) > 0, op, "weight ", shape(w.sizes()), " has an empty kernel");
+  AMX_CHECK(x.size(0) == 0 || x.size(1) == 0 || (x.size(2) > 0 && x.size(3) > 0), op, "x ", shape(x.sizes()),
+            " has an empty spatial dim (only an empty batch or no channels may be empty)");
   for (int d = 0; d < 2; ++d) {
     AMX_CHECK(stride[d] > 0 && padding[d] >= 0 && dilation[d] > 0, op,
               "stride and dilation must be positive and padding not negative, got stride ", list(stride.vec()),
