@@ -23,15 +23,18 @@ import hashlib
 import importlib
 import json
 import logging
+import math
 import mmap
 import pathlib
 import re
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from amxopt.capture.base import _first_line
 from amxopt.config import AmxConfig
 from amxopt.files import replacing
 from amxopt.ops import DTYPES, native, packed
@@ -45,6 +48,8 @@ LAYOUT_VERSION = 2  # of the packed weights (VNNI [N/32][K/2][32][2] + padding, 
 MANIFEST = "amxopt.json"
 WEIGHTS = "weights.safetensors"
 _PACKED_PREFIX = "packed::"
+_BUFFER_PREFIX = "buffer::"  # a buffer left out of the state dict, stored as it differs from the class's own
+_SAVE_ID = "amxopt_save_id"  # in the weights file's metadata and the manifest: one save wrote both
 _GRAPH_PREFIX = "graph"  # graph{i}::{target}: a tensor only a saved graph reads (a lifted constant)
 _GRAPH_TENSOR = re.compile(rf"{_GRAPH_PREFIX}\d+::")
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
@@ -61,7 +66,9 @@ class CheckpointError(ValueError):
 # --------------------------------------------------------------------------------------------------
 
 
-def _read_header(path: pathlib.Path) -> tuple[dict, int]:
+def _read_header(path: pathlib.Path) -> tuple[dict, int, dict]:
+    """A safetensors file's tensor entries (each checked: a known dtype, a shape, and a span of the file
+    exactly that many bytes), where its data starts, and its ``__metadata__``."""
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
@@ -71,11 +78,33 @@ def _read_header(path: pathlib.Path) -> tuple[dict, int]:
             header = json.loads(f.read(n))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"amxopt: cannot read {path}: {e}") from None
-    header.pop("__metadata__", None)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"amxopt: {path} is not a safetensors file (its header holds no object)")
+    metadata = header.pop("__metadata__", None) or {}
+    for name, info in header.items():
+        _check_span(path, name, info)
     end = max((info["data_offsets"][1] for info in header.values()), default=0)
     if 8 + n + end > size:
         raise CheckpointError(f"amxopt: {path} is truncated: its header needs {8 + n + end} bytes, the file has {size}")
-    return header, 8 + n
+    return header, 8 + n, metadata if isinstance(metadata, dict) else {}
+
+
+def _check_span(path: pathlib.Path, name: str, info: Any) -> None:
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    entry = info if isinstance(info, dict) else {}
+    shape, span, dtype = entry.get("shape"), entry.get("data_offsets"), entry.get("dtype")
+    if not (isinstance(shape, list) and all(map(whole, shape)) and isinstance(span, list) and len(span) == 2):
+        raise CheckpointError(f"amxopt: {path}: the header's entry for tensor {name} is damaged: {info!r}")
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"amxopt: {path}: tensor {name} has dtype {dtype}, which amxopt cannot load")
+    need = math.prod(shape) * _DTYPES[dtype].itemsize
+    if not (all(map(whole, span)) and span[1] - span[0] == need):
+        raise CheckpointError(
+            f"amxopt: {path}: tensor {name} ({dtype} {shape}) needs {need} bytes, but the header gives it bytes "
+            f"{span} of the data: the file is damaged"
+        )
 
 
 class MappedFile:
@@ -86,7 +115,7 @@ class MappedFile:
     """
 
     def __init__(self, path: pathlib.Path) -> None:
-        header, start = _read_header(path)
+        header, start, self.metadata = _read_header(path)
         self._map = None
         self._spans: dict[str, tuple[int, int]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
@@ -94,10 +123,6 @@ class MappedFile:
             with open(path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         for name, info in header.items():
-            if info["dtype"] not in _DTYPES:
-                raise CheckpointError(
-                    f"amxopt: {path}: tensor {name} has dtype {info['dtype']}, which amxopt cannot load"
-                )
             dtype = _DTYPES[info["dtype"]]
             lo, hi = (start + o for o in info["data_offsets"])
             flat = torch.frombuffer(self._map, dtype=torch.uint8, count=hi - lo, offset=lo) if hi > lo else None
@@ -611,11 +636,7 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
     cls = type(source)
     config_values = _config_dict(source)
     rebuilt = _build_empty(cls, _config_from_dict(cls, config_values), _model_dtype(source))
-    if unbuilt := sorted(set(_expected(source)) - set(_expected(rebuilt))):
-        raise RuntimeError(
-            f"amxopt: save: {cls.__name__} holds {', '.join(unbuilt[:5])}, which it does not build from its config: "
-            "load() could not read the artifact back (a parameter or buffer added after the model was built)"
-        )
+    _check_rebuilt(source, rebuilt)
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # Weights some graph reads unpacked (a node autotune kept on ATen) are stored plain too, even
@@ -639,6 +660,15 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         else:
             tensors[name] = t.detach().contiguous()
             entries[name] = {"packed": False, "shape": list(t.shape), "dtype": _NAMES[t.dtype]}
+    # Buffers left out of the state dict (rotary tables) are rebuilt by load() from the config: those
+    # that differ from what the class builds (a table rescaled by hand) are stored with their values.
+    built_buffers = dict(rebuilt.named_buffers())
+    stored_buffers = []
+    for name, b in source.named_buffers():
+        built = built_buffers[name]
+        if name not in entries and (built.device.type == "meta" or not torch.equal(built.to(b.dtype), b)):
+            tensors[_BUFFER_PREFIX + name] = b.detach().contiguous()
+            stored_buffers.append(name)
     graphs, skipped = [], _not_rebuilt(source, rebuilt)
     module = opt.adapter.export_module(source)
     try:
@@ -675,20 +705,48 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         "tensors": entries,
         # Buffers that are not stored (rotary tables, built by the class) in the dtype the graphs read.
         "buffer_dtypes": {n: _NAMES[b.dtype] for n, b in source.named_buffers() if n not in entries},
+        "buffers_stored": stored_buffers,  # of those, the ones whose values are in the file (_BUFFER_PREFIX)
         "adapter": opt.adapter.name,
         "graph_origin": _graph_origin(opt.amx_config),
         "graphs": graphs,
         "graphs_not_saved": skipped,
     }
     # Written aside and renamed into place, the manifest last: a process that has this artifact loaded
-    # maps the old file (replacing it in place would pull its pages away), and an interrupted save
-    # leaves the old artifact whole.
+    # maps the old file (replacing it in place would pull its pages away). Both carry this save's id,
+    # so a save interrupted between the two renames leaves files load() refuses, never a mix of two.
+    manifest["save_id"] = uuid.uuid4().hex
     with replacing(directory / WEIGHTS) as staged:
-        save_file(tensors, str(staged))
+        save_file(tensors, str(staged), metadata={_SAVE_ID: manifest["save_id"]})
         manifest["file_bytes"] = staged.stat().st_size
     with replacing(directory / MANIFEST) as staged:
         staged.write_text(json.dumps(manifest, indent=1, default=str))
     return directory
+
+
+def _check_rebuilt(source: nn.Module, rebuilt: nn.Module) -> None:
+    """Refuse to save what :func:`load` could not read back: the tensors of ``source`` against those
+    its class builds from its config (``rebuilt``), by name and shape, both ways."""
+    name = type(source).__name__
+    ours, built = _expected(source), _expected(rebuilt)
+    ours.update((n, b) for n, b in source.named_buffers() if n not in ours)
+    built.update((n, b) for n, b in rebuilt.named_buffers() if n not in built)
+    if unbuilt := sorted(set(ours) - set(built)):
+        raise RuntimeError(
+            f"amxopt: save: {name} holds {', '.join(unbuilt[:5])}, which it does not build from its config: "
+            "load() could not read the artifact back (a parameter or buffer added after the model was built)"
+        )
+    if gone := sorted(set(built) - set(ours)):
+        raise RuntimeError(
+            f"amxopt: save: {name} built from its config has {', '.join(gone[:5])}, which this model no longer "
+            "holds: load() could not read the artifact back (a parameter removed or set to None after the model "
+            "was built)"
+        )
+    if reshaped := [n for n in ours if ours[n].shape != built[n].shape]:
+        shapes = ", ".join(f"{n} {tuple(ours[n].shape)} (built: {tuple(built[n].shape)})" for n in reshaped[:3])
+        raise RuntimeError(
+            f"amxopt: save: {name} holds {shapes}, not the shape its config builds: load() could not read the "
+            "artifact back (a module replaced after the model was built)"
+        )
 
 
 def _not_rebuilt(source: nn.Module, rebuilt: nn.Module) -> str | None:
@@ -789,7 +847,21 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
         raise CheckpointError(
             f"amxopt: {directory}: the manifest's class {manifest['class']!r} is not found: {e}"
         ) from None
-    model = _build_empty(cls, _config_from_dict(cls, manifest["config"]), _DTYPES[manifest["dtype"]])
+    from diffusers import ModelMixin
+    from transformers import PreTrainedModel
+
+    if not (isinstance(cls, type) and issubclass(cls, (PreTrainedModel, ModelMixin))):
+        raise CheckpointError(
+            f"amxopt: {directory}: the manifest's class {manifest['class']!r} is not a transformers or diffusers "
+            "model class"
+        )
+    try:
+        model = _build_empty(cls, _config_from_dict(cls, manifest["config"]), _DTYPES[manifest["dtype"]])
+    except Exception as e:  # noqa: BLE001 - whatever the library raises for a config it cannot take
+        raise CheckpointError(
+            f"amxopt: {directory}: {cls_name} cannot be built from the manifest's config ({type(e).__name__}: "
+            f"{_first_line(e)})"
+        ) from None
     for name, dtype in manifest.get("buffer_dtypes", {}).items():
         try:
             buffer = model.get_buffer(name)
@@ -800,10 +872,24 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
             ) from None
         if buffer.dtype != _DTYPES[dtype]:
             _set(model, name, buffer.to(_DTYPES[dtype]))
-    tensors = mmap_safetensors(weights)
+    mapped = MappedFile(weights)
+    if mapped.metadata.get(_SAVE_ID) != manifest.get("save_id"):
+        raise CheckpointError(
+            f"amxopt: {directory}: {WEIGHTS} and {MANIFEST} were written by two different saves (a save "
+            "interrupted between its two renames?); save the model again"
+        )
+    tensors = mapped.tensors
+    for name in manifest.get("buffers_stored", []):
+        if _BUFFER_PREFIX + name not in tensors:
+            raise CheckpointError(f"amxopt: {weights}: the manifest stores buffer {name}, which is not in the file")
+        _set(model, name, tensors[_BUFFER_PREFIX + name])
     _tie_as_saved(model, manifest["tensors"])
     expected = _expected(model)
-    names = {n.removeprefix(_PACKED_PREFIX) for n in tensors if not _GRAPH_TENSOR.match(n)}
+    names = {
+        n.removeprefix(_PACKED_PREFIX)
+        for n in tensors
+        if not _GRAPH_TENSOR.match(n) and not n.startswith(_BUFFER_PREFIX)
+    }
     stored = _check_keys(expected, names, str(weights))
     done: dict[int, torch.Tensor] = {}
     for name, like in expected.items():
@@ -823,6 +909,8 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
             # In the dtype it was saved in: the model may have been cast whole (``.to(bf16)``), modules
             # the class keeps in fp32 included, and its graphs read them so.
             like = torch.empty(like.shape, dtype=_DTYPES[entry["dtype"]], device="meta")
+            if entry["packed"]:
+                _check_packing(tensors[_PACKED_PREFIX + key], like, key, config.provider, weights)
             if not entry["packed"]:
                 done[id(expected[name])] = _set(model, name, _convert(key, tensors[key], like, str(weights)))
             elif entry.get("plain"):  # also read unpacked by a graph: the plain tensor, carrying its packing
@@ -863,6 +951,15 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
             raise CheckpointError(f"amxopt: {directory}: saved graph {i} cannot be restored: {_why(e)}") from None
         opt.defer(functools.partial(_restore, entry, module, config.provider, tensors, directory, i))
     return opt
+
+
+def _check_packing(got: torch.Tensor, like: torch.Tensor, key: str, provider: str, weights: pathlib.Path) -> None:
+    want = pack(like, provider)  # on meta: the packing's shape and dtype only
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise CheckpointError(
+            f"amxopt: {weights}: the packing of {key} is {_NAMES.get(got.dtype, got.dtype)} {tuple(got.shape)}, but "
+            f"a {_NAMES[like.dtype]} {tuple(like.shape)} weight packs to {_NAMES[want.dtype]} {tuple(want.shape)}"
+        )
 
 
 # The options that change what the passes make of a model (the provider is checked on its own).
@@ -915,16 +1012,24 @@ def _check_manifest(manifest: dict, config: AmxConfig, directory: pathlib.Path) 
         raise CheckpointError(f"amxopt: {directory} was saved for " + ", ".join(problems) + "; re-create it here")
     # (after those: an artifact of another layout is told as such, not as damaged)
     fields = {"class": str, "config": dict, "dtype": str, "file_bytes": int, "tensors": dict, "graphs": list}
+    fields.update(buffer_dtypes=dict, buffers_stored=list)  # (absent: none)
+    optional = {"graphs": [], "buffer_dtypes": {}, "buffers_stored": []}
     for field, kind in fields.items():
-        if not isinstance(manifest.get(field, [] if field == "graphs" else None), kind):
+        if not isinstance(manifest.get(field, optional.get(field)), kind):
             raise CheckpointError(
                 f"amxopt: {directory}/{MANIFEST} is damaged: its field {field!r} is {manifest.get(field)!r}, "
                 f"not a {kind.__name__}"
             )
     entries = [*manifest["tensors"].values(), *manifest.get("graphs", [])]
-    if manifest["dtype"] not in _DTYPES or not all(isinstance(e, dict) for e in entries):
+    buffers = manifest.get("buffer_dtypes", {})
+    if (
+        manifest["dtype"] not in _DTYPES
+        or not all(isinstance(e, dict) for e in entries)
+        or not all(d in _DTYPES for d in buffers.values())
+        or not all(n in buffers for n in manifest.get("buffers_stored", []))
+    ):
         raise CheckpointError(
-            f"amxopt: {directory}/{MANIFEST} is damaged: its dtype, tensor or graph entries are not amxopt's"
+            f"amxopt: {directory}/{MANIFEST} is damaged: its dtype, tensor, graph or buffer entries are not amxopt's"
         )
     if manifest.get("torch_version") != torch.__version__:
         logger.warning(

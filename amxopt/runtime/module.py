@@ -180,8 +180,11 @@ def _check_no_released_reads(gm: fx.GraphModule, model_name: str) -> None:
         if node.op == "get_attr" and packed.is_released(fetch(gm, node.target)):
             users = ", ".join(f"{u.name} ({u.target})" for u in node.users)
             raise RuntimeError(
-                f"amxopt: {model_name}: {node.target} was released after packing, but this graph reads it unpacked "
-                f"in {users}; optimize with AmxConfig(keep_source=True)"
+                f"amxopt: {model_name}: {node.target} exists only packed (amxopt.optimize released its source, or "
+                f"amxopt.load / from_pretrained packed it as they read it), but this graph reads it unpacked in "
+                f"{users}. Keep the passes that read it packed (replace_linear, replace_patch_embed), or keep an "
+                "unpacked copy: load the model with its own from_pretrained and optimize it with "
+                "AmxConfig(keep_source=True)"
             )
 
 

@@ -196,10 +196,7 @@ def test_load_refuses_truncated_or_incomplete_artifacts(artifact):
     with pytest.raises(amxopt.CheckpointError, match="truncated"):
         amxopt.load(artifact, RELEASE)
     weights.write_bytes(data)
-    stored = load_file(weights)
-    del stored["packed::blocks.0.attn.qkv.weight"]
-    save_file(stored, weights)
-    _edit_manifest(artifact, file_bytes=weights.stat().st_size)
+    _rewrite_weights(artifact, lambda stored: stored.pop("packed::blocks.0.attn.qkv.weight"))
     with pytest.raises(amxopt.CheckpointError, match=r"missing 1 tensor\(s\) \['blocks.0.attn.qkv.weight'\]"):
         amxopt.load(artifact, RELEASE)
     for text in ("{not json", "[1, 2]"):
@@ -209,10 +206,11 @@ def test_load_refuses_truncated_or_incomplete_artifacts(artifact):
 
 
 def _rename_packed_tensor(directory):
-    stored = load_file(directory / loading.WEIGHTS)
-    stored["blocks.0.attn.qkv.weight"] = stored.pop("packed::blocks.0.attn.qkv.weight")
-    save_file(stored, directory / loading.WEIGHTS)
-    return {"file_bytes": (directory / loading.WEIGHTS).stat().st_size}
+    def rename(stored):
+        stored["blocks.0.attn.qkv.weight"] = stored.pop("packed::blocks.0.attn.qkv.weight")
+
+    _rewrite_weights(directory, rename)
+    return {}
 
 
 def _entry_unpacked(directory):
@@ -233,6 +231,22 @@ def _graph_with_two_outputs(directory):
     return {"graphs": graphs}
 
 
+def _buffer_dtype(dtype):
+    def edit(directory):
+        manifest = json.loads((directory / loading.MANIFEST).read_text())
+        return {"buffer_dtypes": dict.fromkeys(manifest["buffer_dtypes"], dtype)}
+
+    return edit
+
+
+def _config_field(field, value):
+    def edit(directory):
+        manifest = json.loads((directory / loading.MANIFEST).read_text())
+        return {"config": {**manifest["config"], field: value}}
+
+    return edit
+
+
 @pytest.mark.parametrize(
     "edit,message",
     [
@@ -242,10 +256,15 @@ def _graph_with_two_outputs(directory):
         # Fields gone or of another type: a KeyError, an AttributeError.
         (lambda d: {"file_bytes": None}, r"field 'file_bytes' is None, not a int"),
         (lambda d: {"graphs": {"0": {}}}, r"field 'graphs' is \{'0': \{\}\}, not a list"),
-        (lambda d: {"dtype": "F33"}, r"its dtype, tensor or graph entries are not amxopt's"),
+        (lambda d: {"dtype": "F33"}, r"its dtype, tensor, graph or buffer entries are not amxopt's"),
         (lambda d: {"class": "transformers.NoSuchModel"}, r"class 'transformers.NoSuchModel' is not found"),
         # A buffer another version of the library named otherwise: a raw AttributeError.
         (lambda d: {"buffer_dtypes": {"nope": "F32"}}, r"dtype for buffer 'nope', which Qwen3VLVisionModel built"),
+        # Raw KeyError, AttributeError, TypeError, and the library's own error without the artifact.
+        (_buffer_dtype("F99"), r"its dtype, tensor, graph or buffer entries are not amxopt's"),
+        (lambda d: {"buffer_dtypes": ["x"]}, r"field 'buffer_dtypes' is \['x'\], not a dict"),
+        (lambda d: {"class": "os.path.join"}, r"class 'os.path.join' is not a transformers or diffusers model class"),
+        (_config_field("depth", "two"), r"Qwen3VLVisionModel cannot be built from the manifest's config"),
         # A graph without its output node was restored, and every call returned None.
         (_graph_without_output, r"saved graph 0 cannot be restored: stored graph has 0 output node\(s\)"),
         (_graph_with_two_outputs, r"saved graph 0 cannot be restored: stored graph has 2 output node\(s\)"),
@@ -258,6 +277,10 @@ def _graph_with_two_outputs(directory):
         "dtype",
         "class",
         "buffer",
+        "buffer-dtype",
+        "buffer-dtypes-list",
+        "class-not-a-class",
+        "config-field",
         "no-output-node",
         "two-output-nodes",
     ],
@@ -870,3 +893,122 @@ def test_save_refuses_a_tensor_the_class_does_not_build(tmp_path):
     with pytest.raises(RuntimeError, match=r"holds extra, which it does not build from its config"):
         opt.save(tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+def _rewrite_weights(directory, edit):
+    """Edit an artifact's weights as one save would have written them (its save id kept, its size told)."""
+    from safetensors import safe_open
+
+    path = directory / loading.WEIGHTS
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    stored = load_file(path)
+    edit(stored)
+    save_file(stored, path, metadata=metadata)
+    _edit_manifest(directory, file_bytes=path.stat().st_size)
+
+
+def test_a_packing_of_another_shape_is_named_at_load(artifact):
+    # It was accepted; a call then failed inside amxopt.linear, naming neither the tensor nor the artifact.
+    def swap(stored):
+        stored["packed::blocks.0.attn.qkv.weight"] = stored["packed::blocks.0.mlp.linear_fc1.weight"].clone()
+
+    _rewrite_weights(artifact, swap)
+    with pytest.raises(
+        amxopt.CheckpointError,
+        match=r"the packing of blocks.0.attn.qkv.weight is BF16 \(128, .*\), but a BF16 \(192, 64\) weight packs to ",
+    ):
+        amxopt.load(artifact, RELEASE)
+
+
+@pytest.mark.parametrize("span", ["short", "reversed", "odd"])
+def test_a_header_span_other_than_its_tensors_size_is_named(artifact, span):
+    # Same file size, so the manifest's check passed: torch's reshape errors named neither file nor tensor.
+    path = artifact / loading.WEIGHTS
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    lo, hi = header["blocks.0.norm1.weight"]["data_offsets"]
+    header["blocks.0.norm1.weight"]["data_offsets"] = {
+        "short": [lo, lo + 8],
+        "reversed": [hi, lo],
+        "odd": [lo, lo + 3],
+    }[span]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    raw[8 : 8 + n] = text.ljust(n)
+    path.write_bytes(raw)
+    with pytest.raises(amxopt.CheckpointError, match=r"tensor blocks.0.norm1.weight \(BF16 \[64\]\) needs 128 bytes"):
+        amxopt.load(artifact, RELEASE)
+
+
+def test_a_save_interrupted_between_its_renames_is_refused_not_mixed(tmp_path, monkeypatch):
+    # The new weights beside the old manifest, of equal size: loaded as a mix of the two saves.
+    inputs = models.example_inputs("tiny-qwen3-vl-vision")
+    artifact = _optimized_and_called(models.build_model("tiny-qwen3-vl-vision"), inputs).save(tmp_path / "a")
+    other = models.build_model("tiny-qwen3-vl-vision")
+    with torch.no_grad():
+        other.blocks[0].attn.qkv.weight.mul_(2)
+    other = _optimized_and_called(other, inputs)
+    rename = os.replace
+
+    def interrupted(src, dst):
+        rename(src, dst)
+        raise KeyboardInterrupt("after the first rename")
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        other.save(artifact)
+    monkeypatch.undo()
+    with pytest.raises(amxopt.CheckpointError, match="were written by two different saves"):
+        amxopt.load(artifact, RELEASE)
+
+
+def test_a_buffer_left_out_of_the_state_dict_is_saved_where_it_differs_from_the_class(tmp_path):
+    # A rotary table rescaled by hand: load rebuilt it from the config (1.46 off eager), silently.
+    inputs = models.example_inputs("tiny-qwen3-vl-vision")
+    plain, rescaled = models.build_model("tiny-qwen3-vl-vision"), models.build_model("tiny-qwen3-vl-vision")
+    with torch.no_grad():
+        rescaled.rotary_pos_emb.inv_freq.mul_(0.5)
+        want = rescaled(**inputs)
+    for model, stored in ((plain, []), (rescaled, ["rotary_pos_emb.inv_freq"])):
+        artifact = _optimized_and_called(model, inputs).save(tmp_path / str(len(stored)))
+        assert json.loads((artifact / loading.MANIFEST).read_text())["buffers_stored"] == stored
+    with torch.no_grad():
+        torch.testing.assert_close(_leaves(amxopt.load(artifact, RELEASE)(**inputs)), _leaves(want))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda m: setattr(m.blocks[0].attn.proj, "bias", None),
+            r"built from its config has blocks.0.attn.proj.bias, which this model no longer holds",
+        ),
+        (
+            lambda m: setattr(m.merger, "linear_fc2", nn.Linear(256, 48)),
+            r"holds merger.linear_fc2.weight \(48, 256\) \(built: \(96, 256\)\)",
+        ),
+    ],
+    ids=["bias-removed", "head-replaced"],
+)
+def test_save_refuses_what_load_could_not_read_back(tmp_path, change, message):
+    # Saved, and load() then refused the artifact (a missing tensor; a manifest entry of another shape).
+    inputs = models.example_inputs("tiny-qwen3-vl-vision")
+    model = models.build_model("tiny-qwen3-vl-vision")
+    change(model)
+    opt = _optimized_and_called(model, inputs)
+    with pytest.raises(RuntimeError, match=message):
+        opt.save(tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_load_whose_passes_read_a_weight_unpacked_says_what_to_keep(artifact):
+    # It advised AmxConfig(keep_source=True), which load() refuses.
+    config = dataclasses.replace(RELEASE, passes=("replace_attention", "replace_norms"))
+    inputs = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)
+    with (
+        torch.no_grad(),
+        pytest.raises(RuntimeError, match=r"exists only packed .* Keep the passes that read it packed"),
+    ):
+        amxopt.load(artifact, config)(**inputs)
