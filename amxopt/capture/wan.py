@@ -54,12 +54,14 @@ class WanAdapter(Adapter):
                 f"{who}: encoder_hidden_states must be [B, L, {self.text_dim}], "
                 f"got {getattr(text, 'shape', type(text).__name__)}"
             )
-        if text.shape[0] != x.shape[0]:
+        if text.shape[0] == 1 < x.shape[0]:  # one prompt for every latent: eager broadcasts it
+            call = {**call, "encoder_hidden_states": text.expand(x.shape[0], -1, -1)}
+        elif text.shape[0] != x.shape[0]:
             raise ValueError(
                 f"{who}: encoder_hidden_states {tuple(text.shape)} is for a batch of {text.shape[0]}, hidden_states "
-                f"{tuple(x.shape)} for {x.shape[0]}: give each latent its own text embeddings"
+                f"{tuple(x.shape)} for {x.shape[0]}: give each latent its own text embeddings, or one for all"
             )
-        if call.get("attention_kwargs"):
+        if call.get("attention_kwargs") and call["attention_kwargs"] != {"scale": 1.0}:  # (1.0: LoRA as set)
             raise ValueError(
                 f"{who}: attention_kwargs are not supported, got {call['attention_kwargs']} (for a LoRA scale, "
                 "set it with set_adapters(names, weights) on the model or pipeline: the next call captures it)"

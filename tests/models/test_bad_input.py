@@ -116,9 +116,41 @@ def test_wan_latent_shape_checked():
         ValueError, match=r"WanTransformer3DModel: latent .* not divisible by the patch size.*drops the"
     ):
         opt(**bad)
-    two = dict(inputs, hidden_states=torch.cat([inputs["hidden_states"]] * 2))
-    with pytest.raises(ValueError, match=r"encoder_hidden_states .* for a batch of 1, hidden_states .* for 2"):
-        opt(**two)
+    three = dict(
+        inputs,
+        hidden_states=torch.cat([inputs["hidden_states"]] * 3),
+        encoder_hidden_states=torch.cat([inputs["encoder_hidden_states"]] * 2),
+    )
+    with pytest.raises(ValueError, match=r"encoder_hidden_states .* for a batch of 2, hidden_states .* for 3"):
+        opt(**three)
+    x, text = inputs["hidden_states"], inputs["encoder_hidden_states"]
+    # Each met only deep inside export ("too many values to unpack", a shape mismatch in a matmul).
+    for bad, message in (
+        (
+            {"hidden_states": x[..., None]},
+            r"hidden_states must be latents \[B, 16, F, H, W\], got .*\[1, 16, 2, 8, 8, 1\]",
+        ),
+        ({"hidden_states": x[:, :15]}, r"hidden_states must be latents \[B, 16, F, H, W\], got .*\[1, 15, "),
+        (
+            {"encoder_hidden_states": text[..., :32]},
+            r"encoder_hidden_states must be \[B, L, 64\], got .*\[1, \d+, 32\]",
+        ),
+    ):
+        with pytest.raises(ValueError, match=r"WanTransformer3DModel: " + message):
+            opt(**{**inputs, **bad})
+
+
+def test_one_prompt_for_a_batch_of_wan_latents_is_broadcast_as_eager_does():
+    # It was refused ("give each latent its own text embeddings").
+    name = "tiny-wan"
+    model = models.build_model(name)
+    inputs = models.example_inputs(name)
+    opt = amxopt.optimize(model, inputs, CONFIG)
+    two = dict(inputs, hidden_states=torch.cat([inputs["hidden_states"], -inputs["hidden_states"]]))
+    with torch.no_grad():
+        got = opt(**two, return_dict=False)[0]
+        want = model(**dict(two, encoder_hidden_states=inputs["encoder_hidden_states"].expand(2, -1, -1)))[0]
+    torch.testing.assert_close(got, want)
 
 
 def test_a_qwen_tower_in_float16_is_refused_by_optimize_with_the_cast_to_make():

@@ -589,6 +589,41 @@ def test_an_argument_given_as_its_default_none_takes_the_same_graph(tmp_path):
     assert max_abs_error(_run(opt, explicit), _run(_wan()[0], inputs)) == 0.0
     empty = {**inputs, "attention_kwargs": {}}  # no kwargs at all, as None (it captured again)
     assert max_abs_error(_run(opt, empty), _run(_wan()[0], inputs)) == 0.0
+    unscaled = {**inputs, "attention_kwargs": {"scale": 1.0}}  # LoRA as set_adapters set it (it was refused)
+    assert max_abs_error(_run(opt, unscaled), _run(_wan()[0], inputs)) == 0.0
+    assert len(opt.graphs) == 1
+
+
+def _wan_call(batch, frames, height, width, text, timestep=None):
+    g = torch.Generator().manual_seed(batch * 1000 + height * 10 + width + text)
+    return {
+        "hidden_states": torch.randn(batch, 16, frames, height, width, generator=g),
+        "timestep": torch.full((batch,), 500.0) if timestep is None else timestep,
+        "encoder_hidden_states": torch.randn(batch, text, 64, generator=g),
+    }
+
+
+@pytest.mark.parametrize(
+    "calls",
+    [
+        [(1, 2, 8, 8, 7), (1, 2, 8, 8, 13), (1, 2, 8, 8, 3)],  # prompt lengths
+        [
+            (2, 2, 8, 8, 7, torch.tensor([500.0])),
+            (2, 2, 8, 10, 7, torch.tensor([500.0])),
+            (3, 2, 6, 10, 7, torch.tensor([9.0])),
+        ],
+        [(1, 2, 2, 8, 7), (1, 2, 2, 10, 7), (1, 3, 2, 12, 7)],  # a latent axis one patch long, the others vary
+    ],
+    ids=["text-lengths", "batch-with-one-timestep", "one-patch-high"],
+)
+def test_one_wan_graph_serves_the_sizes_it_was_made_dynamic_for(calls, tmp_path):
+    # Each a graph per call under a mutant (a static text length, a batch dim not given to the
+    # timestep's inputs, a one-patch axis marked dynamic): towards max_recaptures, never wrong.
+    model = models.build_model(WAN, torch.float32)
+    opt = amxopt.optimize(model, None, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    for call in calls:
+        inputs = _wan_call(*call)
+        assert max_abs_error(_run(opt, inputs), _run(model, inputs)) < 1e-4
     assert len(opt.graphs) == 1
 
 
