@@ -251,12 +251,12 @@ def build_wan_pipeline(
     cfg = dict(
         _UMT5[text_encoder], feed_forward_proj="gated-gelu", vocab_size=len(_WORDS) + 3, pad_token_id=0, eos_token_id=1
     )
-    encoder = _init(UMT5EncoderModel(UMT5Config(**cfg)), dtype, seed + 1)
-    if dit.config.text_dim != encoder.config.d_model:
+    if dit.config.text_dim != cfg["d_model"]:  # (before the encoder is built: xxl-2 is 1.5 GB in fp32)
         raise ValueError(
             f"amxopt.pipelines: {transformer} reads text_dim {dit.config.text_dim} but the {text_encoder} UMT5 "
-            f"encoder writes {encoder.config.d_model}"
+            f"encoder writes {cfg['d_model']}"
         )
+    encoder = _init(UMT5EncoderModel(UMT5Config(**cfg)), dtype, seed + 1)
     z = dit.config.in_channels
     # The default latent statistics are Wan2.1's 16 channels; the pipeline views them as z_dim.
     stats = {} if z == 16 else {"latents_mean": [0.0] * z, "latents_std": [1.0] * z}

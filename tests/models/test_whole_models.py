@@ -272,12 +272,14 @@ def test_a_text_encoder_left_in_a_pipeline_is_not_called_a_language_model():
     assert "KV cache" not in reason and "not a part amxopt optimizes in a pipeline" in reason, reason
 
 
-def test_a_part_optimized_and_assigned_by_the_caller_keeps_its_class_in_the_pipeline_config():
+@pytest.mark.parametrize("part, cls", [("transformer", "WanTransformer3DModel"), ("vae", "AutoencoderKLWan")])
+def test_a_part_optimized_and_assigned_by_the_caller_keeps_its_class_in_the_pipeline_config(part, cls):
+    # The VAE is no part optimize(pipe) takes itself: one the caller optimized is kept and reported all the same.
     pipe = pipelines.build_wan_pipeline("tiny-wan", torch.float32)
-    pipe.transformer = amxopt.optimize(pipe.transformer, config=CONFIG)  # diffusers records OptimizedModule
+    setattr(pipe, part, amxopt.optimize(getattr(pipe, part), config=CONFIG))  # diffusers records OptimizedModule
     amxopt.optimize(pipe, config=CONFIG)
-    assert pipe.config.transformer == ("diffusers", "WanTransformer3DModel"), pipe.config.transformer
-    assert isinstance(pipe.transformer, amxopt.OptimizedModule) and "transformer" in pipe.amxopt_report.optimized
+    assert getattr(pipe.config, part) == ("diffusers", cls), getattr(pipe.config, part)
+    assert isinstance(getattr(pipe, part), amxopt.OptimizedModule) and part in pipe.amxopt_report.optimized
 
 
 def test_a_pipeline_built_from_an_optimized_ones_parts_is_routed_by_optimizing_it(tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from amxopt import models
+from amxopt import models, pipelines
 
 TINY = ["tiny-qwen3-vl-vision", "tiny-qwen3-omni-vision", "tiny-qwen3-omni-audio", "tiny-wan"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -335,3 +335,25 @@ def test_a_misspelt_config_key_raises(name, key) -> None:
     with pytest.raises(KeyError, match=rf"build_model\('{name}'\): \w+ has no '{key}'"):
         models.build_model(name, **{key: 8})
     assert models.build_model("tiny-wan", num_attention_heads=4).config.num_attention_heads == 4
+
+
+def test_the_wan_pipeline_builder_builds_what_it_is_asked_for() -> None:
+    # Each a mutant no test caught: experts of one seed (a graph bound to the wrong expert would pass),
+    # expand_timesteps dropped (ti2v's per-token timesteps never ran), the encoder left in fp32.
+    pipe = pipelines.build_wan_pipeline("tiny-wan", torch.bfloat16, two_experts=True, expand_timesteps=True)
+    assert pipe.text_encoder.dtype == pipe.transformer.dtype == torch.bfloat16
+    a, b = pipe.transformer.state_dict(), pipe.transformer_2.state_dict()
+    assert not any(torch.equal(a[k], b[k]) for k in a if a[k].numel() > 1 and a[k].std() > 0)
+    assert pipe.config.expand_timesteps and pipe.config.boundary_ratio == 0.875
+    with pytest.raises(ValueError, match=r"tiny-wan reads text_dim 64 but the xxl-2 UMT5 encoder writes 4096"):
+        pipelines.build_wan_pipeline("tiny-wan", torch.bfloat16, text_encoder="xxl-2")
+    call = pipelines.wan_call(guidance_scale=1.0, height=32)
+    assert (call["guidance_scale"], call["height"], call["width"]) == (1.0, 32, 64)
+
+
+def test_wan_inputs_refuse_a_latent_the_patch_does_not_divide_and_size_the_text() -> None:
+    config = models.ZOO["tiny-wan"].config()
+    with pytest.raises(ValueError):
+        models.wan_inputs(config, 3, 8, 7, 5)
+    assert models.example_inputs("tiny-wan", size=(1, 8, 8))["encoder_hidden_states"].shape[1] == 16
+    assert models.example_inputs("tiny-wan", size=(1, 8, 8, 9))["encoder_hidden_states"].shape[1] == 9
