@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pathlib
 import tempfile
@@ -30,3 +31,12 @@ def _umask() -> int:
     mask = os.umask(0o022)  # (read by setting it: Python has no getter)
     os.umask(mask)
     return mask
+
+
+def os_error(e: OSError) -> str:
+    """``e`` as a user reads it: a path that is a file where a directory is needed is said so
+    (``mkdir`` calls it "File exists")."""
+    where = pathlib.Path(e.filename) if e.filename else None
+    if where is not None and e.errno in (errno.EEXIST, errno.ENOTDIR) and where.exists() and not where.is_dir():
+        return f"{where} is a file, not a directory"
+    return str(e)

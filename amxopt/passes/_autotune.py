@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from amxopt.config import AmxConfig
-from amxopt.files import replacing
+from amxopt.files import os_error, replacing
 from amxopt.ops import build, native
 
 logger = logging.getLogger(__name__)
@@ -231,7 +231,17 @@ def _store(path: pathlib.Path, key: str, value: list[float]) -> None:
             with replacing(path) as staged:
                 staged.write_text(json.dumps(table, indent=0, sort_keys=True))
     except OSError as e:  # a read-only home is no reason to fail optimize()
-        logger.warning("amxopt: could not save kernel choices to %s: %s", path, e)
+        if path not in _UNWRITABLE:  # once per file: every later decision fails alike
+            _UNWRITABLE.add(path)
+            logger.warning(
+                "amxopt: could not save kernel choices to %s: %s (they are timed again in the next process; "
+                "AmxConfig(autotune_cache=...) names a writable directory)",
+                path,
+                os_error(e),
+            )
+
+
+_UNWRITABLE: set[pathlib.Path] = set()
 
 
 def _sample(fn: Callable[[], object], repeat: int) -> float:

@@ -52,7 +52,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from amxopt.capture import Captured
 from amxopt.capture.repeated import MODULE_INTERNALS, hooked
 from amxopt.config import AmxConfig
-from amxopt.files import replacing
+from amxopt.files import os_error, replacing
 from amxopt.ops import library, native, packed
 from amxopt.passes import PassRecord, _autotune
 from amxopt.passes._graph import fetch
@@ -540,6 +540,7 @@ def cache_key(module: nn.Module, adapter_name: str, graph_inputs: dict, config: 
         # autotune's decisions hold where they were timed: thread count, ISA settings (as its own cache's)
         "timed": _autotune.context() if _autotune.enabled(config) else None,
         "class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "default_dtype": str(torch.get_default_dtype()),  # of the tensors a forward makes (torch.tensor([...]))
         "adapter": adapter_name,
         "structure": repr(module),
         "config": configs,
@@ -606,16 +607,27 @@ _PROVENANCE = frozenset(
 )
 
 
+class _Undescribable(Exception):
+    """A value whose effect on the graph the key cannot tell (the message says where): no key, no cache."""
+
+
+_SUBMODULES = threading.local()  # ids of the modules the key describes each under its own path
+
+
 def _settings(module: nn.Module) -> dict:
     """Each submodule's Python attributes and training flag, described alike in every process."""
     seen: dict[int, str] = {}
-    return {
-        path: [
-            sub.training,
-            {k: _described(v, f"{path}.{k}", seen) for k, v in sorted(vars(sub).items()) if _setting(k)},
-        ]
-        for path, sub in module.named_modules()
-    }
+    _SUBMODULES.ids = {id(m) for m in module.modules()}
+    try:
+        return {
+            path: [
+                sub.training,
+                {k: _described(v, f"{path}.{k}", seen) for k, v in sorted(vars(sub).items()) if _setting(k)},
+            ]
+            for path, sub in module.named_modules()
+        }
+    finally:
+        _SUBMODULES.ids = None
 
 
 def _setting(name: str) -> bool:
@@ -626,8 +638,8 @@ def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
     """``v`` as JSON-able data that is equal across processes when ``v`` computes the same."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
-    if isinstance(v, (torch.dtype, torch.device, bytes)):
-        return repr(v)
+    if isinstance(v, (torch.dtype, torch.device, bytes, types.UnionType, types.GenericAlias)) or _typing(v):
+        return repr(v)  # (an annotation: `str | None`, typing.Optional[str])
     if isinstance(v, torch.Tensor):
         readable = v.device.type != "meta" and v.layout == torch.strided
         if depth == 0 or not readable:
@@ -645,7 +657,7 @@ def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
     if isinstance(v, (set, frozenset)):  # in the order of the descriptions: not repr's (an address)
         items = [_described(x, f"{where}{{}}", seen, depth + 1) for x in v]
         return ["sequence", sorted(items, key=lambda d: json.dumps(d, sort_keys=True, default=str))]
-    if isinstance(v, dict):
+    if isinstance(v, (dict, types.MappingProxyType)):
         items = [(k, x) for k, x in v.items() if not (isinstance(k, str) and k in _PROVENANCE)]
         return [
             "dict",
@@ -660,10 +672,15 @@ def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
         fn = getattr(v, "__func__", v)
         cells = [c.cell_contents for c in fn.__closure__ or () if _full(c) and c.cell_contents is not fn]
         reads = _globals_read([f for f in _code_layers(fn) if _library_file(f) is None])
-        return ["function", _function_identity(fn), _described(cells, where, seen, depth + 1), reads]
+        described = ["function", _function_identity(fn), _described(cells, where, seen, depth + 1), reads]
+        if isinstance(v, types.MethodType):  # and the object it is bound to (a LeakyReLU's slope)
+            described.append(_described(v.__self__, f"{where}.__self__", seen, depth + 1))
+        return described
     if isinstance(v, (type, types.BuiltinFunctionType, types.ModuleType)):
         return _qualified(v)
     if isinstance(v, nn.Module):
+        if id(v) not in (getattr(_SUBMODULES, "ids", None) or ()):  # in a tuple, a global: its weights too
+            raise _Undescribable(f"{where} is a {type(v).__name__} that is not a submodule of the model")
         return ["module", _qualified(type(v))]  # described under its own path
     if id(v) in seen:
         return ["same as", seen[id(v)]]
@@ -671,11 +688,26 @@ def _described(v: Any, where: str, seen: dict[int, str], depth: int = 0) -> Any:
     if hasattr(v, "to_dict") and hasattr(v, "_attn_implementation"):  # a transformers config
         values = _described(v.to_dict(), where, seen, depth + 1)
         return [_qualified(type(v)), values, v._attn_implementation]
+    if depth >= _DEPTH:
+        raise _Undescribable(f"{where} nests objects more than {_DEPTH} deep")
     slots = [n for c in type(v).__mro__ for n in _slot_names(c) if n not in ("__dict__", "__weakref__")]
-    if depth < 3 and (hasattr(v, "__dict__") or slots):  # an attention processor, a config, a dataclass
+    if hasattr(v, "__dict__") or slots:  # an attention processor, a config, a dataclass
         state = {n: getattr(v, n) for n in slots if hasattr(v, n)} | (vars(v) if hasattr(v, "__dict__") else {})
         return [_qualified(type(v)), _described(state, where, seen, depth + 1)]
-    return _qualified(type(v))
+    try:  # an object of C code (operator.itemgetter): what pickle would rebuild it from
+        reduced = v.__reduce_ex__(4)
+    except Exception:  # noqa: BLE001 - any type refuses in its own way
+        reduced = None
+    if not (isinstance(reduced, tuple) and len(reduced) >= 2):
+        raise _Undescribable(f"{where} is a {_qualified(type(v))}, whose settings cannot be read")
+    return [_qualified(type(v)), _described(list(reduced[1:3]), where, seen, depth + 1)]
+
+
+_DEPTH = 8  # objects within objects: past it a key is not made (a config nested this deep is unheard of)
+
+
+def _typing(v: Any) -> bool:
+    return type(v).__module__ == "typing"
 
 
 def _slot_names(cls: type) -> tuple[str, ...]:
@@ -1337,7 +1369,7 @@ def write_cache(key: str, graph: GraphEntry, module: nn.Module, config: AmxConfi
             staged.write_text(json.dumps(entry))
         _prune(directory, stem, CACHE_LIMIT_BYTES)
     except OSError as e:
-        logger.warning("amxopt: could not write the graph cache in %s: %s", directory, e)
+        logger.warning("amxopt: could not write the graph cache in %s: %s", directory, os_error(e))
 
 
 CACHE_LIMIT_BYTES = 1 << 30  # of the graph cache's directory; the least recently used entries go first

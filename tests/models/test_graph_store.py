@@ -7,6 +7,7 @@ import functools
 import importlib
 import json
 import logging
+import operator
 import os
 import subprocess
 import sys
@@ -437,6 +438,68 @@ def test_cache_key_follows_settings_code_and_training_and_hooks_turn_it_off():
     assert key(model) is None  # what a hook computes cannot be told from its name
     handle.remove()
     assert key(model) is not None
+
+
+class _Held(torch.nn.Module):
+    """An activation the forward calls through ``self.act``: not a registered submodule of the model."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.fc, self.act = torch.nn.Linear(8, 8), act
+
+    def forward(self, x):
+        act = self.act[0] if isinstance(self.act, tuple) else self.act
+        return act(self.fc(x))
+
+
+class _Config:
+    def __init__(self, inner=None, slope=0.01):
+        self.inner, self.slope = inner, slope
+
+    def leaky(self, x):
+        return torch.nn.functional.leaky_relu(x, self.slope)
+
+
+def _nested(slope: float, depth: int) -> _Config:
+    config = _Config(slope=slope)
+    for _ in range(depth):
+        config = _Config(config)
+    return config
+
+
+class _NestedSlope(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.fc, self.config = torch.nn.Linear(8, 8), config
+
+    def forward(self, x):
+        config = self.config
+        while config.inner is not None:
+            config = config.inner
+        return torch.nn.functional.leaky_relu(self.fc(x), config.slope)
+
+
+def test_cache_key_follows_what_a_setting_holds_or_is_not_made():
+    # Each keyed by its type alone, and served another model's graph: a module in a tuple (its slope,
+    # or its weights lifted into the cached entry), the object a method is bound to, an object of C
+    # code, a config nested deeper than the key looked, torch's default dtype (0.88 to 3.5 off eager).
+    graph_inputs = {"x": torch.randn(2, 8)}
+
+    def key(model):
+        return graph_store.cache_key(model, "plain", graph_inputs, CONFIG)
+
+    assert key(_Held((torch.nn.LeakyReLU(0.01),))) is None  # its weights, were it a Linear: not a key's
+    assert key(_Held(torch.nn.LeakyReLU(0.01).forward)) is None
+    assert key(_Held(_Config(slope=0.01).leaky)) != key(_Held(_Config(slope=0.5).leaky))
+    assert key(_Held(operator.itemgetter(0))) != key(_Held(operator.itemgetter(1)))
+    assert key(_NestedSlope(_nested(0.01, 3))) != key(_NestedSlope(_nested(0.5, 3)))
+    assert key(_NestedSlope(_nested(0.01, 20))) is None
+    model, before = _Held(torch.relu), key(_Held(torch.relu))
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert key(model) != before
+    finally:
+        torch.set_default_dtype(torch.float32)
 
 
 _NET = (

@@ -364,3 +364,18 @@ def test_the_cache_is_never_under_the_working_directory(monkeypatch, xdg):
     monkeypatch.setenv("HOME", "/home/someone")
     assert amxopt.AmxConfig().cache_dir() == pathlib.Path("/home/someone/.cache/amxopt")
     assert amxopt.AmxConfig(autotune_cache="~/mine").cache_dir() == pathlib.Path("/home/someone/mine")
+
+
+def test_a_cache_that_cannot_be_written_is_told_once_and_says_why(tmp_path, caplog):
+    # Once per decision before (dozens for a real model); a directory that is a file was "File exists".
+    (tmp_path / "choices").write_text("")
+    (tmp_path / "graphs").write_text("")
+    _autotune.reload()
+    with caplog.at_level("WARNING", logger="amxopt"):
+        opt, _ = _optimize(_model(), tmp_path / "choices", graph_cache=False, isolate_capture=False)  # (its log)
+        _optimize(_model(), tmp_path, isolate_capture=False)
+    assert len(opt.report.choices) == 6
+    choices = [r.getMessage() for r in caplog.records if "could not save kernel choices" in r.getMessage()]
+    assert len(choices) == 1 and f"{tmp_path / 'choices'} is a file, not a directory" in choices[0], choices
+    graphs = [r.getMessage() for r in caplog.records if "could not write the graph cache" in r.getMessage()]
+    assert graphs and f"{tmp_path / 'graphs'} is a file, not a directory" in graphs[0], graphs
