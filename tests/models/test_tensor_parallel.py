@@ -584,13 +584,8 @@ class _ActivatedRowMLP(torch.nn.Module):
         return x + torch.nn.functional.gelu(self.fc2(torch.nn.functional.gelu(self.fc1(x))))
 
 
-class _SlicedQKVBlock(torch.nn.Module):
-    """One Linear computing q, k and v, sliced apart by features: a shard holds parts of all three."""
-
-    def __init__(self, dim: int = 48, heads: int = 4) -> None:
-        super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
-        self.qkv, self.o = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+class _SlicedQKVBlock(_MaskedAttentionBlock):
+    """One Linear computing q, k and v, sliced apart by features (no mask): a shard holds parts of all three."""
 
     def forward(self, x):
         b, s, c = x.shape
