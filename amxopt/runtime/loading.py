@@ -662,13 +662,15 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
             entries[name] = {"packed": False, "shape": list(t.shape), "dtype": _NAMES[t.dtype]}
     # Buffers left out of the state dict (rotary tables) are rebuilt by load() from the config: those
     # that differ from what the class builds (a table rescaled by hand) are stored with their values.
-    built_buffers = dict(rebuilt.named_buffers())
-    stored_buffers = []
-    for name, b in source.named_buffers():
+    built_buffers = dict(rebuilt.named_buffers(remove_duplicate=False))
+    groups: dict[int, list[str]] = {}  # a buffer's names (one tensor the class registers twice)
+    for name, b in source.named_buffers(remove_duplicate=False):
         built = built_buffers[name]
         if name not in entries and (built.device.type == "meta" or not torch.equal(built.to(b.dtype), b)):
-            tensors[_BUFFER_PREFIX + name] = b.detach().contiguous()
-            stored_buffers.append(name)
+            if id(b) not in groups:
+                tensors[_BUFFER_PREFIX + name] = b.detach().contiguous()
+            groups.setdefault(id(b), []).append(name)
+    stored_buffers = list(groups.values())
     graphs, skipped = [], _not_rebuilt(source, rebuilt)
     module = opt.adapter.export_module(source)
     try:
@@ -704,8 +706,11 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
         "file_bytes": None,  # below, once written
         "tensors": entries,
         # Buffers that are not stored (rotary tables, built by the class) in the dtype the graphs read.
-        "buffer_dtypes": {n: _NAMES[b.dtype] for n, b in source.named_buffers() if n not in entries},
-        "buffers_stored": stored_buffers,  # of those, the ones whose values are in the file (_BUFFER_PREFIX)
+        "buffer_dtypes": {
+            n: _NAMES[b.dtype] for n, b in source.named_buffers(remove_duplicate=False) if n not in entries
+        },
+        # of those, the ones whose values are in the file: each tensor's names, under its first (_BUFFER_PREFIX)
+        "buffers_stored": stored_buffers,
         "adapter": opt.adapter.name,
         "graph_origin": _graph_origin(opt.amx_config),
         "graphs": graphs,
@@ -879,10 +884,17 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
             "interrupted between its two renames?); save the model again"
         )
     tensors = mapped.tensors
-    for name in manifest.get("buffers_stored", []):
-        if _BUFFER_PREFIX + name not in tensors:
-            raise CheckpointError(f"amxopt: {weights}: the manifest stores buffer {name}, which is not in the file")
-        _set(model, name, tensors[_BUFFER_PREFIX + name])
+    for names in manifest.get("buffers_stored", []):
+        stored = tensors.get(_BUFFER_PREFIX + names[0])
+        built = model.get_buffer(names[0])  # (buffer_dtypes above named one the class does not build)
+        want = (tuple(built.shape), _DTYPES[manifest["buffer_dtypes"][names[0]]])
+        if stored is None or (tuple(stored.shape), stored.dtype) != want:
+            got = "not in the file" if stored is None else f"{_NAMES[stored.dtype]} {tuple(stored.shape)}"
+            raise CheckpointError(
+                f"amxopt: {weights}: buffer {names[0]} is {got}, {cls_name} needs {_NAMES[want[1]]} {want[0]}"
+            )
+        for name in names:
+            _set(model, name, stored)
     _tie_as_saved(model, manifest["tensors"])
     expected = _expected(model)
     names = {
@@ -895,7 +907,8 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
     for name, like in expected.items():
         key = stored[name]
         entry = manifest["tensors"].get(key)
-        if entry is None or entry.get("shape") != list(like.shape) or entry.get("dtype") not in _DTYPES:
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        if entry is None or entry.get("shape") != list(like.shape) or not (isinstance(dtype, str) and dtype in _DTYPES):
             raise CheckpointError(
                 f"amxopt: {weights}: manifest entry for {key} is {entry}, model has {tuple(like.shape)}"
             )
@@ -1025,8 +1038,8 @@ def _check_manifest(manifest: dict, config: AmxConfig, directory: pathlib.Path) 
     if (
         manifest["dtype"] not in _DTYPES
         or not all(isinstance(e, dict) for e in entries)
-        or not all(d in _DTYPES for d in buffers.values())
-        or not all(n in buffers for n in manifest.get("buffers_stored", []))
+        or not all(isinstance(d, str) and d in _DTYPES for d in buffers.values())
+        or not all(_names_of(group, buffers) for group in manifest.get("buffers_stored", []))
     ):
         raise CheckpointError(
             f"amxopt: {directory}/{MANIFEST} is damaged: its dtype, tensor, graph or buffer entries are not amxopt's"
@@ -1038,6 +1051,11 @@ def _check_manifest(manifest: dict, config: AmxConfig, directory: pathlib.Path) 
             manifest.get("torch_version"),
             torch.__version__,
         )
+
+
+def _names_of(group: Any, buffers: dict) -> bool:
+    """Whether ``group`` (an entry of ``buffers_stored``) is names of buffers ``buffer_dtypes`` gives."""
+    return isinstance(group, list) and bool(group) and all(isinstance(n, str) and n in buffers for n in group)
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:

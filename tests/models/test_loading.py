@@ -265,6 +265,13 @@ def _config_field(field, value):
         (lambda d: {"buffer_dtypes": ["x"]}, r"field 'buffer_dtypes' is \['x'\], not a dict"),
         (lambda d: {"class": "os.path.join"}, r"class 'os.path.join' is not a transformers or diffusers model class"),
         (_config_field("depth", "two"), r"Qwen3VLVisionModel cannot be built from the manifest's config"),
+        (_buffer_dtype(["F32"]), r"its dtype, tensor, graph or buffer entries are not amxopt's"),  # (unhashable)
+        (lambda d: {"buffers_stored": [["nope"]]}, r"its dtype, tensor, graph or buffer entries are not amxopt's"),
+        (lambda d: {"buffers_stored": {}}, r"field 'buffers_stored' is \{\}, not a list"),
+        (
+            lambda d: {"buffers_stored": [["rotary_pos_emb.inv_freq"]]},
+            r"buffer rotary_pos_emb.inv_freq is not in the file",
+        ),
         # A graph without its output node was restored, and every call returned None.
         (_graph_without_output, r"saved graph 0 cannot be restored: stored graph has 0 output node\(s\)"),
         (_graph_with_two_outputs, r"saved graph 0 cannot be restored: stored graph has 2 output node\(s\)"),
@@ -281,6 +288,10 @@ def _config_field(field, value):
         "buffer-dtypes-list",
         "class-not-a-class",
         "config-field",
+        "buffer-dtype-list",
+        "buffer-stored-unknown",
+        "buffers-stored-dict",
+        "buffer-stored-not-in-file",
         "no-output-node",
         "two-output-nodes",
     ],
@@ -921,7 +932,7 @@ def test_a_packing_of_another_shape_is_named_at_load(artifact):
         amxopt.load(artifact, RELEASE)
 
 
-@pytest.mark.parametrize("span", ["short", "reversed", "odd"])
+@pytest.mark.parametrize("span", ["short", "reversed", "odd", "long", "negative"])
 def test_a_header_span_other_than_its_tensors_size_is_named(artifact, span):
     # Same file size, so the manifest's check passed: torch's reshape errors named neither file nor tensor.
     path = artifact / loading.WEIGHTS
@@ -933,6 +944,8 @@ def test_a_header_span_other_than_its_tensors_size_is_named(artifact, span):
         "short": [lo, lo + 8],
         "reversed": [hi, lo],
         "odd": [lo, lo + 3],
+        "long": [lo, hi + 2],
+        "negative": [-128, 0],  # (its header's bytes read as the weight: NaN outputs)
     }[span]
     text = json.dumps(header, separators=(",", ":")).encode()
     assert len(text) <= n
@@ -971,7 +984,7 @@ def test_a_buffer_left_out_of_the_state_dict_is_saved_where_it_differs_from_the_
     with torch.no_grad():
         rescaled.rotary_pos_emb.inv_freq.mul_(0.5)
         want = rescaled(**inputs)
-    for model, stored in ((plain, []), (rescaled, ["rotary_pos_emb.inv_freq"])):
+    for model, stored in ((plain, []), (rescaled, [["rotary_pos_emb.inv_freq"]])):
         artifact = _optimized_and_called(model, inputs).save(tmp_path / str(len(stored)))
         assert json.loads((artifact / loading.MANIFEST).read_text())["buffers_stored"] == stored
     with torch.no_grad():
@@ -1012,3 +1025,65 @@ def test_a_load_whose_passes_read_a_weight_unpacked_says_what_to_keep(artifact):
         pytest.raises(RuntimeError, match=r"exists only packed .* Keep the passes that read it packed"),
     ):
         amxopt.load(artifact, config)(**inputs)
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"shape": [-64]}, r"the header's entry for tensor blocks.0.norm1.weight is damaged"),
+        ({"dtype": "F8_E4M3"}, r"has dtype F8_E4M3"),
+    ],
+    ids=["negative-shape", "dtype"],
+)
+def test_a_damaged_header_entry_is_named(artifact, entry, message):
+    path = artifact / loading.WEIGHTS
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header["blocks.0.norm1.weight"].update(entry)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    raw[8 : 8 + n] = text.ljust(n)
+    path.write_bytes(raw)
+    with pytest.raises(amxopt.CheckpointError, match=message):
+        amxopt.load(artifact, RELEASE)
+
+
+def test_an_artifact_of_the_earlier_format_loads(tmp_path):
+    # Saved before the save id and stored buffers (or buffer dtypes): the fields are absent.
+    inputs = models.example_inputs("tiny-qwen3-vl-vision")
+    model = models.build_model("tiny-qwen3-vl-vision")
+    with torch.no_grad():
+        want = model(**inputs)
+    artifact = _optimized_and_called(model, inputs).save(tmp_path / "a")
+    save_file(load_file(artifact / loading.WEIGHTS), artifact / loading.WEIGHTS)  # no save id in its metadata
+    manifest = json.loads((artifact / loading.MANIFEST).read_text())
+    for field in ("save_id", "buffers_stored", "buffer_dtypes"):
+        del manifest[field]
+    manifest["file_bytes"] = (artifact / loading.WEIGHTS).stat().st_size
+    (artifact / loading.MANIFEST).write_text(json.dumps(manifest))
+    with torch.no_grad():
+        torch.testing.assert_close(_leaves(amxopt.load(artifact, RELEASE)(**inputs)), _leaves(want))
+
+
+def test_a_buffer_the_class_registers_twice_is_stored_once_and_restored_under_both_names(tmp_path, monkeypatch):
+    # Stored under its first name only: a graph captured again after load read the rebuilt table (1.46 off).
+    init = Qwen3VLVisionModel.__init__
+
+    def twice(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.patch_embed.register_buffer("inv_alias", self.rotary_pos_emb.inv_freq, persistent=False)
+
+    monkeypatch.setattr(Qwen3VLVisionModel, "__init__", twice)
+    inputs = models.example_inputs("tiny-qwen3-vl-vision")
+    model = models.build_model("tiny-qwen3-vl-vision")
+    with torch.no_grad():
+        model.rotary_pos_emb.inv_freq.mul_(0.5)
+        want = model(**inputs)
+    artifact = _optimized_and_called(model, inputs).save(tmp_path / "a")
+    _edit_manifest(artifact, graphs=[])  # captured again on the loaded model
+    loaded = amxopt.load(artifact, RELEASE)
+    source = loaded.__dict__["_source"]
+    assert source.patch_embed.inv_alias is source.rotary_pos_emb.inv_freq
+    with torch.no_grad():
+        torch.testing.assert_close(_leaves(loaded(**inputs)), _leaves(want))
