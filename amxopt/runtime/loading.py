@@ -733,8 +733,8 @@ def _check_rebuilt(source: nn.Module, rebuilt: nn.Module) -> None:
     its class builds from its config (``rebuilt``), by name and shape, both ways."""
     name = type(source).__name__
     ours, built = _expected(source), _expected(rebuilt)
-    ours.update((n, b) for n, b in source.named_buffers() if n not in ours)
-    built.update((n, b) for n, b in rebuilt.named_buffers() if n not in built)
+    ours.update((n, b) for n, b in source.named_buffers(remove_duplicate=False) if n not in ours)
+    built.update((n, b) for n, b in rebuilt.named_buffers(remove_duplicate=False) if n not in built)
     if unbuilt := sorted(set(ours) - set(built)):
         raise RuntimeError(
             f"amxopt: save: {name} holds {', '.join(unbuilt[:5])}, which it does not build from its config: "
