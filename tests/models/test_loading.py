@@ -919,6 +919,19 @@ def _rewrite_weights(directory, edit):
     _edit_manifest(directory, file_bytes=path.stat().st_size)
 
 
+def _rewrite_header_entry(directory, name, edit):
+    """Edit tensor ``name``'s entry in an artifact's safetensors header in place (the file keeps its size)."""
+    path = directory / loading.WEIGHTS
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    edit(header[name])
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    raw[8 : 8 + n] = text.ljust(n)
+    path.write_bytes(raw)
+
+
 def test_a_packing_of_another_shape_is_named_at_load(artifact):
     # It was accepted; a call then failed inside amxopt.linear, naming neither the tensor nor the artifact.
     def swap(stored):
@@ -935,22 +948,17 @@ def test_a_packing_of_another_shape_is_named_at_load(artifact):
 @pytest.mark.parametrize("span", ["short", "reversed", "odd", "long", "negative"])
 def test_a_header_span_other_than_its_tensors_size_is_named(artifact, span):
     # Same file size, so the manifest's check passed: torch's reshape errors named neither file nor tensor.
-    path = artifact / loading.WEIGHTS
-    raw = bytearray(path.read_bytes())
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
-    lo, hi = header["blocks.0.norm1.weight"]["data_offsets"]
-    header["blocks.0.norm1.weight"]["data_offsets"] = {
-        "short": [lo, lo + 8],
-        "reversed": [hi, lo],
-        "odd": [lo, lo + 3],
-        "long": [lo, hi + 2],
-        "negative": [-128, 0],  # (its header's bytes read as the weight: NaN outputs)
-    }[span]
-    text = json.dumps(header, separators=(",", ":")).encode()
-    assert len(text) <= n
-    raw[8 : 8 + n] = text.ljust(n)
-    path.write_bytes(raw)
+    def respan(entry):
+        lo, hi = entry["data_offsets"]
+        entry["data_offsets"] = {
+            "short": [lo, lo + 8],
+            "reversed": [hi, lo],
+            "odd": [lo, lo + 3],
+            "long": [lo, hi + 2],
+            "negative": [-128, 0],  # (its header's bytes read as the weight: NaN outputs)
+        }[span]
+
+    _rewrite_header_entry(artifact, "blocks.0.norm1.weight", respan)
     with pytest.raises(amxopt.CheckpointError, match=r"tensor blocks.0.norm1.weight \(BF16 \[64\]\) needs 128 bytes"):
         amxopt.load(artifact, RELEASE)
 
@@ -1036,15 +1044,7 @@ def test_a_load_whose_passes_read_a_weight_unpacked_says_what_to_keep(artifact):
     ids=["negative-shape", "dtype"],
 )
 def test_a_damaged_header_entry_is_named(artifact, entry, message):
-    path = artifact / loading.WEIGHTS
-    raw = bytearray(path.read_bytes())
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
-    header["blocks.0.norm1.weight"].update(entry)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    assert len(text) <= n
-    raw[8 : 8 + n] = text.ljust(n)
-    path.write_bytes(raw)
+    _rewrite_header_entry(artifact, "blocks.0.norm1.weight", lambda e: e.update(entry))
     with pytest.raises(amxopt.CheckpointError, match=message):
         amxopt.load(artifact, RELEASE)
 
