@@ -22,10 +22,20 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from amxopt.capture import repeated
+from amxopt.capture.repeated import user_hooks
 
 logger = logging.getLogger(__name__)
 
 _OUTPUT_OPTIONS = ("return_dict",)
+
+
+def _library_model(model: nn.Module) -> bool:
+    """A transformers or diffusers model (by its bases' names: neither library is imported here)."""
+    return any(
+        (c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel")
+        or (c.__module__.startswith("diffusers.") and c.__name__ == "ModelMixin")
+        for c in type(model).__mro__
+    )
 
 
 class CaptureError(RuntimeError):
@@ -48,6 +58,7 @@ class Adapter:
         self.model_name = type(model).__name__
         self._signature = inspect.signature(model.forward)
         self._config = getattr(model, "config", None)
+        self._library_output = _library_model(model)
 
     @classmethod
     def matches(cls, model: nn.Module) -> bool:
@@ -83,8 +94,12 @@ class Adapter:
         """Take the arguments that only shape the output (``return_dict``) out of ``call``.
 
         One graph then serves every caller: transformers' ``get_image_features`` passes
-        ``return_dict=True``, diffusers pipelines ``return_dict=False``.
+        ``return_dict=True``, diffusers pipelines ``return_dict=False``. Only a transformers or
+        diffusers model's: their output class is the tuple's other form (``to_tuple``). Any other
+        model's ``return_dict`` may decide anything, so it stays an argument of the call.
         """
+        if not self._library_output:
+            return {}
         options = {k: call.pop(k) for k in _OUTPUT_OPTIONS if k in call}
         if (
             options.get("return_dict")
@@ -192,7 +207,7 @@ def export(
     if any("data-dependent" in e or "DataDependent" in e for e in errors):
         # Hooks and replaced forwards are traced too: a cache hook (diffusers' enable_cache) that
         # decides from tensor values is the likelier cause where the model has one.
-        altered = repeated.hooked(model, recorders=False) + [
+        altered = [p or "the model" for p in repeated.hooked(model, recorders=False)] + [
             p or "the model" for p, m in model.named_modules() if "forward" in vars(m)
         ]
         if altered:
@@ -207,6 +222,11 @@ def export(
                 "in a vision tower's metadata): an amxopt adapter must compute those eagerly before the graph, "
                 "as amxopt/capture/qwen.py does for the Qwen3 towers"
             )
+    elif user_hooks(model._forward_pre_hooks):
+        hint = (
+            f". {adapter.model_name} has a forward pre-hook of its own, which runs in the trace: amxopt passes "
+            "the model its inputs by name, so the hook gets them in kwargs (with_kwargs=True), not in args"
+        )
     if len(errors) == 2 and errors[0].removeprefix("dynamic: ") == errors[1].removeprefix("static: "):
         errors = ["dynamic and static: " + errors[1].removeprefix("static: ")]  # one cause, said once
     raise CaptureError(
@@ -246,20 +266,31 @@ def _keywords_named(module: nn.Module, graph_inputs: dict[str, Any]) -> Iterator
     their own. torch.export keys dynamic_shapes by the signature's parameters, and then matches them
     against the inputs with the extra keywords at the top (torch 2.13): the dynamic export of every
     call with an extra keyword failed (CLIP's ``output_hidden_states=True``), so each batch size got
-    a static graph of its own. The graph is the same: the inputs are passed as they were."""
+    a static graph of its own. The graph is the same: the inputs are passed as they were.
+
+    Positional-only parameters (``forward(self, x, /)``) are taken by name too, and passed on by
+    position: export passes every input by name."""
     forward = module.forward
     params = inspect.signature(forward).parameters
-    keyword = inspect.Parameter.VAR_KEYWORD
+    keyword, only = inspect.Parameter.VAR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY
     extra = [k for k in graph_inputs if k not in params or params[k].kind is keyword]
-    if not extra or not any(p.kind is keyword for p in params.values()):
+    if not any(p.kind is keyword for p in params.values()):
+        extra = []
+    positional = [p for p in params.values() if p.kind is only]
+    if not extra and not positional:
         yield
         return
 
     def named(*args: Any, **kwargs: Any) -> Any:
-        return forward(*args, **kwargs)
+        head = [kwargs.pop(p.name, p.default) for p in positional[len(args) :]]
+        return forward(*args, *head, **kwargs)
 
     named.__signature__ = inspect.Signature(
-        [p for p in params.values() if p.kind is not keyword]
+        [
+            p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) if p.kind is only else p
+            for p in params.values()
+            if p.kind is not keyword or not extra
+        ]
         + [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in extra]
     )
     own = module.__dict__.get("forward")  # a forward replaced on the instance, which ``forward`` calls

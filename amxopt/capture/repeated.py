@@ -198,9 +198,15 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
           types.BuiltinFunctionType, type)  # fmt: skip
 
 
+def _constant(v: Any) -> tuple:
+    """``v`` as compared with another block's: ``1 == 1.0 == True``, but a block may compute
+    otherwise with each (an int64 tensor times 1.0 is a float32 tensor); a NaN equals a NaN."""
+    return type(v), repr(v) if isinstance(v, float) else v
+
+
 def _value(v: Any, depth: int) -> Any:
     if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device)):
-        return v
+        return _constant(v)
     if isinstance(v, (tuple, list)):
         return type(v), tuple(_value(x, depth + 1) for x in v)
     if isinstance(v, dict):
@@ -254,7 +260,7 @@ def _call(stack: Stack, index: int, block: nn.Module, forward):
             stack.settings = _settings(block, tracing=True)
             return _trace_first(stack, index, forward, flat, in_spec, constants, metas)
         where = f"{stack.block_path(index)} (traced: {stack.block_path(stack.template)})"
-        if in_spec != stack.in_spec or constants != stack.constants:
+        if in_spec != stack.in_spec or list(map(_constant, constants)) != list(map(_constant, stack.constants)):
             raise NotRepeated(f"{where} is called with other non-tensor arguments")
         if _settings(block, tracing=True) != stack.settings:
             raise NotRepeated(f"{where} has other settings when it is called (an attribute set before its call)")

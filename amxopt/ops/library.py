@@ -461,7 +461,8 @@ def _(x, weight, bias, stride, padding, dilation, groups, activation="none", pro
     _check_conv2d(x, weight, bias, stride, padding, dilation, groups, activation)
     out = reference.conv2d(x, weight, bias, stride, padding, dilation, groups)
     if _channels_last_conv2d(x, weight, groups, provider):
-        return out.contiguous(memory_format=torch.channels_last)
+        # (a new tensor: .contiguous() keeps the strides of one whose size-1 dims make it channels-last)
+        return torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=torch.channels_last)
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._prims_common import suggest_memory_format
 
 ACTIVATIONS = {
     "none": lambda y: y,
@@ -69,9 +70,10 @@ def varlen_attention(
             # Bottom-right aligned, as flash-attention defines causal for len_q != len_k.
             rows = torch.arange(q1 - q0).unsqueeze(1) + (k1 - k0) - (q1 - q0)
             mask = rows >= torch.arange(k1 - k0).unsqueeze(0)
-        if k1 == k0 or (mask is not None and not mask.any(dim=1).all()) or not _finite(qs, ks, vs):
+        if k1 == k0 or (mask is not None and not mask.any(dim=1).all()) or _overflows(qs, ks, vs, seg_scale):
             # Rows that see no key: define their output as zeros (flash-attention's convention). NaN and
-            # inf: as the math gives them (ATen's fused kernels write zeros for a NaN query row).
+            # inf: as the math gives them (ATen's fused kernels write zeros for a NaN query row); a
+            # scale that takes the scores past float32's range, too (ATen's give NaN: inf - inf).
             seg = _masked_attention(qs, ks, vs, mask, seg_scale, gqa)
         elif causal and q1 - q0 == k1 - k0 and scale != 0:  # (ATen's causal kernel gives NaN at scale 0)
             seg = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=seg_scale, enable_gqa=gqa)
@@ -81,16 +83,32 @@ def varlen_attention(
     return out
 
 
-def _finite(*tensors: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+def _overflows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> bool:
+    """Whether a segment's scaled scores may not be finite in float32: a NaN or inf input, or
+    ``scale * |q| * |k| * D`` near float32's largest value (with room for the kernels' own factors)."""
+    if not bool(torch.isfinite(v).all()):
+        return True
+    if q.numel() == 0 or k.numel() == 0:
+        return False
+    bound = scale * q.abs().amax().item() * k.abs().amax().item() * q.shape[-1]
+    return not bound < torch.finfo(torch.float32).max / 16  # (NaN: not less)
 
 
 def _masked_attention(q, k, v, mask, scale, gqa):
     if gqa:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-    probs = torch.softmax(scores if mask is None else scores.masked_fill(~mask, float("-inf")), dim=-1)
+    scores = q.float() @ k.float().transpose(-1, -2)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    # Scaled after the row's largest score is taken off (softmax is the same): a scale that takes
+    # the scores themselves past float32's range does not take their differences to inf - inf.
+    if scores.shape[-1]:  # (no key: every row's output is zeros)
+        scores = scores - scores.amax(dim=-1, keepdim=True).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    scores = scores * scale
+    if mask is not None:  # (at scale 0, -inf * 0 is NaN)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
     if mask is not None:  # a row that sees no key: zeros, not the NaN of a softmax over -inf alone
         probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
     return (probs @ v.float()).to(q.dtype)
@@ -126,7 +144,27 @@ def conv2d(
     activation: str = "none",
 ) -> torch.Tensor:
     b = None if bias is None else bias.to(x.dtype)
-    return ACTIVATIONS[activation](F.conv2d(x, weight, b, list(stride), list(padding), list(dilation), groups))
+    if any(p > d * (k - 1) for p, d, k in zip(padding, dilation, weight.shape[2:], strict=True)):
+        out = _conv2d_nchw(x, weight, b, stride, padding, dilation, groups)
+    else:
+        out = F.conv2d(x, weight, b, list(stride), list(padding), list(dilation), groups)
+    # In place, as the native kernels apply it: an elementwise op may lay out a tensor with size-1
+    # dims otherwise (the op's fake gives the convolution's layout).
+    return out if activation == "none" else out.copy_(ACTIVATIONS[activation](out))
+
+
+def _conv2d_nchw(x, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
+    """A convolution where a window at an edge lies wholly in the padding: there oneDNN's fp32
+    kernels for a channels-last x or weight (torch 2.13, AVX2) read out of bounds, and eager crashed
+    the process. Computed on NCHW copies (its NCHW kernel does not), laid out as eager's would be
+    (channels-last where x or the weight is), as the native kernels do (csrc/ops.cpp)."""
+    cl = torch.channels_last
+    nhwc = cl in (suggest_memory_format(x), suggest_memory_format(weight))
+    out = F.conv2d(x.contiguous(), weight.contiguous(), bias, list(stride), list(padding), list(dilation), groups)
+    laid = torch.empty(
+        out.shape, dtype=out.dtype, device=out.device, memory_format=cl if nhwc else torch.contiguous_format
+    )
+    return laid.copy_(out)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -202,6 +202,18 @@ def _signature_leaf(x: Any) -> Any:
     return [type(x).__qualname__, repr(x) if isinstance(x, float) else x]  # (a list: as JSON reads it back)
 
 
+def refuse_released_load(module: nn.Module, state_dict: Mapping, prefix: str, said: str, model_name: str) -> None:
+    """Refuse a load of ``state_dict`` (``module``'s keys under ``prefix``) that writes a weight
+    optimize released; ``said`` is the prefix the caller's keys have."""
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if prefix + name in state_dict and packed.is_released(p):
+            raise RuntimeError(
+                f"amxopt: cannot load {said + name} into {model_name}: amxopt.optimize packed that weight and "
+                "released its source (one copy in memory). Load the new weights into a fresh model and optimize "
+                "it, or optimize with AmxConfig(keep_source=True)"
+            )
+
+
 class _LoadWatch:
     """What changes the source model after optimize: a ``load_state_dict`` into it (whole or a
     submodule), or a submodule, parameter or buffer assigned in it (a LoRA adapter injected by peft,
@@ -227,13 +239,7 @@ class _LoadWatch:
             return
         for opt in list(self.watchers):
             opt._refuse_at_tp()
-        for name, p in module.named_parameters(remove_duplicate=False):
-            if prefix + name in state_dict and packed.is_released(p):
-                raise RuntimeError(
-                    f"amxopt: cannot load {prefix + name} into {self.model_name}: amxopt.optimize packed that "
-                    "weight and released its source (one copy in memory). Load the new weights into a fresh "
-                    "model and optimize it, or optimize with AmxConfig(keep_source=True)"
-                )
+        refuse_released_load(module, state_dict, prefix, prefix, self.model_name)
         self.changed()
 
     def assigned(self, module: nn.Module, name: str, value: Any) -> None:
@@ -315,12 +321,13 @@ class _Traced:
       since, in training mode as built, is a new module: captured again);
     - the parameters, buffers and submodules of its modules, by identity: code that writes a module's
       ``_parameters`` or ``_modules`` directly (accelerate's ``set_module_tensor_to_device``, torch.ao's
-      ``quantize_dynamic(inplace=True)``) bypasses the registration hooks.
+      ``quantize_dynamic(inplace=True)``) bypasses the registration hooks; and whether one of those
+      dicts that was empty holds something now.
 
     What they compute is in the graphs; they are not called when the graphs run. One changed since
     makes the graphs stale. ``changed()`` costs one dict lookup per module, an identity comparison
     per parameter, buffer and submodule (on a Zen 4: about 100 us a call for Wan 1.3B's 858 modules,
-    against 20 us without the identities) and a counter: hooks are scanned again only when torch's
+    against 20 us without the identities), a length per empty dict and a counter: hooks are scanned again only when torch's
     handle counter moved (a hook registered anywhere) or a hook dict that was not empty shrank (one
     removed)."""
 
@@ -330,8 +337,8 @@ class _Traced:
         self.lengths = [len(d) for d in self.dicts]
         modules = list(source.modules())
         self.attrs = [m.__dict__ for m in modules]
-        self.members = [d for m in modules for d in (m._parameters, m._buffers, m._modules) if d]
-        self.held = _held(self.members)
+        self.dicts_of_members = [d for m in modules for d in (m._parameters, m._buffers, m._modules)]
+        self.settle()
         self.forwards = _values(self.attrs, "forward")
         self.with_processor = [d for d in self.attrs if "processor" in d]
         self.processors = _values(self.with_processor, "processor")
@@ -339,13 +346,15 @@ class _Traced:
 
     def settle(self) -> None:
         """Take the parameters, buffers and submodules as they are now as the captured ones."""
+        self.members = [d for d in self.dicts_of_members if d]
+        self.empty = [d for d in self.dicts_of_members if not d]  # (their lengths: a third of the cost)
         self.held = _held(self.members)
 
     def changed(self, source: nn.Module) -> bool:
         if _values(self.attrs, "forward") != self.forwards or _values(self.attrs, "training") != self.training:
             return True
         held = _held(self.members)
-        if len(held) != len(self.held) or not all(map(operator.is_, held, self.held)):
+        if len(held) != len(self.held) or not all(map(operator.is_, held, self.held)) or any(map(len, self.empty)):
             return True
         if _values(self.with_processor, "processor") != self.processors:
             return True
@@ -566,7 +575,9 @@ class OptimizedModule(nn.Module):
         inner = prefix + "graph_module."
         mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix) and not k.startswith(inner)}
         assign = local_metadata.get("assign_to_params_buffers", False)
-        result = self.__dict__["_source"].load_state_dict(mine, strict=False, assign=assign)
+        source = self.__dict__["_source"]
+        refuse_released_load(source, mine, "", prefix, self.adapter.model_name)  # naming the caller's key
+        result = source.load_state_dict(mine, strict=False, assign=assign)
         missing_keys += [prefix + k for k in result.missing_keys]
         unexpected_keys += [prefix + k for k in result.unexpected_keys]
         self.__dict__["_graph_keys"] = inner
@@ -600,6 +611,12 @@ class OptimizedModule(nn.Module):
         raise TypeError(
             f"amxopt: an optimized {self.adapter.model_name} cannot be pickled (its graphs would lose their output "
             "types): save it with opt.save(directory) and read it with amxopt.load"
+        )
+
+    def __copy__(self) -> OptimizedModule:
+        raise TypeError(
+            f"amxopt: an optimized {self.adapter.model_name} cannot be copied shallowly (the copy would share its "
+            "graphs and the state that decides when they are stale): use copy.deepcopy"
         )
 
     def __deepcopy__(self, memo: dict) -> OptimizedModule:
@@ -636,6 +653,7 @@ class OptimizedModule(nn.Module):
             self.__dict__["_dropped_adapters"] = self._adapters
         self._entries, self._pending, self._adapters, self._packed_versions = [], [], None, []
         self._traced = None
+        self.__dict__.pop("_refused_dtypes", None)  # the changed source may take a dtype it refused
         if "graph_module" in self._modules:  # (None, not removed: a load may be iterating the children)
             self._modules["graph_module"] = None
 

@@ -58,3 +58,77 @@ def test_a_call_with_an_extra_keyword_exports_dynamic_and_the_forward_is_restore
         captured.check(other)
         with torch.no_grad():
             torch.testing.assert_close(captured.gm(**other), model(**other))
+
+
+class _PositionalOnly(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, /, scale=1.0):
+        return self.fc(x) * scale
+
+
+def test_a_positional_only_parameter_is_exported_and_the_forward_is_restored():
+    # export passes every input by name: the model was refused ("'x' parameter is positional only")
+    model, x = _PositionalOnly().eval(), torch.randn(3, 8)
+    adapter, graph_inputs = prepare(model, (x,))
+    for dynamic in (True, False):
+        captured = export(model, adapter, graph_inputs, dynamic)
+        with torch.no_grad():
+            assert torch.equal(captured.gm(**graph_inputs), model(x))
+        assert captured.dynamic == dynamic
+        if not dynamic:  # a static graph: its guards refuse another size
+            with pytest.raises(AssertionError, match=r"Guard failed: x.size\(\)\[0\] == 3"):
+                captured.check({"x": torch.randn(5, 8)})
+    assert "forward" not in vars(model)
+
+
+def test_a_static_export_of_a_model_that_exports_dynamic_too():
+    name = "tiny-wan"
+    model = models.build_model(name, torch.float32)
+    adapter, graph_inputs = prepare(model, models.example_inputs(name, torch.float32))
+    captured = export(model, adapter, graph_inputs, False)
+    assert not captured.dynamic and captured.note == ""
+    with torch.no_grad():
+        assert torch.equal(captured.gm(**graph_inputs)[0], model(**graph_inputs)[0])
+
+
+def test_a_keyword_only_forward_wrapper_is_removed_after_the_export():
+    model = _Keywords().eval()
+    adapter, graph_inputs = prepare(model, {"x": torch.randn(3, 16), "double": True})
+    export(model, adapter, graph_inputs, True)
+    assert "forward" not in vars(model)
+
+
+class _Equal(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * (2 if torch.equal(x, x.abs()) else 1)
+
+
+def _refusal(model, inputs) -> str:
+    from amxopt.capture import CaptureError
+
+    adapter, graph_inputs = prepare(model, inputs)
+    with pytest.raises(CaptureError) as refused:
+        export(model, adapter, graph_inputs, True)
+    return str(refused.value)
+
+
+def test_capture_errors_say_where_tensor_values_or_a_models_own_hook_decide():
+    x = {"x": torch.randn(4, 8)}
+    # torch words it "DataDependentOutputException: aten.equal.default" (no "data-dependent")
+    assert "DataDependentOutputException" in (said := _refusal(_Equal().eval(), x))
+    assert "computes shapes or Python control flow from tensor values" in said
+    hooked = _Equal().eval()
+    hooked.register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)
+    assert "Forward hooks or replaced forwards on the model are traced" in _refusal(hooked, x)  # (its path is "")
+    # A pre-hook of the model's own reading its args: amxopt passes the inputs by name
+    positional = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    positional.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    said = _refusal(positional, {"input": x["x"]})
+    assert "IndexError" in said and "has a forward pre-hook of its own" in said and "not in args" in said

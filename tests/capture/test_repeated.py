@@ -269,3 +269,65 @@ def test_blocks_that_compute_differently_are_traced_one_by_one(model, why):
         assert stacks == ["blocks"] and why in captured.note, captured.note
     with torch.no_grad():
         torch.testing.assert_close(captured.gm(**graph_inputs), model(x), rtol=0, atol=0)
+
+
+class _Counted(nn.Module):
+    """A position counter each block multiplies by its step (an int64 tensor times 1 stays int64 and
+    exact, times 1.0 is float32: 2**24 + 1 rounds); the first block's step is an int."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Stepped() for _ in range(3))
+
+    def forward(self, x, pos):
+        for i, block in enumerate(self.blocks):
+            x, pos = block(x, pos, 1 if i == 0 else 1.0)
+        return x, pos - 2**24
+
+
+class _Stepped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, pos, step):
+        return x + self.fc(x), pos * step
+
+
+def test_blocks_called_with_equal_numbers_of_other_types_are_traced_one_by_one():
+    # 1 == 1.0 == True: the copy of the block traced with step=1 served step=1.0, and kept pos int64.
+    model, inputs = _Counted().eval(), {"x": torch.randn(2, 4), "pos": torch.tensor([2**24 + 1])}
+    captured, graph_inputs = _capture(model, inputs, stamp=True)
+    assert "blocks.1 (traced: blocks.0) is called with other non-tensor arguments" in captured.note
+    with torch.no_grad():
+        assert torch.equal(captured.gm(**graph_inputs)[1], model(**inputs)[1])
+
+
+class _InFloat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.fc(x.float()).to(x.dtype)
+
+
+class _Widening(nn.Module):
+    """Blocks computing in fp32 and returning their input's dtype; each but the first gets fp64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_InFloat() for _ in range(3))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = block(x if i == 0 else x.double())
+        return x
+
+
+def test_blocks_called_with_inputs_of_another_dtype_are_traced_one_by_one():
+    model, x = _Widening().eval(), torch.randn(2, 8)
+    captured, graph_inputs = _capture(model, {"x": x}, stamp=True)
+    assert "blocks.1 (traced: blocks.0) is called with inputs of other shapes or dtypes" in captured.note
+    with torch.no_grad():
+        assert captured.gm(**graph_inputs).dtype == model(x).dtype == torch.float64

@@ -927,8 +927,10 @@ def test_keywords_in_another_order_are_the_same_call():
     assert len(opt.graphs) == 1
 
 
-def test_return_dict_true_is_kept_where_the_config_returns_tuples():
-    model, x = _clip(return_dict=False), torch.randn(2, 3, 64, 64)
+@pytest.mark.parametrize("return_dict", [False, True])
+def test_return_dict_true_is_kept_where_the_config_returns_tuples(return_dict):
+    # Where the config returns the output class, one graph serves all three calls.
+    model, x = _clip(return_dict=return_dict), torch.randn(2, 3, 64, 64)
     opt = amxopt.optimize(model, (x,), _NO_CACHE)
     with torch.no_grad():
         for options in ({}, {"return_dict": True}, {"return_dict": False}):
@@ -937,3 +939,146 @@ def test_return_dict_true_is_kept_where_the_config_returns_tuples():
             as_tuple = lambda out: out.to_tuple() if hasattr(out, "to_tuple") else out
             for a, b in zip(as_tuple(got), as_tuple(want), strict=True):
                 torch.testing.assert_close(a, b)
+    assert len(opt.graphs) == (1 if return_dict else 2)
+
+
+def test_a_diffusers_models_call_returns_its_output_class_or_its_tuple():
+    model, inputs = _wan()
+    opt = amxopt.optimize(model, inputs, _NO_CACHE)
+    with torch.no_grad():
+        for options in ({}, {"return_dict": False}, {"return_dict": True}):
+            assert type(opt(**inputs, **options)) is type(model(**inputs, **options)), options
+    assert len(opt.graphs) == 1
+
+
+class _Outputs(nn.Module):
+    """A model of no library whose return_dict decides its output: a dict, or a tuple."""
+
+    def __init__(self, default: bool):
+        super().__init__()
+        self.fc, self.default = nn.Linear(8, 8), default
+
+    def forward(self, x, return_dict=None):
+        y = self.fc(x)
+        return {"out": y, "twice": 2 * y} if (self.default if return_dict is None else return_dict) else (y, 2 * y)
+
+
+@pytest.mark.parametrize("default", [False, True])
+def test_return_dict_of_a_model_of_no_library_is_an_argument_like_any_other(default):
+    # It was taken out of every call as transformers' is: the graph of the call without it served
+    # them all (a tuple where eager returned a dict, or the other way round).
+    torch.manual_seed(0)
+    model, x = _Outputs(default).eval(), torch.randn(2, 8)
+    opt = amxopt.optimize(model, (x,), _NO_CACHE)
+    with torch.no_grad():
+        for options in ({}, {"return_dict": True}, {"return_dict": False}):
+            got, want = opt(x, **options), model(x, **options)
+            assert type(got) is type(want), options
+            pairs = zip(got.values(), want.values()) if isinstance(want, dict) else zip(got, want, strict=True)
+            assert all(torch.equal(a, b) for a, b in pairs)
+
+
+class _FloatShapeBranch(_ShapeBranch):
+    def forward(self, x):
+        return super().forward(x.float())
+
+
+def test_a_failed_capture_in_a_dtype_a_graph_takes_is_no_dtype_refusal():
+    # With graphs for fp32 and bf16 input, a bf16 call failing for its shape was told as a dtype
+    # refusal where any graph (not every graph) was of another dtype, and later bf16 calls refused.
+    from amxopt.capture import CaptureError
+
+    torch.manual_seed(0)
+    source = _FloatShapeBranch().eval()
+    opt = amxopt.optimize(source, (torch.randn(2, 8),), _NO_CACHE)
+    with torch.no_grad():
+        opt(torch.randn(2, 8).bfloat16())
+        with pytest.raises(CaptureError):
+            opt(torch.randn(8, 8).bfloat16())
+        x = torch.randn(3, 8).bfloat16()
+        assert torch.equal(opt(x), source(x)) and len(opt.graphs) == 2
+
+
+class _Cast(nn.Module):
+    def forward(self, x):
+        return x.float()
+
+
+def test_a_dtype_refused_before_a_change_to_the_source_is_captured_after_it():
+    # The refusal outlived the change that makes eager take the dtype: refused without a capture.
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Identity(), nn.Linear(8, 8)).eval(), torch.randn(3, 8)
+    opt = amxopt.optimize(model, (x,), _NO_CACHE)
+    with torch.no_grad():
+        with pytest.raises(TypeError, match="its capture in torch.bfloat16 failed"):
+            opt(x.bfloat16())
+        model[0] = _Cast()
+        assert torch.equal(opt(x.bfloat16()), model(x.bfloat16()))
+
+
+class _Head(nn.Module):
+    """Holds no parameter, buffer or submodule when captured; reads what is put in it later."""
+
+    def forward(self, x):
+        post, scale = getattr(self, "post", None), getattr(self, "scale", None)
+        y = x * 2 if post is None else post(x * 2)
+        return y if scale is None else y * scale
+
+
+class _Headed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8), _Head()
+
+    def forward(self, x):
+        return self.head(self.fc(x))
+
+
+@pytest.mark.parametrize("put", ["in _modules", "in _parameters", "assigned"])
+def test_a_member_put_in_a_module_that_held_none_is_used(put):
+    # The dicts empty at the capture were not compared: the graph ran on without the new member.
+    torch.manual_seed(0)
+    model, x = _Headed().eval(), torch.randn(3, 8)
+    opt = amxopt.optimize(model, (x,), _NO_CACHE)
+    with torch.no_grad():
+        opt(x)
+        if put == "in _modules":
+            model.head._modules["post"] = nn.Linear(8, 8).eval()
+        elif put == "in _parameters":
+            model.head._parameters["scale"] = nn.Parameter(torch.full((8,), 3.0), requires_grad=False)
+        else:
+            model.head.__dict__["post"] = None  # a plain attribute, which the module's setattr replaces
+            model.head.post = nn.Linear(8, 8).eval()
+        assert torch.equal(opt(x), model(x))
+
+
+def _in_a_parent(config):
+    torch.manual_seed(0)
+    x = torch.randn(3, 8)
+    opt = amxopt.optimize(nn.Sequential(nn.Linear(8, 8)).eval(), (x,), config)
+    with torch.no_grad():
+        opt(x)
+    return nn.Sequential(nn.LayerNorm(8), opt).eval()
+
+
+def test_a_parents_load_lists_the_optimized_parts_keys_under_the_parents_names():
+    parent = _in_a_parent(_NO_CACHE)
+    norm = {"0.weight": torch.ones(8), "0.bias": torch.zeros(8)}
+    result = parent.load_state_dict(norm, strict=False)
+    assert result.missing_keys == ["1.0.weight", "1.0.bias"] and not result.unexpected_keys  # not the graph's own
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "1.0.weight", "1.0.bias"'):
+        parent.load_state_dict(norm)
+
+
+def test_a_parents_load_into_a_released_part_names_the_parents_key():
+    # The refusal named the key as the part's own state dict has it ("0.weight")
+    parent = _in_a_parent(dataclasses.replace(_NO_CACHE, keep_source=False))
+    state = {"0.weight": torch.ones(8), "0.bias": torch.zeros(8), "1.0.weight": torch.ones(8, 8)}
+    with pytest.raises(RuntimeError, match=r"cannot load 1\.0\.weight into Sequential"):
+        parent.load_state_dict(state, strict=False)
+
+
+def test_a_shallow_copy_is_refused_for_what_it_is():
+    opt = amxopt.optimize(nn.Sequential(nn.Linear(8, 8)).eval(), (torch.randn(3, 8),), _NO_CACHE)
+    with pytest.raises(TypeError, match="cannot be copied shallowly .*: use copy.deepcopy"):
+        copy.copy(opt)

@@ -62,6 +62,7 @@ def test_a_call_while_the_first_call_releases_the_weights_keeps_its_graph(monkey
 
     def slow_trim() -> None:  # (in the release, after the weights were swapped for placeholders)
         releasing.set()
+        threading.Timer(0.5, go_on.set).start()  # the second call is under way by then
         go_on.wait(30)
         trim()
 
@@ -70,7 +71,6 @@ def test_a_call_while_the_first_call_releases_the_weights_keeps_its_graph(monkey
     with torch.no_grad():
         want = source(x := torch.randn(2, 64, dtype=torch.bfloat16))
     opt = amxopt.optimize(source, config=SERVING)
-    threading.Timer(0.5, go_on.set).start()  # the second call is under way by then
 
     def second():
         assert releasing.wait(60)

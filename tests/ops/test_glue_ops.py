@@ -125,6 +125,13 @@ def test_noncontiguous_inputs(provider):
     assert_close_dtype(
         ops.rotary_embedding(q, cos, sin, True, provider), rotary_oracle(q, cos, sin, True), torch.float32
     )
+    # and their outputs are laid out as the fakes say (contiguous), not as x is
+    for op, args in (
+        (ops.gated_residual, (x, y, gate, provider)),
+        (ops.norm_modulate, (x, None, None, gate, gate, 1e-6, False, provider)),
+        (ops.rotary_embedding, (x, cos[:, :, 0], sin[:, :, 0], True, provider)),
+    ):
+        assert_matches_fake(op, args, op(*args))
 
 
 _GX = torch.randn(2, 5, 8)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from hypothesis import given
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from amxopt.ops import ACTIVATIONS, AmxOpError, native, providers
+from amxopt.ops.library import MAX_SCALE
 from tests.strategies import (
     assert_close_dtype,
     linear_cases,
@@ -137,6 +141,10 @@ OPCHECK_CASES = {
     "patch-fp32-bias": lambda p: (
         ops.patch_embed,
         (torch.randn(1, 3, 2, 4, 6), pack(torch.randn(5, 12), p), torch.randn(5), [1, 2, 2], 5, p),
+    ),
+    "patch-fp32-kernel-not-square": lambda p: (
+        ops.patch_embed,
+        (torch.randn(1, 3, 2, 4, 8), pack(torch.randn(5, 24), p), None, [1, 2, 4], 5, p),
     ),
     "patch-bf16-channels-last": lambda p: (
         ops.patch_embed,
@@ -1075,6 +1083,22 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params, act):
     assert_close_dtype(out, oracle(F.conv2d(x.double(), w.double(), b32.to(dtype).double(), **params)), dtype)
 
 
+@pytest.mark.parametrize(
+    "x, weight, padding",
+    [
+        ((1, 2, 3, 3), (4, 2, 5, 5), [1, 1]),  # a window exactly as large as the padded image
+        ((0, 3, 0, 5), (4, 3, 1, 1), [1, 1]),  # an empty batch may have an empty spatial dim
+    ],
+    ids=["exact-window", "empty-batch-and-image"],
+)
+def test_conv2d_takes_the_edge_cases_eager_takes(provider, x, weight, padding):
+    x, w = torch.randn(*x), torch.randn(*weight)
+    args = (x, w, None, [1, 1], padding, [1, 1], 1, "none", provider)
+    out = ops.conv2d(*args)
+    torch.testing.assert_close(out, F.conv2d(x, w, None, 1, padding))
+    assert_matches_fake(ops.conv2d, args, out)
+
+
 @pytest.mark.parametrize("cin", [7, 8])  # K = 63: the direct kernel; K = 72: im2col + GEMM on amx, else ATen's
 def test_conv2d_rounds_an_fp32_bias_to_x_dtype_first(provider, cin):
     # Every output is exactly 1 + bias: an fp32 bias of 256.75 rounded to bf16 first (256) gives 257,
@@ -1113,6 +1137,19 @@ def test_conv2d_rounds_an_fp32_bias_to_x_dtype_first(provider, cin):
                 torch.randn(1, 3, 4, 4), torch.randn(4, 3, 1, 1), torch.randn(5), [1, 1], [0, 0], [1, 1], 1, provider=p
             ),
             r"amxopt\.conv2d: bias must be \(4,\)",
+        ),
+        (
+            lambda p: ops.conv2d(
+                torch.randn(1, 3, 4, 4),
+                torch.randn(4, 3, 1, 1),
+                torch.randn(4).half(),
+                [1, 1],
+                [0, 0],
+                [1, 1],
+                1,
+                provider=p,
+            ),
+            r"amxopt\.conv2d: bias must be \(4,\) in torch.float32 or float32, got torch.float16",
         ),
         (
             lambda p: ops.conv2d(
@@ -1169,6 +1206,7 @@ def test_conv2d_rounds_an_fp32_bias_to_x_dtype_first(provider, cin):
         "channels",
         "groups-of-outputs",
         "bias",
+        "bias-dtype",
         "activation",
         "window",
         "dilated-window",
@@ -1182,6 +1220,39 @@ def test_conv2d_rounds_an_fp32_bias_to_x_dtype_first(provider, cin):
 def test_conv2d_bad_input_raises(provider, call, match):
     with pytest.raises(ValueError, match=match):
         call(provider)
+
+
+# A window at an edge wholly in the padding, x or the weight channels-last: oneDNN's fp32 kernels
+# (torch 2.13, AVX2) read out of bounds there, and crashed the process (eager fp32 crashes too).
+_EDGE_CONV = """
+import sys, torch, torch.nn.functional as F
+from amxopt.ops import native
+from tests.ops.test_ops import assert_close_dtype, assert_matches_fake
+provider, tier = sys.argv[1:]
+cl = torch.channels_last
+cases = [  # x, x channels-last, weight, weight channels-last, stride, padding, dilation, groups
+    ((3, 6, 13, 1), False, (99, 2, 7, 2), True, [9, 4], [1, 3], [1, 2], 3),
+    ((2, 4, 13, 1), True, (4, 2, 3, 1), False, [1, 2], [0, 3], [1, 2], 2),
+    ((2, 4, 13, 2), True, (4, 4, 1, 1), True, [4, 4], [5, 5], [2, 2], 1),
+]
+g = torch.Generator().manual_seed(0)
+with native.max_tier(tier) if tier else torch.no_grad():
+    for dtype in (torch.float32, torch.bfloat16):
+        for xs, xcl, ws, wcl, *params in cases:
+            x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in (xs, ws, ws[:1]))
+            args = (x.contiguous(memory_format=cl) if xcl else x, w.contiguous(memory_format=cl) if wcl else w, b)
+            out = torch.ops.amxopt.conv2d(*args, *params, "gelu", provider)
+            want = F.gelu(F.conv2d(x.double(), w.double(), b.double(), *params))
+            assert_close_dtype(out, want, dtype)
+            assert_matches_fake(torch.ops.amxopt.conv2d, (*args, *params, "gelu", provider), out)
+"""
+
+
+def test_conv2d_of_a_window_wholly_in_the_padding_runs(provider):
+    tier = "" if provider == "reference" else native.active_tier()
+    code = [sys.executable, "-c", _EDGE_CONV, provider, tier]
+    done = subprocess.run(code, cwd=pathlib.Path(__file__).parents[2], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
 
 
 def test_conv2d_of_the_sgl_provider_has_the_native_kernels_strides():
@@ -1309,8 +1380,9 @@ def test_attention_propagates_nan_and_inf_scores_as_the_math_does(provider, dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scale", [0.125, -0.125, 1e20])
+@pytest.mark.parametrize("scale", [0.125, -0.125, 1e20, MAX_SCALE])
 def test_attention_of_huge_finite_scores_is_the_softmax(provider, dtype, scale):
+    # MAX_SCALE, the largest scale the op takes: the reference gave NaN (inf - inf in ATen's softmax)
     # Scaled scores past 2^31: the largest one's weight must be exactly 1. Against a rounded scaled
     # max it was e^(rounding residual), which overflowed (NaN rows) or underflowed (zeros).
     cu = torch.tensor([0, 8, 20], dtype=torch.int32)

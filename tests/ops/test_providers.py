@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from amxopt.ops import native, providers
+from amxopt.ops import library, native, providers
 
 
 def test_native_builds_and_loads_on_every_x86_64_cpu():
@@ -77,9 +77,13 @@ def test_ops_callable_without_provider():
     torch.testing.assert_close(torch.ops.amxopt.rms_norm(y, None, 1e-6), torch.nn.functional.rms_norm(y, (8,)))
 
 
-def test_unknown_provider_in_an_op_call_raises():
-    with pytest.raises(ValueError, match="amxopt.rms_norm: unknown provider 'fast'"):
-        torch.ops.amxopt.rms_norm(torch.randn(2, 4), None, 1e-6, "fast")
+@pytest.mark.parametrize("name", ["fast", ""])
+def test_unknown_provider_in_an_op_call_raises(name):
+    with pytest.raises(ValueError, match=f"amxopt.rms_norm: unknown provider '{name}'"):
+        torch.ops.amxopt.rms_norm(torch.randn(2, 4), None, 1e-6, name)
+    # the Python side's check too (the fakes', and the ops' where the C++ library is not loaded)
+    with pytest.raises(ValueError, match=f"amxopt.rms_norm: unknown provider '{name}'"):
+        library.resolve_provider(name, "rms_norm")
 
 
 def _run_in_fresh_process(code: str, **env: str) -> None:

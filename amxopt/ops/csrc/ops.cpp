@@ -274,17 +274,30 @@ at::Tensor conv2d(const at::Tensor& x, const at::Tensor& w, const std::optional<
               dtype_name(bias->scalar_type()), " ", shape(bias->sizes()));
   if (auto direct = conv2d_direct(x, w, bias, stride, padding, dilation, groups, act)) return *direct;
   if (auto gemm = conv2d_gemm(x, w, bias, stride, padding, dilation, groups, act, active_tier())) return *gemm;
+  // ATen's convolution of the layouts given, except where a window at an edge lies wholly in the
+  // padding: there oneDNN's fp32 kernels for a channels-last x or weight (torch 2.13, AVX2) read out
+  // of bounds, and crashed the process where eager fp32 crashes too. Its NCHW kernel does not; the
+  // output is then laid out as ATen's would be (channels-last where x or the weight is).
+  const bool edge_in_padding =
+      padding[0] > dilation[0] * (w.size(2) - 1) || padding[1] > dilation[1] * (w.size(3) - 1);
+  const auto aten_conv = [&](const at::Tensor& xs, const at::Tensor& ws, const std::optional<at::Tensor>& bs) {
+    if (!edge_in_padding) return at::conv2d(xs, ws, bs, stride, padding, dilation, groups);
+    const auto cl = at::MemoryFormat::ChannelsLast;
+    const bool nhwc = x.suggest_memory_format() == cl || ws.suggest_memory_format() == cl;
+    auto y = at::conv2d(xs.contiguous(), ws.contiguous(), bs, stride, padding, dilation, groups);
+    return at::empty(y.sizes(), y.options().memory_format(nhwc ? cl : at::MemoryFormat::Contiguous)).copy_(y);
+  };
   if (x.scalar_type() == at::kBFloat16 && active_tier() == Tier::Fp32) {
     std::optional<at::Tensor> b32;
     if (bias.has_value()) b32 = rounded_bias(bias, x.scalar_type());
-    auto y = at::conv2d(x.to(at::kFloat), w.to(at::kFloat), b32, stride, padding, dilation, groups);
+    auto y = aten_conv(x.to(at::kFloat), w.to(at::kFloat), b32);
     return activate_(y, act).to(at::kBFloat16);
   }
   std::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->to(x.scalar_type());
   // A channels-last x (the direct kernel's output) with a channels-last weight: oneDNN's NHWC kernel.
   const bool nhwc = x.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
-  auto y = at::conv2d(x, nhwc ? w.contiguous(at::MemoryFormat::ChannelsLast) : w, b, stride, padding, dilation, groups);
+  auto y = aten_conv(x, nhwc ? w.contiguous(at::MemoryFormat::ChannelsLast) : w, b);
   return activate_(y, act);
 }
 
