@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from amxopt.capture import Adapter, find_adapter
 from amxopt.config import AmxConfig
 from amxopt.runtime import weights
 from amxopt.runtime.module import OptimizedModule
+from amxopt.runtime.tp import TPModule
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +45,24 @@ class ComponentsReport:
     owner: str
     optimized: dict[str, OptimizedModule]
     left: dict[str, str]
+    # The part now at a path (None where there is none), to tell parts replaced since: what an
+    # optimized part's line says is then of the part optimize() left there.
+    now_at: Callable[[str], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         width = max(map(len, [*self.optimized, *self.left]), default=0)
-        eager = [path for path, opt in self.optimized.items() if opt.eager_reason]
-        summary = f"{len(self.optimized) - len(eager)} part(s) optimized, "
+        gone = [
+            path for path, opt in self.optimized.items() if self.now_at is not None and self.now_at(path) is not opt
+        ]
+        eager = [path for path, opt in self.optimized.items() if opt.eager_reason and path not in gone]
+        summary = f"{len(self.optimized) - len(eager) - len(gone)} part(s) optimized, "
         summary += f"{len(eager)} run as eager PyTorch (capture failed), " if eager else ""
+        summary += f"{len(gone)} replaced by the caller since, " if gone else ""
         lines = [f"amxopt: {self.owner}: {summary}{len(self.left)} left as they are"]
         for path, opt in self.optimized.items():
-            if path in eager:
+            if path in gone:
+                lines.append(f"  {path:<{width}} | replaced  | by the caller since optimize (below: the part it was)")
+            elif path in eager:
                 lines.append(f"  {path:<{width}} | eager     | capture failed (below)")
             else:
                 lines.append(f"  {path:<{width}} | optimized | adapter {opt.adapter.name}, {len(opt.graphs)} graph(s)")
@@ -76,7 +87,17 @@ def is_pipeline(obj: Any) -> bool:
 def has_towers(model: nn.Module) -> bool:
     """Whether ``model`` is not itself supported but contains a module a family adapter matches
     (or one amxopt already optimized: optimizing a model twice reports the same parts)."""
-    return find_adapter(model) is Adapter and not isinstance(model, OptimizedModule) and _contains_part(model)
+    return (
+        find_adapter(model) is Adapter and not isinstance(model, (OptimizedModule, TPModule)) and _contains_part(model)
+    )
+
+
+@dataclasses.dataclass
+class _Part:
+    path: str
+    module: nn.Module
+    fallback: bool  # eager_fallback of a new optimized module
+    install: Callable[[OptimizedModule], None]  # puts the part's optimized module where ``module`` is
 
 
 def optimize_components(obj: Any, config: AmxConfig, given: bool = True) -> Any:
@@ -84,65 +105,109 @@ def optimize_components(obj: Any, config: AmxConfig, given: bool = True) -> Any:
 
     A part optimized before (by an earlier call, or by the caller) is kept as it is, unless
     ``config`` was ``given`` and differs from the part's own: then the part is optimized again from
-    its source model with ``config``.
+    its source model with ``config``. A tensor-parallel part the caller optimized is kept as it is.
+    A part that cannot be optimized is refused before any part is replaced.
 
     Returns ``obj`` itself, with an ``amxopt_report`` attribute (:class:`ComponentsReport`).
     """
     owner = type(obj).__name__
-    part = functools.partial(_part, owner, config, given)
+    parts: list[_Part] = []
+    left: dict[str, str] = {}
     if is_pipeline(obj):
-        report = _optimize_pipeline(obj, part)
+        _pipeline_parts(obj, parts, left)
     else:
-        report = ComponentsReport(owner, {}, {})
-        _optimize_towers(obj, "", part, report)
+        _tower_parts(obj, "", parts, left)
+    # (by a weak reference: the report is an attribute of obj)
+    now_at = functools.partial(_part_at, weakref.ref(obj), is_pipeline(obj))
+    refusal = next(filter(None, (_refusal(owner, config, given, p.path, p.module) for p in parts)), None)
+    if refusal is not None:
+        raise ValueError(refusal)
+    report = ComponentsReport(owner, {}, left, now_at)
+    for p in parts:
+        opt = _optimized(config, given, p.module, p.fallback)
+        p.install(opt)
+        report.optimized[p.path] = opt
+    if is_pipeline(obj):
+        _route_lora_calls(obj)
     obj.amxopt_report = report
     return obj
 
 
 def _tower(module: nn.Module) -> bool:
-    return not isinstance(module, OptimizedModule) and find_adapter(module) is not Adapter
+    return not isinstance(module, (OptimizedModule, TPModule)) and find_adapter(module) is not Adapter
 
 
 def _contains_part(module: nn.Module) -> bool:
-    return any(isinstance(m, OptimizedModule) or _tower(m) for m in module.modules())
+    return any(isinstance(m, (OptimizedModule, TPModule)) or _tower(m) for m in module.modules())
 
 
-def _part(owner: str, config: AmxConfig, given: bool, path: str, module: nn.Module, fallback: bool) -> OptimizedModule:
-    """The optimized module of the part ``module`` at ``path``: ``module`` itself where it is one
+def _refusal(owner: str, config: AmxConfig, given: bool, path: str, module: nn.Module) -> str | None:
+    """Why the part ``module`` at ``path`` cannot be optimized with ``config``; ``None`` where it can."""
+    if isinstance(module, OptimizedModule):
+        old = module.amx_config
+        if not given or old == config or not weights.has_released(module.__dict__["_source"]):
+            return None
+        differ = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(old, f.name)]
+        return (
+            f"amxopt: {owner}.{path} was optimized before with another config ({', '.join(differ)} differ) and its "
+            "unpacked weights were released (one copy in memory), so it cannot be optimized again with this one: "
+            "optimize a freshly loaded model, or optimize with AmxConfig(keep_source=True) the first time"
+        )
+    if module.training:
+        return (
+            f"amxopt: {owner}.{path} ({type(module).__name__}) is in training mode; amxopt optimizes inference, call "
+            ".eval() on it"
+        )
+    return None
+
+
+def _optimized(config: AmxConfig, given: bool, module: nn.Module, fallback: bool) -> OptimizedModule:
+    """The optimized module of the part ``module`` (not refused): ``module`` itself where it is one
     that can stay, else a new one of its model with ``config``."""
     if isinstance(module, OptimizedModule):
         if not given or module.amx_config == config:
             return module
         source = module.__dict__["_source"]
-        if weights.has_released(source):
-            old = module.amx_config
-            differ = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(old, f.name)]
-            raise ValueError(
-                f"amxopt: {owner}.{path} was optimized before with another config ({', '.join(differ)} differ) and its "
-                "unpacked weights were released (one copy in memory), so it cannot be optimized again with this one: "
-                "optimize a freshly loaded model, or optimize with AmxConfig(keep_source=True) the first time"
-            )
         return OptimizedModule(source, module.adapter, None, config, eager_fallback=module.eager_fallback)
-    if module.training:
-        raise ValueError(
-            f"amxopt: {owner}.{path} ({type(module).__name__}) is in training mode; amxopt optimizes inference, call "
-            ".eval() on it"
-        )
     return OptimizedModule(module, find_adapter(module)(module), None, config, eager_fallback=fallback)
 
 
-def _optimize_towers(module: nn.Module, prefix: str, part: Callable, report: ComponentsReport) -> None:
+def _kept_tensor_parallel(part: TPModule) -> str:
+    model = type(part.module.__dict__["_source"]).__name__
+    return (
+        f"TPModule of {model} (tp={part.tp}), optimized by the caller: kept as it is (a tensor-parallel part is "
+        "optimized with its example inputs, by amxopt.optimize of it alone)"
+    )
+
+
+def _tower_parts(module: nn.Module, prefix: str, parts: list[_Part], left: dict[str, str]) -> None:
     for name, child in module.named_children():
         path = f"{prefix}{name}"
-        if isinstance(child, OptimizedModule) or _tower(child):
-            opt = part(path, child, False)
-            if opt is not child:
-                setattr(module, name, opt)
-            report.optimized[path] = opt
+        if isinstance(child, TPModule):
+            left[path] = _kept_tensor_parallel(child)
+        elif isinstance(child, OptimizedModule) or _tower(child):
+            parts.append(_Part(path, child, False, functools.partial(_install_tower, module, name, child)))
         elif _contains_part(child):
-            _optimize_towers(child, f"{path}.", part, report)
+            _tower_parts(child, f"{path}.", parts, left)
         elif any(True for _ in child.parameters()):
-            report.left[path] = _left_reason(name, child)
+            left[path] = _left_reason(name, child)
+
+
+def _install_tower(parent: nn.Module, name: str, was: nn.Module, opt: OptimizedModule) -> None:
+    if opt is not was:
+        setattr(parent, name, opt)
+
+
+def _part_at(owner: weakref.ref, pipeline: bool, path: str) -> Any:
+    obj = owner()
+    if obj is None:
+        return None
+    if pipeline:
+        return getattr(obj, path, None)
+    try:
+        return obj.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _left_reason(name: str, module: nn.Module, pipeline: bool = False) -> str:
@@ -201,30 +266,31 @@ def _decodes(module: nn.Module) -> bool:
     return "past_key_values" in params or (cache is not None and "Cache" in str(cache.annotation))
 
 
-def _optimize_pipeline(pipe: Any, part: Callable) -> ComponentsReport:
-    report = ComponentsReport(type(pipe).__name__, {}, {})
+def _pipeline_parts(pipe: Any, parts: list[_Part], left: dict[str, str]) -> None:
     for name, component in pipe.components.items():
         if not isinstance(component, nn.Module):
             continue
-        if isinstance(component, OptimizedModule) or name in PIPELINE_COMPONENTS:
-            opt = part(name, component, True)
-            if isinstance(component, OptimizedModule):
-                # Assigned by the caller (pipe.transformer = amxopt.optimize(...)): diffusers recorded
-                # OptimizedModule as the part's class, which save_pretrained would write to
-                # model_index.json and from_pretrained cannot load (or (None, None), once a save
-                # skipped it: setattr then keeps that). Record the source's class instead.
-                register = getattr(pipe, "register_modules", None)
-                if register is not None:
-                    register(**{name: component.__dict__["_source"]})
-                else:
-                    setattr(pipe, name, component.__dict__["_source"])
-            # Not setattr: diffusers would record the new class in the pipeline's config.
-            pipe.__dict__[name] = opt
-            report.optimized[name] = opt
+        if isinstance(component, TPModule):
+            left[name] = _kept_tensor_parallel(component)
+        elif isinstance(component, OptimizedModule) or name in PIPELINE_COMPONENTS:
+            parts.append(_Part(name, component, True, functools.partial(_install_component, pipe, name, component)))
         else:
-            report.left[name] = _left_reason(name, component, pipeline=True)
-    _route_lora_calls(pipe)
-    return report
+            left[name] = _left_reason(name, component, pipeline=True)
+
+
+def _install_component(pipe: Any, name: str, was: nn.Module, opt: OptimizedModule) -> None:
+    if isinstance(was, OptimizedModule):
+        # Assigned by the caller (pipe.transformer = amxopt.optimize(...)): diffusers recorded
+        # OptimizedModule as the part's class, which save_pretrained would write to
+        # model_index.json and from_pretrained cannot load (or (None, None), once a save
+        # skipped it: setattr then keeps that). Record the source's class instead.
+        register = getattr(pipe, "register_modules", None)
+        if register is not None:
+            register(**{name: was.__dict__["_source"]})
+        else:
+            setattr(pipe, name, was.__dict__["_source"])
+    # Not setattr: diffusers would record the new class in the pipeline's config.
+    pipe.__dict__[name] = opt
 
 
 def _route_lora_calls(pipe: Any) -> None:

@@ -555,6 +555,13 @@ class OptimizedModule(nn.Module):
         saves its towers as they were); refused when optimize released packed source weights."""
         source = self.__dict__["_source"]
         if weights.has_released(source):
+            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+            if prefix:  # a whole model's save_pretrained (its state dict): opt.save is this part's alone
+                raise RuntimeError(
+                    f"amxopt: the optimized part {prefix.removesuffix('.')} ({self.adapter.model_name}) has no state "
+                    "dict: amxopt.optimize packed its weights and released their unpacked copies (one copy in "
+                    "memory). Save the model before amxopt.optimize, or optimize it with AmxConfig(keep_source=True)"
+                )
             save = "" if self.amx_config.tp != 1 else "save the optimized model with opt.save(directory), "
             raise RuntimeError(
                 f"amxopt: {self.adapter.model_name}'s packed weights were released by amxopt.optimize, so it has no "

@@ -415,3 +415,68 @@ def test_a_text_decoder_with_no_supported_tower_is_told_to_run_generate_eagerly(
     caplog.clear()
     amxopt.optimize(nn.Sequential(nn.Linear(8, 8)).eval(), config=CONFIG)
     assert "decodes text" not in caplog.text
+
+
+class _TwoPartPipeline(_Pipeline):
+    def __init__(self, text_encoder, transformer):
+        super().__init__(text_encoder)
+        self.transformer = transformer
+
+    @property
+    def components(self):
+        return {"text_encoder": self.text_encoder, "transformer": self.transformer}
+
+
+def test_a_refused_part_leaves_every_part_as_it_was():
+    # optimize(pipe, config=other) replaced the parts before the one it refused, and raised: the
+    # pipeline then ran a mix, and its report named parts it no longer held.
+    pipe = _TwoPartPipeline(nn.Linear(8, 8).eval(), nn.Linear(8, 8).eval())
+    pipe = amxopt.optimize(pipe, config=CONFIG)
+    pipe.transformer = amxopt.optimize(pipe.transformer.__dict__["_source"], config=_RELEASED)
+    with torch.no_grad():
+        pipe.transformer(torch.randn(3, 8))  # captured: its weights are packed and released
+    before = dict(pipe.components)
+    with pytest.raises(ValueError, match=r"_TwoPartPipeline.transformer was optimized before with another config"):
+        amxopt.optimize(pipe, config=dataclasses.replace(CONFIG, autotune=True))
+    assert pipe.components == before
+
+
+_RELEASED = dataclasses.replace(CONFIG, keep_source=False)
+
+
+def test_a_tensor_parallel_part_the_caller_assigned_is_kept_and_said():
+    # Its rank 0 module was taken for a part (at model.visual.module), and optimized again at tp=1
+    # when the config differed: the other ranks then waited for a collective it never made.
+    from amxopt.runtime.tp import TPModule
+
+    model = pipelines.build_qwen3_vl("tiny", torch.float32)
+    rank0 = amxopt.optimize(model.model.visual, config=CONFIG)
+    part = TPModule.__new__(TPModule)  # what optimize of the whole model reads of one: no workers needed
+    nn.Module.__init__(part)
+    part.module, part.tp = rank0, 2
+    model.model.visual = part
+    amxopt.optimize(model, config=dataclasses.replace(CONFIG, fuse_activation=False))
+    assert model.model.visual is part and part.module is rank0
+    report = model.amxopt_report
+    assert not report.optimized and "TPModule of Qwen3VLVisionModel (tp=2)" in report.left["model.visual"]
+
+
+def test_the_report_says_which_parts_were_replaced_since():
+    model = pipelines.build_qwen3_vl("tiny", torch.float32)
+    eager_tower = model.model.visual
+    amxopt.optimize(model, config=CONFIG)
+    model.model.visual = eager_tower
+    said = str(model.amxopt_report)
+    assert "0 part(s) optimized, 1 replaced by the caller since, 2 left as they are" in said
+    assert "model.visual         | replaced  | by the caller since optimize" in said
+
+
+def test_saving_a_whole_model_whose_tower_released_its_weights_names_the_tower():
+    model = pipelines.build_qwen3_vl("tiny", torch.float32)
+    amxopt.optimize(model, config=_RELEASED)
+    with torch.no_grad():
+        model(**pipelines.qwen3_vl_prompt(model, images=[(64, 96)]))
+    with pytest.raises(
+        RuntimeError, match=r"the optimized part model\.visual \(Qwen3VLVisionModel\) has no state dict"
+    ):
+        model.state_dict()
