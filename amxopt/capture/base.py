@@ -187,6 +187,7 @@ def export(
         )
     attempts = [True, False] if dynamic else [False]
     errors = []
+    members = _member_names(module)
     for dyn in attempts:
         shapes = adapter.dynamic_shapes(graph_inputs) if dyn else None
         try:
@@ -196,6 +197,16 @@ def export(
             errors.append(f"{'dynamic' if dyn else 'static'}: {type(e).__name__}: {_first_line(e)}")
             logger.info("amxopt: %s export of %s failed: %s", "dynamic" if dyn else "static", adapter.model_name, e)
             continue
+        finally:
+            added = _take_added_members(module, members)
+        if added:
+            # What the trace registered holds its fake tensors: the model kept them (a FakeTensor
+            # buffer), and the graph read a constant made while tracing.
+            raise CaptureError(
+                f"amxopt: {adapter.model_name} registers {', '.join(added[:4])}{', ...' if len(added) > 4 else ''} "
+                "while it runs, which torch.export traces with fake tensors: register it in __init__, or call the "
+                "model once before amxopt.optimize"
+            )
         _drop_dtype_asserts(gm)
         notes = [stamp_note] if stamp_note else []
         if not dyn and dynamic:
@@ -233,6 +244,23 @@ def export(
         f"amxopt: torch.export could not capture {adapter.model_name} as one graph "
         f"(adapter {adapter.name!r}): " + "; ".join(errors) + hint
     )
+
+
+def _member_names(module: nn.Module) -> list[tuple[dict, set]]:
+    return [(d, set(d)) for m in module.modules() for d in (m._parameters, m._buffers, m._modules)]
+
+
+def _take_added_members(module: nn.Module, before: list[tuple[dict, set]]) -> list[str]:
+    """Remove the parameters, buffers and submodules added to ``module``'s modules since ``before``
+    (by a trace of its forward); their paths."""
+    where = {id(d): f"{path}.{{}}" if path else "{}" for path, m in module.named_modules(remove_duplicate=False)
+             for d in (m._parameters, m._buffers, m._modules)}  # fmt: skip
+    added = []
+    for d, names in before:
+        for name in [n for n in d if n not in names]:
+            del d[name]
+            added.append(where.get(id(d), "{}").format(name))
+    return added
 
 
 def _export(module, model, adapter, graph_inputs, shapes, stamp_blocks) -> tuple[Any, fx.GraphModule, str]:

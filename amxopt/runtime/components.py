@@ -45,15 +45,20 @@ class ComponentsReport:
     owner: str
     optimized: dict[str, OptimizedModule]
     left: dict[str, str]
-    # The part now at a path (None where there is none), to tell parts replaced since: what an
-    # optimized part's line says is then of the part optimize() left there.
-    now_at: Callable[[str], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    # The whole model or pipeline (a weak reference: the report is its attribute), to tell the parts
+    # replaced since: what an optimized part's line says is then of the part optimize() left there.
+    holder: weakref.ref | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __deepcopy__(self, memo: dict) -> ComponentsReport:
+        # The copy's parts are the copy's owner's (copied with it), not the original's.
+        holder = None if self.holder is None else memo.get(id(self.holder()))
+        optimized = copy.deepcopy(self.optimized, memo)
+        return ComponentsReport(self.owner, optimized, dict(self.left), holder and weakref.ref(holder))
 
     def __str__(self) -> str:
         width = max(map(len, [*self.optimized, *self.left]), default=0)
-        gone = [
-            path for path, opt in self.optimized.items() if self.now_at is not None and self.now_at(path) is not opt
-        ]
+        obj = None if self.holder is None else self.holder()
+        gone = [] if obj is None else [p for p, opt in self.optimized.items() if _part_at(obj, p) is not opt]
         eager = [path for path, opt in self.optimized.items() if opt.eager_reason and path not in gone]
         summary = f"{len(self.optimized) - len(eager) - len(gone)} part(s) optimized, "
         summary += f"{len(eager)} run as eager PyTorch (capture failed), " if eager else ""
@@ -117,12 +122,10 @@ def optimize_components(obj: Any, config: AmxConfig, given: bool = True) -> Any:
         _pipeline_parts(obj, parts, left)
     else:
         _tower_parts(obj, "", parts, left)
-    # (by a weak reference: the report is an attribute of obj)
-    now_at = functools.partial(_part_at, weakref.ref(obj), is_pipeline(obj))
     refusal = next(filter(None, (_refusal(owner, config, given, p.path, p.module) for p in parts)), None)
     if refusal is not None:
         raise ValueError(refusal)
-    report = ComponentsReport(owner, {}, left, now_at)
+    report = ComponentsReport(owner, {}, left, weakref.ref(obj))
     for p in parts:
         opt = _optimized(config, given, p.module, p.fallback)
         p.install(opt)
@@ -198,11 +201,9 @@ def _install_tower(parent: nn.Module, name: str, was: nn.Module, opt: OptimizedM
         setattr(parent, name, opt)
 
 
-def _part_at(owner: weakref.ref, pipeline: bool, path: str) -> Any:
-    obj = owner()
-    if obj is None:
-        return None
-    if pipeline:
+def _part_at(obj: Any, path: str) -> Any:
+    """The part at ``path`` of a whole model or pipeline now (``None`` where there is none)."""
+    if is_pipeline(obj):
         return getattr(obj, path, None)
     try:
         return obj.get_submodule(path)

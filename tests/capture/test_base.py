@@ -132,3 +132,28 @@ def test_capture_errors_say_where_tensor_values_or_a_models_own_hook_decide():
     positional.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
     said = _refusal(positional, {"input": x["x"]})
     assert "IndexError" in said and "has a forward pre-hook of its own" in said and "not in args" in said
+
+
+class _Lazy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if "table" not in self.fc._buffers:
+            self.fc.register_buffer("table", torch.arange(8.0), persistent=False)
+        return self.fc(x) + self.fc.table
+
+
+def test_a_model_registering_a_buffer_while_it_runs_is_refused_and_left_without_it():
+    # The trace registered a FakeTensor on the model, and the first call ran a graph that had read
+    # a constant made while tracing (3.9 off eager); the next call ran eagerly's result.
+    from amxopt.capture import CaptureError
+
+    model = _Lazy().eval()
+    adapter, graph_inputs = prepare(model, (torch.randn(3, 8),))
+    with pytest.raises(CaptureError, match="_Lazy registers fc.table while it runs, which torch.export traces"):
+        export(model, adapter, graph_inputs, True)
+    assert "table" not in model.fc._buffers
+    model(torch.randn(3, 8))  # called once, as the message advises: then it captures
+    export(model, adapter, graph_inputs, True)

@@ -480,3 +480,18 @@ def test_saving_a_whole_model_whose_tower_released_its_weights_names_the_tower()
         RuntimeError, match=r"the optimized part model\.visual \(Qwen3VLVisionModel\) has no state dict"
     ):
         model.state_dict()
+
+
+def test_the_report_of_a_copy_or_of_a_collected_model_marks_no_part_replaced():
+    import copy
+    import gc
+
+    model = pipelines.build_qwen3_vl("tiny", torch.float32)
+    amxopt.optimize(model, config=CONFIG)
+    twin = copy.deepcopy(model)  # its report's part is its own (it was compared with the original's)
+    assert twin.amxopt_report.optimized["model.visual"] is twin.model.visual
+    assert "1 part(s) optimized, 2 left as they are" in str(twin.amxopt_report)
+    report = model.amxopt_report
+    del model, twin
+    gc.collect()
+    assert "1 part(s) optimized, 2 left as they are" in str(report)

@@ -923,15 +923,18 @@ def test_attention_negative_scale_is_correct(provider, dtype, causal):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_zero_scale_is_the_mean_of_the_visible_values(provider, dtype, causal):
-    # (The reference gave NaN rows here, causal: ATen's causal SDPA kernel at scale 0.)
-    q, k, v, cu_q, cu_k, mq, mk, _, _, _ = _varlen_args(provider, [6, 9], [6, 9], 2, 1, 16, causal, dtype)
+    # (The reference gave NaN rows here, causal: ATen's causal SDPA kernel at scale 0; and, in a
+    # segment of more queries than keys, -inf * 0 for the keys a row does not see.)
+    q, k, v, cu_q, cu_k, mq, mk, _, _, _ = _varlen_args(provider, [6, 9], [4, 9], 2, 1, 16, causal, dtype)
     out = ops.varlen_attention(q, k, v, cu_q, cu_k, mq, mk, 0.0, causal, provider)
-    want = torch.empty(out.shape, dtype=torch.float64)
+    want = torch.zeros(out.shape, dtype=torch.float64)  # (a row that sees no key: zeros)
     for s in range(2):
-        q0, q1 = int(cu_q[s]), int(cu_q[s + 1])
+        q0, q1, k0, k1 = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
         for i in range(q0, q1):
-            seen = v[q0 : (i + 1 if causal else q1)].double()  # equal lengths: causal sees itself and before
-            want[i] = seen.mean(0).repeat_interleave(q.shape[1] // k.shape[1], 0)
+            # causal: bottom-right aligned (the last query sees every key)
+            seen = v[k0 : (k0 + max(0, i - q0 + 1 + (k1 - k0) - (q1 - q0)) if causal else k1)].double()
+            if len(seen):
+                want[i] = seen.mean(0).repeat_interleave(q.shape[1] // k.shape[1], 0)
     assert_close_dtype(out, want.to(dtype), dtype)
 
 
@@ -1091,11 +1094,15 @@ def test_conv2d_matches_oracle(provider, dtype, shape, weight, params, act):
     ],
     ids=["exact-window", "empty-batch-and-image"],
 )
-def test_conv2d_takes_the_edge_cases_eager_takes(provider, x, weight, padding):
+@pytest.mark.parametrize("layout", ["contiguous", "channels-last-weight"])
+def test_conv2d_takes_the_edge_cases_eager_takes(provider, x, weight, padding, layout):
+    # A channels-last weight and a 1x1 output: gelu laid it out otherwise than the convolution (the
+    # reference applied it out of place), and the fake promised the convolution's layout.
     x, w = torch.randn(*x), torch.randn(*weight)
-    args = (x, w, None, [1, 1], padding, [1, 1], 1, "none", provider)
+    w = w.contiguous(memory_format=torch.channels_last) if layout != "contiguous" else w
+    args = (x, w, None, [1, 1], padding, [1, 1], 1, "gelu", provider)
     out = ops.conv2d(*args)
-    torch.testing.assert_close(out, F.conv2d(x, w, None, 1, padding))
+    torch.testing.assert_close(out, F.gelu(F.conv2d(x, w, None, 1, padding)))
     assert_matches_fake(ops.conv2d, args, out)
 
 
