@@ -53,7 +53,7 @@ class ComponentsReport:
         # The copy's parts are the copy's owner's (copied with it), not the original's.
         holder = None if self.holder is None else memo.get(id(self.holder()))
         optimized = copy.deepcopy(self.optimized, memo)
-        return ComponentsReport(self.owner, optimized, dict(self.left), holder and weakref.ref(holder))
+        return ComponentsReport(self.owner, optimized, dict(self.left), None if holder is None else weakref.ref(holder))
 
     def __str__(self) -> str:
         width = max(map(len, [*self.optimized, *self.left]), default=0)

@@ -974,7 +974,9 @@ def test_return_dict_of_a_model_of_no_library_is_an_argument_like_any_other(defa
         for options in ({}, {"return_dict": True}, {"return_dict": False}):
             got, want = opt(x, **options), model(x, **options)
             assert type(got) is type(want), options
-            pairs = zip(got.values(), want.values()) if isinstance(want, dict) else zip(got, want, strict=True)
+            pairs = (
+                zip(got.values(), want.values(), strict=True) if isinstance(want, dict) else zip(got, want, strict=True)
+            )
             assert all(torch.equal(a, b) for a, b in pairs)
 
 
