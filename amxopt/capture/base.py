@@ -198,7 +198,7 @@ def export(
             logger.info("amxopt: %s export of %s failed: %s", "dynamic" if dyn else "static", adapter.model_name, e)
             continue
         finally:
-            added = _take_added_members(module, members)
+            added = _take_added_members(members)
         if added:
             # What the trace registered holds its fake tensors: the model kept them (a FakeTensor
             # buffer), and the graph read a constant made while tracing.
@@ -246,20 +246,18 @@ def export(
     )
 
 
-def _member_names(module: nn.Module) -> list[tuple[dict, set]]:
-    return [(d, set(d)) for m in module.modules() for d in (m._parameters, m._buffers, m._modules)]
+def _member_names(module: nn.Module) -> list[tuple[str, dict, set]]:
+    return [(path, d, set(d)) for path, d in repeated.member_dicts(module)]
 
 
-def _take_added_members(module: nn.Module, before: list[tuple[dict, set]]) -> list[str]:
-    """Remove the parameters, buffers and submodules added to ``module``'s modules since ``before``
-    (by a trace of its forward); their paths."""
-    where = {id(d): f"{path}.{{}}" if path else "{}" for path, m in module.named_modules(remove_duplicate=False)
-             for d in (m._parameters, m._buffers, m._modules)}  # fmt: skip
+def _take_added_members(before: list[tuple[str, dict, set]]) -> list[str]:
+    """Remove the parameters, buffers and submodules added to the dicts of ``before`` since (by a
+    trace of a forward); their paths."""
     added = []
-    for d, names in before:
+    for path, d, names in before:
         for name in [n for n in d if n not in names]:
             del d[name]
-            added.append(where.get(id(d), "{}").format(name))
+            added.append(f"{path}.{name}" if path else name)
     return added
 
 

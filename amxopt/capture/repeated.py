@@ -27,6 +27,7 @@ import enum
 import functools
 import operator
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -150,6 +151,13 @@ def hooked(module: nn.Module, recorders: bool = True) -> list[str]:
 
     found = ["*"] if users(m._global_forward_hooks, m._global_forward_pre_hooks) else []
     return found + [path for path, sub in module.named_modules() if users(sub._forward_hooks, sub._forward_pre_hooks)]
+
+
+def member_dicts(module: nn.Module) -> Iterator[tuple[str, dict]]:
+    """The parameter, buffer and submodule dicts of ``module``'s modules, each with its module's path."""
+    for path, m in module.named_modules():
+        for d in (m._parameters, m._buffers, m._modules):
+            yield path, d
 
 
 def user_hooks(hooks: dict, recorders: bool = True) -> list[int]:

@@ -337,7 +337,7 @@ class _Traced:
         self.lengths = [len(d) for d in self.dicts]
         modules = list(source.modules())
         self.attrs = [m.__dict__ for m in modules]
-        self.dicts_of_members = [d for m in modules for d in (m._parameters, m._buffers, m._modules)]
+        self.dicts_of_members = [d for _, d in repeated.member_dicts(source)]
         self.settle()
         self.forwards = _values(self.attrs, "forward")
         self.with_processor = [d for d in self.attrs if "processor" in d]
