@@ -18,7 +18,8 @@ from amxopt.capture.base import Adapter
 
 
 class WanAdapter(Adapter):
-    """``(hidden_states [B, C, F, H, W], timestep [B], encoder_hidden_states [B, L, text_dim])``."""
+    """``(hidden_states [B, C, F, H, W], timestep [B] or one per latent token [B, T], encoder_hidden_states
+    [B, L, text_dim])``."""
 
     name = "wan"
 
@@ -94,4 +95,7 @@ class WanAdapter(Adapter):
             latent[axis] = dim * p if p > 1 else dim
         shapes["hidden_states"] = {**shapes["hidden_states"], **latent}
         shapes["encoder_hidden_states"] = {**shapes["encoder_hidden_states"], 1: torch.export.Dim.AUTO}
+        timestep = graph_inputs.get("timestep")
+        if isinstance(timestep, torch.Tensor) and timestep.dim() == 2:  # one per latent token (Wan2.2 TI2V)
+            shapes["timestep"] = {**shapes["timestep"], 1: torch.export.Dim.AUTO}  # export ties it to the latent
         return shapes

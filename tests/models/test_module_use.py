@@ -613,12 +613,18 @@ def _wan_call(batch, frames, height, width, text, timestep=None):
             (3, 2, 6, 10, 7, torch.tensor([9.0])),
         ],
         [(1, 2, 2, 8, 7), (1, 2, 2, 10, 7), (1, 3, 2, 12, 7)],  # a latent axis one patch long, the others vary
+        [  # Wan2.2 TI2V: a timestep per latent token, as many as the patches (2x2 here)
+            (1, 2, 8, 8, 7, torch.full((1, 2 * 4 * 4), 500.0)),
+            (1, 3, 8, 10, 7, torch.full((1, 3 * 4 * 5), 400.0)),
+            (1, 2, 6, 10, 7, torch.linspace(9.0, 900.0, 2 * 3 * 5)[None]),
+        ],
     ],
-    ids=["text-lengths", "batch-with-one-timestep", "one-patch-high"],
+    ids=["text-lengths", "batch-with-one-timestep", "one-patch-high", "per-token-timesteps"],
 )
 def test_one_wan_graph_serves_the_sizes_it_was_made_dynamic_for(calls, tmp_path):
     # Each a graph per call under a mutant (a static text length, a batch dim not given to the
-    # timestep's inputs, a one-patch axis marked dynamic): towards max_recaptures, never wrong.
+    # timestep's inputs, a one-patch axis marked dynamic, a static count of per-token timesteps):
+    # towards max_recaptures, never wrong.
     model = models.build_model(WAN, torch.float32)
     opt = amxopt.optimize(model, None, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
     for call in calls:
