@@ -9,6 +9,8 @@ import pathlib
 import tempfile
 from collections.abc import Iterator
 
+import torch
+
 
 @contextlib.contextmanager
 def replacing(path: pathlib.Path) -> Iterator[pathlib.Path]:
@@ -28,9 +30,31 @@ def replacing(path: pathlib.Path) -> Iterator[pathlib.Path]:
 
 
 def _umask() -> int:
-    mask = os.umask(0o022)  # (read by setting it: Python has no getter)
+    # Linux shows it in /proc (since 4.7). Setting it to read it (Python has no getter) would give a
+    # file another thread creates meanwhile the mode of the value set: only where /proc lacks it.
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | pathlib.Path, metadata: dict | None = None) -> None:
+    """``safetensors.torch.save_file``, for tensors of which some may share memory (a view of
+    another, one tensor read by two graphs): safetensors refuses those, so each after the first of
+    its storage is written as a copy of its own."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    own = {}
+    for name, t in tensors.items():
+        storage = t.untyped_storage().data_ptr() if t.device.type != "meta" and t.numel() else None
+        own[name] = t.clone() if storage in seen else t
+        if storage is not None:
+            seen.add(storage)
+    save_file(own, str(path), metadata=metadata)
 
 
 def os_error(e: OSError) -> str:

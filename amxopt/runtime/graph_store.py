@@ -52,7 +52,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from amxopt.capture import Captured
 from amxopt.capture.repeated import MODULE_INTERNALS, hooked
 from amxopt.config import AmxConfig
-from amxopt.files import os_error, replacing
+from amxopt.files import os_error, replacing, save_tensors
 from amxopt.ops import library, native, packed
 from amxopt.passes import PassRecord, _autotune
 from amxopt.passes._graph import fetch
@@ -1345,8 +1345,6 @@ def read_cache(key: str, module: nn.Module, config: AmxConfig) -> Iterator[Graph
 
 def write_cache(key: str, graph: GraphEntry, module: nn.Module, config: AmxConfig) -> None:
     """Store ``graph`` under ``key``; a graph that cannot be stored, or a read-only cache, only logs."""
-    from safetensors.torch import save_file
-
     try:
         entry, tensors = dump(graph, module, for_cache=True, live=True)
     except GraphStoreError as e:
@@ -1364,7 +1362,7 @@ def write_cache(key: str, graph: GraphEntry, module: nn.Module, config: AmxConfi
         # writing the same key.
         if tensors:
             with replacing(directory / f"{stem}.safetensors") as staged:
-                save_file(tensors, str(staged))
+                save_tensors(tensors, staged)
         with replacing(directory / f"{stem}.json") as staged:
             staged.write_text(json.dumps(entry))
         _prune(directory, stem, CACHE_LIMIT_BYTES)

@@ -41,6 +41,7 @@ from torch import nn
 from amxopt.capture import CaptureError
 from amxopt.capture.base import _first_line
 from amxopt.config import AmxConfig
+from amxopt.files import save_tensors
 from amxopt.ops import packed
 from amxopt.passes import _autotune
 from amxopt.runtime import graph_store, weights
@@ -199,12 +200,10 @@ def _child(conn, run: Run, module: nn.Module, config: AmxConfig) -> None:
         entry, tensors = graph_store.dump(graph, module, for_cache=False, live=True)
         reply: dict = {"entry": entry}
         if tensors:
-            from safetensors.torch import save_file
-
             fd, path = tempfile.mkstemp(prefix="amxopt-capture-", suffix=".safetensors")
             os.close(fd)
             reply["tensors"] = path
-            save_file(tensors, path)
+            save_tensors(tensors, path)
     except CaptureError as e:
         reply = {"capture_error": str(e)}
     except BaseException as e:  # noqa: BLE001 - any other failure is re-run (and raised) by the parent

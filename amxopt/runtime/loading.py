@@ -36,7 +36,7 @@ from torch import nn
 
 from amxopt.capture.base import _first_line
 from amxopt.config import AmxConfig
-from amxopt.files import replacing
+from amxopt.files import replacing, save_tensors
 from amxopt.ops import DTYPES, native, packed
 from amxopt.ops.providers import resolve
 from amxopt.runtime import graph_store
@@ -624,8 +624,6 @@ def _packed_parts(model: nn.Module) -> list[str]:
 
 def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
     """Write ``opt``'s packed and plain weights and the manifest to ``directory``; see :func:`load`."""
-    from safetensors.torch import save_file
-
     source = opt.__dict__["_source"]
     provider = opt.amx_config.provider
     if not opt.graphs and not any(packed.packed_for(t, provider) is not None for t in source.parameters()):
@@ -721,7 +719,7 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
     # so a save interrupted between the two renames leaves files load() refuses, never a mix of two.
     manifest["save_id"] = uuid.uuid4().hex
     with replacing(directory / WEIGHTS) as staged:
-        save_file(tensors, str(staged), metadata={_SAVE_ID: manifest["save_id"]})
+        save_tensors(tensors, staged, metadata={_SAVE_ID: manifest["save_id"]})
         manifest["file_bytes"] = staged.stat().st_size
     with replacing(directory / MANIFEST) as staged:
         staged.write_text(json.dumps(manifest, indent=1, default=str))

@@ -527,6 +527,40 @@ def test_a_damaged_graph_cache_entry_is_captured_again(tmp_path, caplog):
         torch.testing.assert_close(amxopt.optimize(model, (x,), config)(x), expected)
 
 
+class _TableNet(ModelMixin, ConfigMixin):
+    """A user's diffusers model whose forward reads a plain tensor attribute (neither parameter nor
+    buffer) and a view of it: an artifact stores their values."""
+
+    @register_to_config
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.table = torch.arange(2.0 * width) / width
+        self.head = self.table[:width]
+
+    def forward(self, x):
+        return self.fc(x) + self.head + self.table[-x.shape[-1] :]
+
+
+def test_constants_of_one_memory_and_a_constant_of_two_graphs_are_saved(tmp_path):
+    # Each graph stores the constants it reads: the same tensor twice (graph0::table, graph1::table),
+    # and a view of another, which safetensors refused to write ("Some tensors share memory").
+    model = _TableNet().eval()
+    opt = amxopt.optimize(model, None, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    calls = [torch.randn(2, 5, 16), torch.randn(7, 16)]  # two ranks: two graphs
+    with torch.no_grad():
+        expected = [model(x) for x in calls]
+        for x in calls:
+            opt(x)
+    assert len(opt.graphs) == 2
+    opt.save(tmp_path / "artifact")
+    loaded = amxopt.load(tmp_path / "artifact", dataclasses.replace(RELEASE, autotune_cache=str(tmp_path)))
+    with torch.no_grad():
+        for x, want in zip(calls, expected, strict=True):
+            assert torch.equal(loaded(x), want)
+    assert len(loaded.graphs) == 2
+
+
 def test_a_packing_is_not_reused_after_the_weight_changes():
     """``model.to(dtype)`` and LoRA fusing give a parameter new data without bumping its version."""
     model = models.build_model("tiny-qwen3-vl-vision", torch.float32)
