@@ -325,6 +325,19 @@ def test_a_file_being_replaced_stays_whole_for_a_reader_that_opened_it(tmp_path)
     assert torch.equal(reader.get_tensor("t"), torch.arange(1000, dtype=torch.float32))
 
 
+def test_a_replaced_file_gets_the_users_umask_without_setting_it(tmp_path, monkeypatch):
+    # Setting the umask to read it gave a file another thread created meanwhile the mode of the value set.
+    umask = os.umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", lambda mask: pytest.fail("the umask is set"))
+        with files.replacing(tmp_path / "a") as staged:
+            staged.write_bytes(b"x")
+    finally:
+        monkeypatch.undo()
+        os.umask(umask)
+    assert (tmp_path / "a").stat().st_mode & 0o777 == 0o640
+
+
 def test_save_before_the_first_call_says_why(tmp_path):
     opt = amxopt.optimize(models.build_model("tiny-qwen3-vl-vision"), config=RELEASE)
     with pytest.raises(RuntimeError, match="call it once before save"):
