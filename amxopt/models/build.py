@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,14 +24,21 @@ _MEMORY_HEADROOM = 0.9
 _MEMORY_CHECK_MIN_BYTES = 1 << 30
 
 
+# A build sets what is the process's: torch's default dtype, and (amxopt.load) nn.Module's
+# register_parameter. One build at a time, so that two threads' settings never interleave: each is
+# undone to what it replaced.
+BUILD_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+    with BUILD_LOCK:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
 
 
 def _keep_fp32_names(cls: type[torch.nn.Module], dtype: torch.dtype) -> list[str]:
@@ -78,7 +86,7 @@ def construct_class(cls: type, library: str, config: Any, dtype: torch.dtype) ->
     else:
         from transformers.initialization import no_init_weights
 
-        with no_init_weights():
+        with BUILD_LOCK, no_init_weights():  # (transformers sets the default dtype while it builds)
             model = cls._from_config(config, dtype=dtype, attn_implementation=_ATTN_IMPLEMENTATION)
         model.tie_weights()  # (init does it, which no_init_weights skips: a tied lm_head, as from_pretrained)
     keep = _keep_fp32_names(cls, dtype)

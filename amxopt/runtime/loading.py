@@ -27,6 +27,7 @@ import math
 import mmap
 import pathlib
 import re
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -180,20 +181,24 @@ def _checkpoint(path: pathlib.Path, stem: str) -> dict[str, MappedFile]:
 
 @contextlib.contextmanager
 def _parameters_on_meta():
-    """Parameters registered inside go to the meta device; buffers (rotary tables, ...) stay real."""
-    register = nn.Module.register_parameter
+    """Parameters this thread registers inside go to the meta device; buffers (rotary tables, ...)
+    stay real, and so do the modules other threads build meanwhile."""
+    from amxopt.models.build import BUILD_LOCK
 
-    def on_meta(module, name, param):
-        register(module, name, param)
-        if param is not None:
-            p = module._parameters[name]
-            module._parameters[name] = type(p)(p.to("meta"), requires_grad=False)
+    with BUILD_LOCK:
+        register, builder = nn.Module.register_parameter, threading.get_ident()
 
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
+        def on_meta(module, name, param):
+            register(module, name, param)
+            if param is not None and threading.get_ident() == builder:
+                p = module._parameters[name]
+                module._parameters[name] = type(p)(p.to("meta"), requires_grad=False)
+
+        nn.Module.register_parameter = on_meta
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = register
 
 
 def _is_transformers(cls: type) -> bool:
@@ -850,7 +855,7 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
         raise CheckpointError(
             f"amxopt: {directory}: the manifest's class {manifest['class']!r} is not found: {e}"
         ) from None
-    from diffusers import ModelMixin
+    from diffusers.models.modeling_utils import ModelMixin  # (not diffusers' lazy attribute: it races threads)
     from transformers import PreTrainedModel
 
     if not (isinstance(cls, type) and issubclass(cls, (PreTrainedModel, ModelMixin))):

@@ -129,3 +129,47 @@ def test_models_captured_in_two_threads_export_one_at_a_time(monkeypatch):
     for got, want in zip(outputs, wants, strict=True):
         assert isinstance(got, torch.Tensor), got
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+
+
+def test_a_build_on_the_meta_device_leaves_other_threads_and_restores_what_it_replaced():
+    # amxopt.load builds its model with nn.Module.register_parameter swapped: another thread's modules
+    # got meta weights meanwhile, and two loads at once could leave the swap installed for good.
+    from amxopt.runtime import loading
+
+    original, inside, done = nn.Module.register_parameter, threading.Event(), threading.Event()
+    seen = {}
+
+    def second_build():
+        seen["other thread's weight"] = nn.Linear(2, 2).weight.device.type  # while the first build holds it
+        inside.set()
+        with loading._parameters_on_meta():
+            seen["own weight"] = nn.Linear(2, 2).weight.device.type
+            done.wait(5)  # the first build ends meanwhile, unless it waits for this one
+
+    with loading._parameters_on_meta():
+        other = threading.Thread(target=second_build)
+        other.start()
+        inside.wait(5)
+        assert nn.Linear(2, 2).weight.device.type == "meta"
+    done.set()
+    other.join()
+    assert seen == {"other thread's weight": "cpu", "own weight": "meta"}
+    assert nn.Module.register_parameter is original
+
+
+def test_builds_in_two_threads_restore_the_default_dtype():
+    # Two builds of bf16 models at once left torch's default dtype at bf16 for the whole process.
+    inside, done = threading.Event(), threading.Event()
+
+    def second_build():
+        inside.set()
+        with models._default_dtype(torch.float16):
+            done.wait(5)  # the first build ends meanwhile, unless it waits for this one
+
+    with models._default_dtype(torch.bfloat16):
+        other = threading.Thread(target=second_build)
+        other.start()
+        inside.wait(5)
+    done.set()
+    other.join()
+    assert torch.get_default_dtype() == torch.float32
