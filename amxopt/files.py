@@ -59,8 +59,10 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | pathlib.Path, met
 
 def os_error(e: OSError) -> str:
     """``e`` as a user reads it: a path that is a file where a directory is needed is said so
-    (``mkdir`` calls it "File exists")."""
-    where = pathlib.Path(e.filename) if e.filename else None
-    if where is not None and e.errno in (errno.EEXIST, errno.ENOTDIR) and where.exists() and not where.is_dir():
-        return f"{where} is a file, not a directory"
+    (``mkdir`` calls it "File exists", or "Not a directory" for a path under it)."""
+    if e.filename and e.errno in (errno.EEXIST, errno.ENOTDIR):
+        where = pathlib.Path(e.filename)
+        for path in (where, *where.parents):
+            if path.exists() and not path.is_dir():
+                return f"{path} is a file, not a directory"
     return str(e)

@@ -37,7 +37,7 @@ from torch import nn
 
 from amxopt.capture.base import _first_line
 from amxopt.config import AmxConfig
-from amxopt.files import replacing, save_tensors
+from amxopt.files import os_error, replacing, save_tensors
 from amxopt.ops import DTYPES, native, packed
 from amxopt.ops.providers import resolve
 from amxopt.runtime import graph_store
@@ -633,15 +633,19 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
     provider = opt.amx_config.provider
     if not opt.graphs and not any(packed.packed_for(t, provider) is not None for t in source.parameters()):
         raise RuntimeError(
-            f"amxopt: {type(source).__name__} has not been captured yet (optimize() had no example inputs): "
-            "call it once before save(), so that its weights are packed"
+            f"amxopt: {type(source).__name__} has no graph and no packed weights yet (optimize() had no example "
+            "inputs, or load_state_dict replaced the weights since): call it once before save(), so that its "
+            "weights are packed"
         )
     cls = type(source)
     config_values = _config_dict(source)
     rebuilt = _build_empty(cls, _config_from_dict(cls, config_values), _model_dtype(source))
     _check_rebuilt(source, rebuilt)
     directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise type(e)(e.errno, f"amxopt: save: {os_error(e)}") from None
     # Weights some graph reads unpacked (a node autotune kept on ATen) are stored plain too, even
     # where another graph reads their packing.
     read_plain = {id(t) for gm in opt.graphs for t in (*gm.parameters(), *gm.buffers())}
@@ -741,7 +745,7 @@ def _check_rebuilt(source: nn.Module, rebuilt: nn.Module) -> None:
     if unbuilt := sorted(set(ours) - set(built)):
         raise RuntimeError(
             f"amxopt: save: {name} holds {', '.join(unbuilt[:5])}, which it does not build from its config: "
-            "load() could not read the artifact back (a parameter or buffer added after the model was built)"
+            f"load() could not read the artifact back ({_added(unbuilt)})"
         )
     if gone := sorted(set(built) - set(ours)):
         raise RuntimeError(
@@ -755,6 +759,15 @@ def _check_rebuilt(source: nn.Module, rebuilt: nn.Module) -> None:
             f"amxopt: save: {name} holds {shapes}, not the shape its config builds: load() could not read the "
             "artifact back (a module replaced after the model was built)"
         )
+
+
+def _added(names: list[str]) -> str:
+    if any(".lora_" in n or ".base_layer." in n for n in names):
+        return (
+            "a LoRA adapter's layers: fuse the adapter into the weights and remove it (fuse_lora(), then "
+            "unload_lora()) before amxopt.optimize, and the model saves as its class builds it"
+        )
+    return "a parameter or buffer added after the model was built"
 
 
 def _not_rebuilt(source: nn.Module, rebuilt: nn.Module) -> str | None:
@@ -837,7 +850,12 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"amxopt: {directory} is not an amxopt artifact ({MANIFEST}: {e})") from None
+        pretrained = (
+            " (a save_pretrained directory, which amxopt.from_pretrained(cls, directory) reads)"
+            if (directory / "config.json").exists() or (directory / "model_index.json").exists()
+            else ""
+        )
+        raise CheckpointError(f"amxopt: {directory} is not an amxopt artifact ({MANIFEST}: {e}){pretrained}") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"amxopt: {directory} is not an amxopt artifact ({MANIFEST} holds no object)")
     config = dataclasses.replace(config, provider=resolve(config.provider))

@@ -344,6 +344,28 @@ def test_save_before_the_first_call_says_why(tmp_path):
         opt.save(tmp_path / "x")
 
 
+def test_save_after_load_state_dict_says_why(tmp_path):
+    # It said the model had no example inputs, which it had: the load dropped its graphs.
+    name = "tiny-qwen3-vl-vision"
+    model, inputs = models.build_model(name), models.example_inputs(name)
+    opt = amxopt.optimize(model, inputs, dataclasses.replace(CONFIG, autotune_cache=str(tmp_path)))
+    opt.load_state_dict(models.build_model(name, seed=1).state_dict())
+    with pytest.raises(
+        RuntimeError, match=r"or load_state_dict replaced the weights since\): call it once before save"
+    ):
+        opt.save(tmp_path / "x")
+
+
+def test_save_onto_a_file_and_load_of_a_save_pretrained_directory_say_what_they_are(checkpoint, tmp_path):
+    opt = amxopt.from_pretrained(Qwen3VLVisionModel, checkpoint, torch.bfloat16, RELEASE)
+    (tmp_path / "file").write_text("x")
+    for where in (tmp_path / "file", tmp_path / "file" / "under"):  # "File exists", "Not a directory"
+        with pytest.raises(OSError, match=f"amxopt: save: {tmp_path / 'file'} is a file, not a directory"):
+            opt.save(where)
+    with pytest.raises(amxopt.CheckpointError, match=r"a save_pretrained directory, which amxopt.from_pretrained"):
+        amxopt.load(checkpoint, RELEASE)
+
+
 def test_the_loaded_source_refuses_eager_calls(checkpoint):
     opt = amxopt.from_pretrained(Qwen3VLVisionModel, checkpoint, torch.bfloat16, RELEASE)
     inputs = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)

@@ -86,6 +86,12 @@ def test_released_weights_keep_the_adapters_own(tmp_path):
     assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in expected)
 
 
+def test_a_save_with_an_adapter_says_to_fuse_it_first(tmp_path):
+    opt = amxopt.optimize(_with_adapter(), models.example_inputs(WAN), _config(False, tmp_path))
+    with pytest.raises(RuntimeError, match=r"a LoRA adapter's layers: fuse the adapter .* before amxopt.optimize"):
+        opt.save(tmp_path / "artifact")
+
+
 def test_a_fuse_after_optimize_packs_the_fused_weights_or_is_refused_where_they_were_released(tmp_path):
     inputs = models.example_inputs(WAN, torch.float32)
     kept, eager = _with_adapter(), _with_adapter()
