@@ -213,13 +213,14 @@ def relayout(old: fx.Node, new: fx.Node) -> str | None:
     if not old.meta.get(LAYOUT):
         if not isinstance(was, torch.Tensor) or not isinstance(now, torch.Tensor) or same_layout(was, now):
             return None
-    for view in _views_after([old]):
-        written = _written_alias(view)
+    otherwise = f"its replacement is laid out otherwise (strides {_strides(now)}, not {_strides(was)})"
+    after = _after([old])
+    if raw := next((n for n in after if n.target in _BY_STRIDES), None):
+        return f"{otherwise}, and {raw.name} after it reads its memory by strides ({op_name(raw.target)})"
+    for view in (n for n in after if n.target is _aten.view.default):
+        written = written_alias(view)
         if written is not None:
-            return (
-                f"its replacement is laid out otherwise (strides {_strides(now)}, not {_strides(was)}), and "
-                f"a view after it ({view.name}) shares memory with a tensor {written.name} writes in place"
-            )
+            return f"{otherwise}, and a view after it ({view.name}) shares memory with a tensor {written.name} writes in place"
     new.meta[LAYOUT] = True
     return None
 
@@ -235,27 +236,26 @@ def reshape_stale_views(gm: fx.GraphModule) -> None:
     ``relayout`` refused every rewrite that had one after it, and replacements write nothing in place,
     so none is found here; if one were, it fails loudly where a copy would silently lose the write."""
     seeds = [n for n in gm.graph.nodes if n.meta.get(LAYOUT)]
-    for view in _views_after(seeds):
-        if _written_alias(view) is None:
+    for view in _after(seeds):
+        if view.target is _aten.view.default and written_alias(view) is None:
             view.target = _aten.reshape.default
 
 
-def _views_after(starts: list[fx.Node]) -> list[fx.Node]:
-    """The ``aten.view`` nodes whose input's layout may follow one of ``starts``': everything
-    downstream, through any op but those whose output layout is their own whatever their inputs'
-    (a GEMM, amxopt's ops but conv2d, whose reference follows its input's)."""
-    todo, seen, views = list(starts), set(starts), []
+def _after(starts: list[fx.Node]) -> list[fx.Node]:
+    """The nodes whose input's layout may follow one of ``starts``': everything downstream, through
+    any op but those whose output layout is their own whatever their inputs' (a GEMM, amxopt's ops
+    but conv2d, whose reference follows its input's)."""
+    todo, seen, after = list(starts), set(starts), []
     while todo:
         node = todo.pop()
         for user in node.users:
             if user in seen:
                 continue
             seen.add(user)
-            if user.target is _aten.view.default:
-                views.append(user)
+            after.append(user)
             if user.target not in _FIXED_LAYOUT and not (user.target in AMX_KINDS and user.target not in _FOLLOWS):
                 todo.append(user)
-    return views
+    return after
 
 
 def _aliases_input(node: fx.Node) -> bool:
@@ -281,7 +281,7 @@ def _writes(node: fx.Node, tensor: fx.Node) -> bool:
     return False
 
 
-def _written_alias(node: fx.Node) -> fx.Node | None:
+def written_alias(node: fx.Node) -> fx.Node | None:
     """An op writing in place a tensor that shares memory with ``node``: its base (up through views)
     or any view of that base (down through views and in-place ops)."""
     base = node
@@ -314,11 +314,12 @@ def kept_for_speed(node: fx.Node, timing: Any) -> bool:
 
 
 def is_constant(node: Any) -> bool:
-    """A tensor fixed at load time: a parameter/buffer, possibly reshaped or cast."""
+    """A tensor fixed at load time: a parameter/buffer, possibly reshaped or cast, that the graph
+    writes nowhere in place (``self.w.view(-1).mul_(0.5)`` before ``F.linear(x, self.w)``)."""
     if not isinstance(node, fx.Node):
         return False
     if node.op == "get_attr":
-        return True
+        return written_alias(node) is None
     return (
         node.op == "call_function"
         and node.target in _CONST_OPS
@@ -333,7 +334,24 @@ def not_constant(node: Any, what: str) -> str | None:
         return None
     if isinstance(node, fx.Node) and node.op == "placeholder":
         return f"{what} is an input of the call, not a constant"
+    written = next((w for a in attrs_behind(node) if (w := written_alias(a)) is not None), None)
+    if written is not None:
+        return f"{what} is written in place in the graph ({written.name}), not a constant"
     return f"{what} is computed in the graph, not a constant"
+
+
+def attrs_behind(node: fx.Node) -> list[fx.Node]:
+    """The get_attr nodes a constant is computed from."""
+    seen, todo, found = set(), [node], []
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            found.append(n)
+        todo += n.all_input_nodes
+    return found
 
 
 _aten = torch.ops.aten
@@ -364,6 +382,8 @@ _VIEW_OPS = {
 # Ops whose output is laid out alike whatever their inputs' layouts (a GEMM's fresh output; the amxopt
 # ops, whose fakes fix it, contiguous or channels-last by shape): a layout change stops there.
 _FIXED_LAYOUT = {_aten.linear.default, _aten.mm.default, _aten.addmm.default, _aten.bmm.default}
+# Ops that read memory by the strides they are given (a hand-written unfold), not by the tensor's own.
+_BY_STRIDES = {_aten.as_strided.default, _aten.as_strided_.default, _aten.as_strided_copy.default}
 _FOLLOWS = {torch.ops.amxopt.conv2d.default}  # but conv2d's reference, F.conv2d, follows its input's
 
 

@@ -42,6 +42,7 @@ from amxopt.passes._graph import (
     leave,
     replace_node,
     val,
+    written_alias,
     written_inside,
 )
 
@@ -125,7 +126,8 @@ def _same_value(a, b, depth: int = 4) -> bool:
     """``a`` and ``b`` are one value: the same node, or the same deterministic, non-mutating op on the
     same values, with no tensor written in place between them (Wan's rotary rules slice cos / sin
     for q and for k apart; ``e.view(-1).mul_(2)`` between two ``e.cos()`` made them two angles, and
-    export reads ``e`` through the same node before and after the write)."""
+    export reads ``e`` through the same node before and after the write), and neither written in place
+    after it was made (two ``torch.zeros`` filled each with its own angles)."""
     if a is b:
         return True
     if isinstance(a, fx.Node) != isinstance(b, fx.Node) or isinstance(a, torch.Tensor):
@@ -135,6 +137,8 @@ def _same_value(a, b, depth: int = 4) -> bool:
     if depth == 0 or a.op != "call_function" or a.target != b.target or a.kwargs != b.kwargs:
         return False
     if written_inside([min(a, b)], max(a, b)) is not None:
+        return False
+    if written_alias(a) is not None or written_alias(b) is not None:  # made alike, then filled apart
         return False
     op = a.target
     if (

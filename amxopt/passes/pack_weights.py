@@ -19,6 +19,7 @@ from amxopt.config import AmxConfig
 from amxopt.ops import packed
 from amxopt.passes._graph import (
     add_constant,
+    attrs_behind,
     cleanup,
     drop_dead_code,
     drop_unread,
@@ -59,24 +60,10 @@ def _pack(node: fx.Node, gm: fx.GraphModule, memo: dict) -> torch.Tensor:
     if source is not None:
         packed.remember(source, provider, result)  # a later graph reuses it
     else:  # computed from source weights (w.t(), w.bfloat16()): those stay, and their writes are watched
-        node.meta[DERIVED_FROM] = [attr.target for attr in _attrs_behind(weight)]
+        node.meta[DERIVED_FROM] = [attr.target for attr in attrs_behind(weight)]
         for target in node.meta[DERIVED_FROM]:
             packed.mark_derived(fetch(gm, target))
     return result
-
-
-def _attrs_behind(node: fx.Node) -> list[fx.Node]:
-    """The get_attr nodes a constant is computed from."""
-    seen, todo, found = set(), [node], []
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "get_attr":
-            found.append(n)
-        todo += n.all_input_nodes
-    return found
 
 
 def pack_weights(gm: fx.GraphModule, config: AmxConfig) -> PassResult:

@@ -275,6 +275,26 @@ class _TwoWritesAlike(nn.Module):
         return _attend(_turn(q, cq, sq), _turn(k, b.cos(), b.sin()), v)
 
 
+class _TablesFilledLater(nn.Module):
+    """Two tables made alike (torch.zeros), then each filled in place with its own angles after both
+    exist: nothing is written between the two zeros, and k got q's angles."""
+
+    def forward(self, q, k, v, freqs):
+        eq, ek = torch.zeros(q.shape[0], 1, 16), torch.zeros(q.shape[0], 1, 16)
+        eq[:] = torch.cat((freqs, freqs), -1)[:, None]
+        ek[:] = torch.cat((freqs, freqs), -1)[:, None] * 2
+        return _attend(_turn(q, eq.cos(), eq.sin()), _turn(k, ek.cos(), ek.sin()), v)
+
+
+class _RoundedOtherwise(nn.Module):
+    """The same op on the same input, with another keyword (floor and trunc differ below zero)."""
+
+    def forward(self, q, k, v, freqs):
+        e = torch.cat((freqs, freqs), -1)[:, None] * 4
+        aq, ak = e.div(3, rounding_mode="floor"), e.div(3, rounding_mode="trunc")
+        return _attend(_turn(q, aq.cos(), aq.sin()), _turn(k, ak.cos(), ak.sin()), v)
+
+
 class _RandomAngles(nn.Module):
     """q and k rotated by two draws of torch.rand: the same op on the same arguments, two values."""
 
@@ -352,6 +372,8 @@ _QKV = {"q": _r(6, 2, 16), "k": _r(6, 2, 16, seed=1), "v": _r(6, 2, 16, seed=2),
         (_TableSliceAssigned(), _QKV, False, "q and k are rotated by different cos / sin"),
         (_TwoWritesAlike(), _QKV, False, "q and k are rotated by different cos / sin"),
         (_RandomAngles(), _QKV, False, "q and k are rotated by different cos / sin"),
+        (_TablesFilledLater(), _QKV, True, "q and k are rotated by different cos / sin"),
+        (_RoundedOtherwise(), _QKV, False, "q and k are rotated by different cos / sin"),
         (_HeadsFirstRegrouped(), {**_QKV, **{n: _r(2, 6, 16, seed=i) for i, n in enumerate("qkv")}}, False,
          "laid out otherwise than export saw it"),
         (_AcrossHeads(), {**{n: _r(4, 4, 16, seed=i) for i, n in enumerate("qkv")}, "freqs": _r(4, 8)}, False,
@@ -362,11 +384,12 @@ _QKV = {"q": _r(6, 2, 16), "k": _r(6, 2, 16, seed=1), "v": _r(6, 2, 16, seed=2),
         (_RotatedQAlsoCast(), _QKV, False, None),  # (no pair: q's rotary has another reader)
     ],
     ids=["table-view-write", "table-view-write-dynamic", "table-slice-assigned", "two-writes-alike", "random-angles",
-         "heads-first-regrouped", "across-heads", "heads-merged", "one-angle", "merged-size-read", "q-also-cast"],
+         "tables-filled-later", "rounded-otherwise", "heads-first-regrouped", "across-heads", "heads-merged", "one-angle", "merged-size-read", "q-also-cast"],
 )  # fmt: skip
 def test_fuse_rotary_leaves_what_its_checks_guard_and_matches_eager(model, inputs, dynamic, reason):
     # A helper's review: each was fused wrongly (1.0-2.1 off) or crashed the pass with its check
-    # removed; the table writes (the first four) were fused wrongly by the code itself.
+    # removed; the table writes (the first four, and tables-filled-later) were fused wrongly by the
+    # code itself.
     gm, gi = _rewrite(model.eval(), inputs, NATIVE, dynamic=dynamic)
     assert not fuse_rotary(gm, NATIVE).modified
     reasons = [n.meta[LEFT] for n in gm.graph.nodes if LEFT in n.meta]
@@ -375,3 +398,21 @@ def test_fuse_rotary_leaves_what_its_checks_guard_and_matches_eager(model, input
     if not isinstance(model, _RandomAngles):
         with torch.no_grad():
             torch.testing.assert_close(gm(**gi), model(**inputs))
+
+
+class _RotatedTwice(nn.Module):
+    def forward(self, q, k, v, freqs):
+        e1, e2 = torch.cat((freqs, freqs), -1)[:, None], torch.cat((freqs, -freqs), -1)[:, None]
+        q, k = _turn(q, e1.cos(), e1.sin()), _turn(k, e1.cos(), e1.sin())
+        return _attend(_turn(q, e2.cos(), e2.sin()), _turn(k, e2.cos(), e2.sin()), v)
+
+
+def test_fuse_rotary_run_again_leaves_an_attention_it_fused():
+    # The second run fused q's and k's first rotations into the attention in place of the second.
+    model = _RotatedTwice().eval()
+    gm, gi = _rewrite(model, _QKV, NATIVE, dynamic=False)
+    assert fuse_rotary(gm, NATIVE).modified and not fuse_rotary(gm, NATIVE).modified
+    assert len(_fused_attentions(gm)) == 1 and _rotaries(gm) == 2
+    gm.recompile()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(**gi), model(**_QKV))

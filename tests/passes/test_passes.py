@@ -357,6 +357,30 @@ def test_replace_linear_leaves_computed_weight():
     assert "weight is computed in the graph, not a constant" in left_reasons(gm, aten.linear.default)[0]
 
 
+class SelfScalingWeight(nn.Module):
+    """A weight held as a buffer that the forward halves in place, through a view, before reading it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.randn(16, 16))
+
+    def forward(self, x):
+        self.w.view(-1).mul_(0.5)
+        return F.linear(x, self.w)
+
+
+def test_a_weight_the_graph_writes_in_place_is_no_constant():
+    # It was packed at optimize() as it was then: every call read the weight before its own write.
+    model, x = SelfScalingWeight().eval(), torch.randn(4, 16)
+    opt = amxopt.optimize(model, (x,), NATIVE)
+    assert opt.report.counts()["linear"] == 0
+    assert opt.report.left[0].detail == "weight is written in place in the graph (mul_), not a constant"
+    for _ in range(2):
+        expected = F.linear(x, model.w * 0.5)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), expected)
+
+
 class InputWeight(nn.Module):
     def forward(self, x, w):
         return F.linear(x, w)
@@ -391,7 +415,8 @@ class SDPA(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "causal,gqa,scale,lk", [(False, False, None, 9), (True, False, 0.2, 7), (False, True, None, 5)]
+    "causal,gqa,scale,lk",
+    [(False, False, None, 9), (True, False, 0.2, 7), (False, True, None, 5), (False, False, 0.0, 9)],
 )
 def test_replace_attention_sdpa(causal, gqa, scale, lk):
     hk = 2 if gqa else 4
@@ -882,20 +907,23 @@ def test_a_view_after_sdpa_of_contiguous_q_becomes_a_reshape(config):
 
 
 class WrittenThroughAView(nn.Module):
-    """A 1x1 conv's output written in place through a view of it: a reshape that copied would lose the write."""
+    """A 1x1 conv's output written in place through a view of it (or a slice of that view): a reshape
+    that copied would lose the write."""
 
-    def __init__(self):
+    def __init__(self, sliced: bool = False):
         super().__init__()
-        self.conv = nn.Conv2d(16, 32, 1)
+        self.conv, self.sliced = nn.Conv2d(16, 32, 1), sliced
 
     def forward(self, x):
         y = self.conv(x)
-        y.view(y.size(0), -1).mul_(2)
+        z = y.view(y.size(0), -1)
+        (z[:, :8] if self.sliced else z).mul_(2)
         return y + 1
 
 
-def test_a_conv_whose_view_is_written_in_place_keeps_its_layout():
-    model = WrittenThroughAView().eval()
+@pytest.mark.parametrize("sliced", [False, True], ids=["view", "slice-of-view"])
+def test_a_conv_whose_view_is_written_in_place_keeps_its_layout(sliced):
+    model = WrittenThroughAView(sliced).eval()
     x = torch.randn(2, 16, 4, 4)
     opt = amxopt.optimize(model, (x,), NATIVE)
     gm = opt.graph_module
@@ -908,7 +936,65 @@ def test_a_conv_whose_view_is_written_in_place_keeps_its_layout():
         torch.testing.assert_close(opt(x), model(x))
 
 
+class ReadByStrides(nn.Module):
+    """A conv's output read through as_strided, which takes eager's strides (a hand-written unfold)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.conv(x).as_strided((4, 4, 4), (16, 4, 1))
+
+
+def test_a_conv_read_by_strides_keeps_its_layout():
+    # amxopt.conv2d writes channels-last where export saw contiguous: as_strided read it 1.7 off.
+    model, x = ReadByStrides().eval(), torch.randn(1, 3, 8, 8)
+    opt = amxopt.optimize(model, (x,), NATIVE)
+    if count(opt.graph_module, aten.conv2d.default):  # (a replacement laid out as eager's is taken)
+        assert "as_strided after it reads its memory by strides" in opt.report.left[0].detail, str(opt.report)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+class TwoScales(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, scale=0.1), F.scaled_dot_product_attention(q, k, v, scale=1.0)
+
+
+def test_two_attentions_alike_but_their_scale_are_replaced_apart():
+    # A replacement is traced once per function, arguments and input metadata: one trace served both.
+    model, qkv = TwoScales().eval(), tuple(torch.randn(1, 2, 8, 16) for _ in range(3))
+    opt = amxopt.optimize(model, qkv, dataclasses.replace(CONFIG, dynamic=False))
+    assert opt.report.counts()["attention"] == 2
+    with torch.no_grad():
+        for got, want in zip(opt(*qkv), model(*qkv), strict=True):
+            torch.testing.assert_close(got, want)
+
+
 # --- pack_weights ------------------------------------------------------------------------------
+
+
+class TransposedForMore(nn.Module):
+    """A weight read as it is for one row, transposed for more: two graphs, two packings."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        return F.linear(x, self.w if x.shape[0] == 1 else self.w.t())
+
+
+def test_a_released_weight_a_later_graph_packs_otherwise_is_refused():
+    # The first graph packed w and released it; the second packed the placeholder's transpose (8.0 off).
+    model, one = TransposedForMore().eval(), torch.randn(1, 16)
+    config = dataclasses.replace(NATIVE, keep_source=False, dynamic=False)
+    opt = amxopt.optimize(model, (one,), config)
+    with torch.no_grad():
+        opt(one)
+        with pytest.raises(RuntimeError, match=r"w was released after packing, but this graph packs it again"):
+            opt(torch.randn(3, 16))
 
 
 def test_pack_weights_packs_once_and_releases_originals():
