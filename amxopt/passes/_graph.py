@@ -32,6 +32,8 @@ from amxopt.patterns import AMX_KINDS
 REPLACED = "amxopt_replaced"  # on a new amxopt node: the aten op it replaced
 LEFT = "amxopt_left"  # on an aten node a pass chose to keep: why
 LEFT_KIND = "amxopt_left_kind"  # on a kept glue chain's root (an add, an empty_like): the report's kind
+# on another kind's node (a modulate's layer_norm, or what replaced it): [(glue kind, why a rule left it)]
+GLUE_LEFT = "amxopt_glue_left"
 TIMED = "amxopt_timing"  # on a new amxopt node or a kept aten node: the autotune Timing that decided it
 SHARDED = "amxopt_sharded"  # on a row-parallel Linear: which tp shard the graph computes
 LAYOUT = "amxopt_layout"  # on a new node: laid out otherwise than export saw the node it replaced
@@ -303,14 +305,6 @@ def leave(node: fx.Node, reason: str, timing: Any = None) -> None:
     node.meta[LEFT] = reason
     if timing is not None:
         node.meta[TIMED] = timing
-
-
-def kept_for_speed(node: fx.Node, timing: Any) -> bool:
-    """Leave ``node`` as ATen (and say why) when autotune found ATen faster; True if it did."""
-    if timing is None or timing.amxopt_wins:
-        return False
-    leave(node, f"ATen is faster here: {timing}", timing)
-    return True
 
 
 def is_constant(node: Any) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import fx
 from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
@@ -32,13 +33,14 @@ from amxopt.config import AmxConfig
 from amxopt.ops import AmxOpError
 from amxopt.passes import _autotune
 from amxopt.passes._graph import (
+    GLUE_LEFT,
     LEFT_KIND,
     erase_inserted,
     insert_traced,
-    kept_for_speed,
     leave,
     relayout,
     replace_node,
+    val,
     written_inside,
 )
 from amxopt.patterns import AMX_KINDS, KIND_TARGETS, Match, Rule
@@ -76,19 +78,16 @@ def apply_rules(gm: fx.GraphModule, rules: list[Rule], config: AmxConfig) -> int
                 continue
             written = written_inside([*inner, *rule.extent(match)], out)
             if written is not None:  # a shorter rule may still fit (a Linear before the write)
-                leave(root, f"{written.name} writes a tensor in place inside its {rule.name} match")
-                _mark_glue(root, rule)
+                _leave(root, rule, f"{written.name} writes a tensor in place inside its {rule.name} match")
                 continue
             reason = rule.guard(match)
             if reason:
-                leave(root, reason)
-                _mark_glue(root, rule)
+                _leave(root, rule, reason)
                 settled.add(root)
                 continue
             fn = functools.partial(rule.replacement, **rule.options(match, config))
             timing = rule.timing(match, fn, config) if rule.timing and _autotune.enabled(config) else None
-            if kept_for_speed(root, timing):
-                _mark_glue(root, rule)
+            if kept_for_speed(root, rule, timing):
                 settled.add(root)
                 continue
             if timing is not None and timing.options:  # what autotune chose for the kernel (an AMX schedule)
@@ -97,26 +96,67 @@ def apply_rules(gm: fx.GraphModule, rules: list[Rule], config: AmxConfig) -> int
             try:
                 new = insert_traced(out, fn, [match[name] for name in rule.inputs], rule.name, timing)
             except AmxOpError as e:  # the op's own checks refuse what the guard let through
-                leave(root, f"the replacement refuses it: {e}")
-                _mark_glue(root, rule)
+                _leave(root, rule, f"the replacement refuses it: {e}")
                 settled.add(root)
                 continue
-            reason = relayout(out, new)
+            reason = _unlike(out, new) or relayout(out, new)
             if reason:
                 erase_inserted(anchor, out)
-                leave(root, reason)
-                _mark_glue(root, rule)
+                _leave(root, rule, reason)
                 settled.add(root)
                 continue
+            # Why glue rules left nodes of this match (a modulate refused on its layer_norm, which
+            # this rule replaces): kept on the replacement, for the report.
+            notes = [note for n in inner for note in n.meta.get(GLUE_LEFT, ()) if note[0] != rule.kind]
             replace_node(out, new, *reversed([n for n in _in_order(inner) if n is not out]))
+            if notes:
+                new.meta[GLUE_LEFT] = notes
             renamed[out] = new
             replaced += 1
     return replaced
 
 
-def _mark_glue(root: fx.Node, rule: Rule) -> None:
-    """A kept glue chain's root is an add or an empty_like: the report needs the kind it was left as."""
-    if not KIND_TARGETS[rule.kind]:
+def _unlike(out: fx.Node, new: fx.Node) -> str | None:
+    """Why ``new`` cannot stand for ``out``: its output differs in dtype or in the example's sizes (a
+    rule that took a match it should not have), which would be a wrong result; None if alike."""
+    was, now = val(out), val(new)
+    if not isinstance(was, torch.Tensor) or not isinstance(now, torch.Tensor):
+        return None
+    if was.dtype != now.dtype or list(map(_hint, was.shape)) != list(map(_hint, now.shape)):
+        return (
+            f"its replacement computes {now.dtype} {tuple(now.shape)}, not the match's {was.dtype} {tuple(was.shape)}"
+        )
+    return None
+
+
+def _hint(size) -> object:
+    """A size's value in the example (a dynamic size's hint), or the size itself where it has none."""
+    if isinstance(size, torch.SymInt):
+        return size.node.hint if size.node.hint is not None else str(size)
+    return size
+
+
+def kept_for_speed(root: fx.Node, rule: Rule, timing) -> bool:
+    """Leave ``root`` as ATen (and say why) when autotune found ATen faster; True if it did."""
+    if timing is None or timing.amxopt_wins:
+        return False
+    _leave(root, rule, f"ATen is faster here: {timing}", timing)
+    return True
+
+
+_OWNED = {t for targets in KIND_TARGETS.values() for t in targets} | set(AMX_KINDS)
+
+
+def _leave(root: fx.Node, rule: Rule, reason: str, timing=None) -> None:
+    """Note on ``root`` why ``rule`` left it. A glue chain's root is an add or an empty_like, whose
+    note names the kind it was left as; or another kind's op (a modulate's layer_norm), which that
+    kind's pass may still replace or leave with its own note: the glue's is kept apart."""
+    if KIND_TARGETS[rule.kind]:
+        leave(root, reason, timing)
+    elif root.target in _OWNED:
+        root.meta.setdefault(GLUE_LEFT, []).append((rule.kind, reason))
+    else:
+        leave(root, reason, timing)
         root.meta[LEFT_KIND] = rule.kind
 
 

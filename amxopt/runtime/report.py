@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from amxopt.passes._graph import LEFT, LEFT_KIND, REPLACED, SHARDED, TIMED, op_name
+from amxopt.passes._graph import GLUE_LEFT, LEFT, LEFT_KIND, REPLACED, SHARDED, TIMED, op_name
 from amxopt.patterns import AMX_KINDS, KIND_TARGETS
 
 aten = torch.ops.aten
@@ -96,6 +96,7 @@ class Report:
                 continue
             if SHARDED in node.meta:
                 sharded[node.meta[SHARDED]] += 1
+            left += [Entry(kind, node.name, op_name(node.target), why) for kind, why in node.meta.get(GLUE_LEFT, ())]
             if LEFT_KIND in node.meta and LEFT in node.meta and node.target not in AMX_KINDS:
                 # a glue chain's root (an add, an empty_like) left as ATen: a chain of that kind left
                 left.append(Entry(node.meta[LEFT_KIND], node.name, op_name(node.target), node.meta[LEFT]))

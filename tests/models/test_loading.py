@@ -491,7 +491,7 @@ def _keep_the_first_linear_on_aten(monkeypatch) -> list:
 
     kept = []
 
-    def keep_the_first_linear(node, timing):
+    def keep_the_first_linear(node, rule, timing):
         if kept or node.target is not torch.ops.aten.linear.default:
             return False
         leave(node, "kept on ATen by the test")

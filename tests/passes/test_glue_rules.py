@@ -352,6 +352,19 @@ def test_a_modulated_norm_keeps_its_kind_and_eps(norm, affine):
         torch.testing.assert_close(gm(**gi), model(**inputs), atol=0.02, rtol=0.02)
 
 
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_a_refused_modulate_is_in_the_report_though_its_norm_is_replaced(norm):
+    # Refused on its norm, which replace_norms then replaced: the reason was gone with the node.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 32, generator=g).bfloat16()
+    inputs = {"x": x, "scale": torch.randn(2, 1, 32, generator=g), "shift": torch.randn(2, 1, 1, generator=g)}
+    model = _Modulate(norm, eps=1e-6, affine=False).eval()
+    report = amxopt.optimize(model, inputs, config=CONFIG).report
+    assert report.counts()[f"{norm}_norm"] == 1, str(report)
+    assert [e.kind for e in report.left] == ["modulate"], str(report)
+    assert "shift" in report.left[0].detail, str(report)
+
+
 # --- look-alikes: a rule's graph up to one detail, which changes the result ----------------------
 
 

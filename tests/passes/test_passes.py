@@ -210,6 +210,27 @@ def test_replace_linear_fuses_residual_add():
     assert_same(gm, gi, model)
 
 
+class RowBias(nn.Module):
+    """``fc(x) + r`` with r one value per column ([N]) on a square [N, N] output: an add that broadcasts."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 16)
+
+    def forward(self, x, r):
+        return self.fc(x) + r
+
+
+def test_a_residual_of_fewer_dims_is_left_to_its_add():
+    # The op takes a residual of the output's shape only: asked to fuse this one, it refused the
+    # whole Linear.
+    model = RowBias().eval()
+    gm, gi = captured(model, {"x": torch.randn(16, 32), "r": torch.randn(16)}, dynamic=False)
+    assert run(replace_linear, gm)
+    assert count(gm, amx.linear.default) == 1 and count(gm, aten.add.Tensor) == 1
+    assert_same(gm, gi, model)
+
+
 class OwnThenOtherResidual(nn.Module):
     """``fc1(x) + x`` (the residual is the Linear's input), then ``fc2(relu(h)) + h`` (another tensor):
     the same replacement on inputs of the same shapes, once with x and the residual one tensor."""
@@ -260,6 +281,17 @@ def test_rms_norm_default_eps_is_the_fp32_one_in_a_bf16_model():
     assert run(replace_norms, gm)
     [norm] = [n for n in gm.graph.nodes if n.target == amx.rms_norm.default]
     assert norm.args[2] == torch.finfo(torch.float32).eps
+    assert_same(gm, gi, model, {"x": x})
+
+
+def test_rms_norm_of_eps_zero_keeps_it():
+    # eps=0.0 is an eps, not a missing one: fp32's default in its place moved rows of ~1e-5 by 2.6.
+    model = nn.RMSNorm(16, eps=0.0).eval()
+    x = torch.randn(2, 5, 16) * 1e-5
+    gm, gi = captured(model, {"x": x})
+    assert run(replace_norms, gm)
+    [norm] = [n for n in gm.graph.nodes if n.target == amx.rms_norm.default]
+    assert norm.args[2] == 0.0
     assert_same(gm, gi, model, {"x": x})
 
 
@@ -512,6 +544,10 @@ def test_an_attention_the_model_calls_itself_is_moved_to_the_provider_as_it_was(
     [
         (((2, 4, 10, 16), (2, 4, 10, 16), (2, 4, 10, 32)), "are not alike"),  # v's head dim is its own
         (((2, 4, 10, 16), (1, 4, 10, 16), (1, 4, 10, 16)), "batches .* may differ"),  # k/v broadcast over q
+        (((2, 4, 10, 16), (2, 4, 10, 16), (1, 4, 10, 16)), "batches .* may differ"),  # v broadcast over k
+        (((2, 4, 10, 16), (2, 4, 10, 16), (2, 1, 10, 16)), r"head counts q \S+, k \S+, v 1 are not a grouping"),
+        (((4, 10, 16),) * 3, r"are not \[B, H, S, D\]"),
+        (((1, 2, 4, 10, 16),) * 3, r"are not \[B, H, S, D\]"),
     ],
 )
 def test_replace_attention_leaves_sdpa_shapes_the_op_does_not_take(shapes, reason):
@@ -591,12 +627,32 @@ def test_replace_patch_embed(kernel, bias):
 
 @pytest.mark.parametrize(
     "kwargs,reason",
-    [(dict(kernel=(3, 3, 3), stride=1, padding=1), "stride"), (dict(kernel=(1, 2, 2), padding=1), "padding")],
+    [
+        (dict(kernel=(3, 3, 3), stride=1, padding=1), "stride"),
+        (dict(kernel=(1, 2, 2), padding=1), "padding"),
+        (dict(kernel=(1, 2, 2), stride=(1, 1, 2)), "stride"),  # the stride is the kernel in some dims only
+    ],
 )
 def test_replace_patch_embed_leaves_other_convs(kwargs, reason):
     gm, _ = captured(Patchify(**kwargs).eval(), {"x": torch.randn(1, 4, 3, 6, 6)}, dynamic=False)
     assert not run(replace_patch_embed, gm)
     assert reason in left_reasons(gm, aten.conv3d.default)[0]
+
+
+def test_a_replacement_unlike_its_match_is_left(monkeypatch):
+    # A guard that lets a wrong match through (here: none at all, so a stride that is the kernel in
+    # some dims only): the replacement's output has other sizes than the match's, and is refused.
+    from amxopt.patterns import conv
+
+    monkeypatch.setattr(conv, "_patch_refusal", lambda dims, match: None)
+    model = Patchify((1, 2, 2), stride=(1, 1, 2)).eval()
+    gm, gi = captured(model, {"x": torch.randn(1, 4, 3, 6, 6)}, dynamic=False)
+    assert not run(replace_patch_embed, gm)
+    assert (
+        "its replacement computes torch.float32 (1, 12, 3, 3, 3), not the match's torch.float32 (1, 12, 3, 5, 3)"
+        in (left_reasons(gm, aten.conv3d.default)[0])
+    )
+    assert_same(gm, gi, model)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
