@@ -260,6 +260,23 @@ def test_close_timings_take_interleaved_rounds():
     assert calls["amxopt"] == calls["aten"] > 2  # each side the same number of samples
 
 
+def test_rounds_take_turns_first_and_give_each_side_its_own_time(monkeypatch):
+    order = []
+    monkeypatch.setattr(
+        _autotune, "_sample", lambda run, repeat: order.append(run()) or {"a": 0.003, "b": 0.009}[order[-1]]
+    )
+    for name, value in (("_DECISIVE", 1e9), ("_FAR", 1e9), ("_FIRST_CALLS_S", 1.0)):
+        monkeypatch.setattr(_autotune, name, value)  # two warm-ups that do not decide, then every round
+    amx_ms, aten_ms = _autotune._time(lambda: "a", lambda: "b")
+    assert (amx_ms, aten_ms) == pytest.approx((3.0, 9.0))
+    rounds = [order[i : i + 2] for i in range(4, len(order), 2)]  # after the two warm-ups
+    assert (
+        len(rounds) > 2
+        and rounds[::2] == [["a", "b"]] * len(rounds[::2])
+        and rounds[1::2] == [["b", "a"]] * len(rounds[1::2])
+    ), order
+
+
 def test_timed_inputs_have_the_layout_of_the_graph():
     """A transposed view (Wan's q, k, v), a channels-last activation (after the direct conv2d), a
     slice and a broadcast view are timed in their own layout, and keyed apart from contiguous ones."""
@@ -325,12 +342,56 @@ def test_an_artifact_loaded_without_autotune_drops_the_saved_decisions(tmp_path,
     assert not any("ATen is faster" in left.detail for left in loaded.report.left), str(loaded.report)
 
 
-@pytest.mark.parametrize("content", ["[]", "null", '{"k": [1.0]}', '{"k": "fast"}'])
+@pytest.mark.parametrize("content", ["[]", "null", '{"k": [1.0]}', '{"k": "fast"}', '{"k": [1.0', b"\xff\xfe{"])
 def test_a_damaged_decision_file_is_timed_again(tmp_path, content):
-    (tmp_path / "kernel_choices.json").write_text(content)
+    path = tmp_path / "kernel_choices.json"
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     _autotune.reload()
     opt, _ = _optimize(_model(), tmp_path)
     assert len(opt.report.choices) == 6 and not any("[cached]" in t for _, t in opt.report.choices)
+
+
+@pytest.mark.parametrize("value", [[1.0], [-3.0, 1.0], [0, 0], "fast"])
+def test_a_damaged_decision_is_timed_again(tmp_path, monkeypatch, value):
+    # Under the keys a lookup reads (the test above writes "k", which none does).
+    monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: (1.0, 3.0))
+    config = amxopt.AmxConfig(provider="native", autotune_cache=str(tmp_path))
+    _autotune.reload()
+    assert not _autotune.compare("linear 1x2x3", config, None, None).cached
+    path = tmp_path / "kernel_choices.json"
+    path.write_text(json.dumps(dict.fromkeys(json.loads(path.read_text()), value)))
+    _autotune.reload()
+    timing = _autotune.compare("linear 1x2x3", config, None, None)
+    assert not timing.cached and (timing.amxopt_ms, timing.aten_ms) == (1.0, 3.0)
+    _autotune.reload()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda mp: mp.setattr(torch, "__version__", "0.0.0"),
+        lambda mp: mp.setattr(native, "cpu_model", lambda: "another CPU"),
+        lambda mp: mp.setattr(_autotune, "_POLICY", "another rule"),
+        lambda mp: mp.setattr(native, "active_tier", lambda: "another tier"),
+        lambda mp: mp.setattr(native, "amx_schedule", lambda: "rows"),
+    ],
+    ids=["torch", "cpu", "policy", "tier", "process-schedule"],
+)
+def test_a_decision_holds_for_the_context_it_was_timed_in(tmp_path, monkeypatch, change):
+    monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: (1.0, 3.0))
+    config = amxopt.AmxConfig(provider="native", autotune_cache=str(tmp_path))
+    _autotune.reload()
+    assert not _autotune.compare("linear 1x2x3", config, None, None).cached
+    assert _autotune.compare("linear 1x2x3", config, None, None).cached  # (in memory, as a second optimize)
+    _autotune._build_context.cache_clear()
+    try:
+        with monkeypatch.context() as mp:
+            change(mp)
+            _autotune._build_context.cache_clear()
+            assert not _autotune.compare("linear 1x2x3", config, None, None).cached
+    finally:
+        _autotune._build_context.cache_clear()
+        _autotune.reload()
 
 
 def test_decisions_of_two_processes_are_merged_not_lost(tmp_path):
