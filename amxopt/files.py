@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import os
@@ -43,17 +44,28 @@ def _umask() -> int:
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: str | pathlib.Path, metadata: dict | None = None) -> None:
     """``safetensors.torch.save_file``, for tensors of which some may share memory (a view of
-    another, one tensor read by two graphs): safetensors refuses those, so each after the first of
-    its storage is written as a copy of its own."""
+    another, one tensor read by two graphs): safetensors refuses those, so each one that overlaps
+    an earlier one is written as a copy of its own. Tensors side by side in one storage (a loaded
+    artifact's, all in one mapping) are written as they are."""
     from safetensors.torch import save_file
 
-    seen: set[int] = set()
+    starts: dict[int, list[int]] = {}  # per storage, the byte spans kept as they are: sorted, disjoint
+    ends: dict[int, list[int]] = {}
     own = {}
     for name, t in tensors.items():
-        storage = t.untyped_storage().data_ptr() if t.device.type != "meta" and t.numel() else None
-        own[name] = t.clone() if storage in seen else t
-        if storage is not None:
-            seen.add(storage)
+        own[name] = t
+        if t.device.type == "meta" or not t.numel():
+            continue
+        storage = t.untyped_storage().data_ptr()
+        lo = t.data_ptr()
+        hi = lo + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+        first, last = starts.setdefault(storage, []), ends.setdefault(storage, [])
+        i = bisect.bisect_right(first, lo)
+        if (i and last[i - 1] > lo) or (i < len(first) and first[i] < hi):
+            own[name] = t.clone()
+        else:
+            first.insert(i, lo)
+            last.insert(i, hi)
     save_file(own, str(path), metadata=metadata)
 
 

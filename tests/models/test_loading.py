@@ -325,6 +325,20 @@ def test_a_file_being_replaced_stays_whole_for_a_reader_that_opened_it(tmp_path)
     assert torch.equal(reader.get_tensor("t"), torch.arange(1000, dtype=torch.float32))
 
 
+def test_tensors_of_one_storage_are_copied_only_where_they_overlap(tmp_path, monkeypatch):
+    # A loaded artifact's tensors are all views of one mapping: copying each (all but the first) to
+    # save it again would hold the model twice.
+    flat = torch.arange(16.0)
+    tensors = {"a": flat[:6], "b": flat[6:12], "c": flat[4:8], "d": flat[:6], "e": flat[12:].view(2, 2)}
+    copied, clone = [], torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: copied.append(t.tolist()) or clone(t, *a, **k))
+    files.save_tensors(tensors, tmp_path / "t.safetensors")
+    monkeypatch.undo()
+    assert copied == [flat[4:8].tolist(), flat[:6].tolist()]
+    loaded = load_file(str(tmp_path / "t.safetensors"))
+    assert all(torch.equal(loaded[name], t) for name, t in tensors.items())
+
+
 def test_a_replaced_file_gets_the_users_umask_without_setting_it(tmp_path, monkeypatch):
     # Setting the umask to read it gave a file another thread created meanwhile the mode of the value set.
     umask = os.umask(0o027)
