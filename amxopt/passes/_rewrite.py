@@ -14,7 +14,9 @@ replacement is traced in place of the match's output and the matched nodes are e
 with an in-place write between its first node (or the first of its ``extent``) and its output is
 skipped (the replacement would read the written tensor), so a shorter rule may still take its root.
 A replacement whose op refuses the match's values (an ``AmxOpError`` while tracing it: a case the
-guard did not foresee) leaves the match as it was, with the op's message. A replacement laid out otherwise
+guard did not foresee) leaves the match as it was, with the op's message; so does one whose output
+has other sizes (in the example) or another dtype than the match's (a guard's mistake, which would
+otherwise be a wrong result). A replacement laid out otherwise
 than the match's output is marked for ``cleanup`` to make the views after it reshapes, or refused
 where one of those views shares memory with a tensor written in place (``_graph.relayout``). A root that
 was refused or kept is settled: no later rule of the list rewrites it (a Linear + silu kept as
@@ -154,7 +156,9 @@ def _leave(root: fx.Node, rule: Rule, reason: str, timing=None) -> None:
     if KIND_TARGETS[rule.kind]:
         leave(root, reason, timing)
     elif root.target in _OWNED:
-        root.meta.setdefault(GLUE_LEFT, []).append((rule.kind, reason))
+        notes = root.meta.setdefault(GLUE_LEFT, [])
+        if (rule.kind, reason) not in notes:  # (the pass run again)
+            notes.append((rule.kind, reason))
     else:
         leave(root, reason, timing)
         root.meta[LEFT_KIND] = rule.kind
