@@ -644,7 +644,8 @@ def test_a_replacement_unlike_its_match_is_left(monkeypatch):
     # some dims only): the replacement's output has other sizes than the match's, and is refused.
     from amxopt.patterns import conv
 
-    monkeypatch.setattr(conv, "_patch_refusal", lambda dims, match: None)
+    rules = tuple(dataclasses.replace(rule, guard=lambda match: None) for rule in conv.patch_embed_rules())
+    monkeypatch.setattr(conv, "patch_embed_rules", lambda: rules)
     model = Patchify((1, 2, 2), stride=(1, 1, 2)).eval()
     gm, gi = captured(model, {"x": torch.randn(1, 4, 3, 6, 6)}, dynamic=False)
     assert not run(replace_patch_embed, gm)
