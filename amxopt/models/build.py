@@ -81,7 +81,7 @@ def construct_class(cls: type, library: str, config: Any, dtype: torch.dtype) ->
     if library == "diffusers":
         from diffusers.models.modeling_utils import no_init_weights
 
-        with no_init_weights(), _default_dtype(dtype):
+        with BUILD_LOCK, no_init_weights(), _default_dtype(dtype):  # (diffusers skips init process-wide)
             model = cls.from_config(dict(config))
     else:
         from transformers.initialization import no_init_weights

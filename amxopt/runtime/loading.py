@@ -645,7 +645,9 @@ def save(opt: Any, directory: str | pathlib.Path) -> pathlib.Path:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise type(e)(e.errno, f"amxopt: save: {os_error(e)}") from None
+        if (said := os_error(e)) != str(e):  # a file where a directory is needed
+            raise type(e)(e.errno, f"amxopt: save: {said}") from None
+        raise type(e)(e.errno, f"amxopt: save: {e.strerror}", e.filename) from None
     # Weights some graph reads unpacked (a node autotune kept on ATen) are stored plain too, even
     # where another graph reads their packing.
     read_plain = {id(t) for gm in opt.graphs for t in (*gm.parameters(), *gm.buffers())}

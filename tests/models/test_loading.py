@@ -376,6 +376,10 @@ def test_save_onto_a_file_and_load_of_a_save_pretrained_directory_say_what_they_
     for where in (tmp_path / "file", tmp_path / "file" / "under"):  # "File exists", "Not a directory"
         with pytest.raises(OSError, match=f"amxopt: save: {tmp_path / 'file'} is a file, not a directory"):
             opt.save(where)
+    with pytest.raises(
+        FileNotFoundError, match=r"^\[Errno 2\] amxopt: save: No such file or directory: '/proc/self/x'$"
+    ):
+        opt.save("/proc/self/x")  # (any other error: said once, with its path)
     with pytest.raises(amxopt.CheckpointError, match=r"a save_pretrained directory, which amxopt.from_pretrained"):
         amxopt.load(checkpoint, RELEASE)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 
@@ -11,6 +12,7 @@ from torch import nn
 
 import amxopt
 from amxopt import models
+from amxopt.models import build
 from amxopt.runtime import graph_store, module, weights
 from tests.helpers import CONFIG
 
@@ -173,3 +175,27 @@ def test_builds_in_two_threads_restore_the_default_dtype():
     done.set()
     other.join()
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_build_waiting_for_another_leaves_torch_init_alone():
+    # diffusers' no_init_weights swaps torch.nn.init's functions for the process: entered before the
+    # wait, a queued Wan build left every other thread's new modules uninitialised meanwhile.
+    init = torch.nn.init.kaiming_uniform_
+    with build.BUILD_LOCK:  # another build (an amxopt.load) holds it
+        other = threading.Thread(target=models.build_model, args=("tiny-wan",))
+        other.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _in_frames(other, "construct_class"):
+            time.sleep(0.05)
+        time.sleep(0.2)  # (waiting for the lock by then)
+        assert _in_frames(other, "construct_class") and torch.nn.init.kaiming_uniform_ is init
+    other.join()
+    assert torch.nn.init.kaiming_uniform_ is init
+
+
+def _in_frames(thread: threading.Thread, function: str) -> bool:
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None and frame.f_code.co_name != function:
+        frame = frame.f_back
+    return frame is not None
+
