@@ -198,4 +198,3 @@ def _in_frames(thread: threading.Thread, function: str) -> bool:
     while frame is not None and frame.f_code.co_name != function:
         frame = frame.f_back
     return frame is not None
-
