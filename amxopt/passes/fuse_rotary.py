@@ -132,6 +132,10 @@ def _same_value(a, b, depth: int = 4) -> bool:
         return True
     if isinstance(a, fx.Node) != isinstance(b, fx.Node) or isinstance(a, torch.Tensor):
         return False
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_value(x, y, depth) for x, y in zip(a, b))
+    if isinstance(a, float) and type(b) is float:  # 0.0 == -0.0: e.copysign(0.0) is not e.copysign(-0.0)
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
     if not isinstance(a, fx.Node):
         return type(a) is type(b) and a == b
     if depth == 0 or a.op != "call_function" or a.target != b.target or a.kwargs != b.kwargs:

@@ -295,6 +295,23 @@ class _RoundedOtherwise(nn.Module):
         return _attend(_turn(q, aq.cos(), aq.sin()), _turn(k, ak.cos(), ak.sin()), v)
 
 
+class _SignedZero(nn.Module):
+    """q rotated by |e|, k by -|e|: copysign by 0.0 and by -0.0, which compare equal."""
+
+    def forward(self, q, k, v, freqs):
+        e = torch.cat((freqs, freqs), -1)[:, None]
+        aq, ak = e.copysign(0.0), e.copysign(-0.0)
+        return _attend(_turn(q, aq.cos(), aq.sin()), _turn(k, ak.cos(), ak.sin()), v)
+
+
+class _IntAndFloatFactor(nn.Module):
+    """16777217 == 16777217.0 in Python, but a float32 product rounds it to 16777216."""
+
+    def forward(self, q, k, v, pos):
+        aq, ak = (pos * 16777217) % 1000, (pos * 16777217.0) % 1000
+        return _attend(_turn(q, aq.cos(), aq.sin()), _turn(k, ak.cos(), ak.sin()), v)
+
+
 class _RandomAngles(nn.Module):
     """q and k rotated by two draws of torch.rand: the same op on the same arguments, two values."""
 
@@ -361,6 +378,15 @@ class _RotatedQAlsoCast(nn.Module):
         return _attend(q, k, v), q.type_as(freqs.half())
 
 
+class _RotatedQCastAsItself(nn.Module):
+    """q.type_as(q): q is type_as's data as well as its dtype."""
+
+    def forward(self, q, k, v, freqs):
+        e = torch.cat((freqs, freqs), -1)[:, None]
+        q, k = _turn(q, e.cos(), e.sin()), _turn(k, e.cos(), e.sin())
+        return _attend(q, k, v), q.type_as(q)
+
+
 _QKV = {"q": _r(6, 2, 16), "k": _r(6, 2, 16, seed=1), "v": _r(6, 2, 16, seed=2), "freqs": _r(6, 8, seed=3)}
 
 
@@ -374,6 +400,9 @@ _QKV = {"q": _r(6, 2, 16), "k": _r(6, 2, 16, seed=1), "v": _r(6, 2, 16, seed=2),
         (_RandomAngles(), _QKV, False, "q and k are rotated by different cos / sin"),
         (_TablesFilledLater(), _QKV, True, "q and k are rotated by different cos / sin"),
         (_RoundedOtherwise(), _QKV, False, "q and k are rotated by different cos / sin"),
+        (_SignedZero(), _QKV, True, "q and k are rotated by different cos / sin"),
+        (_IntAndFloatFactor(), {**{n: _QKV[n] for n in "qkv"}, "pos": torch.arange(1, 97).view(6, 1, 16)}, False,
+         "q and k are rotated by different cos / sin"),
         (_HeadsFirstRegrouped(), {**_QKV, **{n: _r(2, 6, 16, seed=i) for i, n in enumerate("qkv")}}, False,
          "laid out otherwise than export saw it"),
         (_AcrossHeads(), {**{n: _r(4, 4, 16, seed=i) for i, n in enumerate("qkv")}, "freqs": _r(4, 8)}, False,
@@ -382,9 +411,10 @@ _QKV = {"q": _r(6, 2, 16), "k": _r(6, 2, 16, seed=1), "v": _r(6, 2, 16, seed=2),
         (_OneAngle(), _QKV, False, "is not one angle per token"),
         (_MergedSizeRead(), {"qkv": _r(2, 6, 3, 2, 16), "freqs": _r(6, 8, seed=3)}, True, "a size read from a view"),
         (_RotatedQAlsoCast(), _QKV, False, None),  # (no pair: q's rotary has another reader)
+        (_RotatedQCastAsItself(), _QKV, False, None),
     ],
     ids=["table-view-write", "table-view-write-dynamic", "table-slice-assigned", "two-writes-alike", "random-angles",
-         "tables-filled-later", "rounded-otherwise", "heads-first-regrouped", "across-heads", "heads-merged", "one-angle", "merged-size-read", "q-also-cast"],
+         "tables-filled-later", "rounded-otherwise", "signed-zero", "int-and-float-factor", "heads-first-regrouped", "across-heads", "heads-merged", "one-angle", "merged-size-read", "q-also-cast", "q-cast-as-itself"],
 )  # fmt: skip
 def test_fuse_rotary_leaves_what_its_checks_guard_and_matches_eager(model, inputs, dynamic, reason):
     # A helper's review: each was fused wrongly (1.0-2.1 off) or crashed the pass with its check
@@ -416,3 +446,28 @@ def test_fuse_rotary_run_again_leaves_an_attention_it_fused():
     gm.recompile()
     with torch.no_grad():
         torch.testing.assert_close(gm(**gi), model(**_QKV))
+
+
+class _SegmentedApart(nn.Module):
+    """q and k of the same tokens, in segments of their own (q 1 + 5, k 3 + 3)."""
+
+    def forward(self, q, k, v, angle, cu_q, cu_k):
+        cos, sin = angle.cos(), angle.sin()
+        q = torch.ops.amxopt.rotary_embedding(q, cos, sin, False, "native")
+        k = torch.ops.amxopt.rotary_embedding(k, cos, sin, False, "native")
+        return torch.ops.amxopt.varlen_attention(q, k, v, cu_q, cu_k, 5, 5, 0.25, False, "native")
+
+
+def test_fuse_rotary_keeps_q_and_k_segments_apart():
+    model = _SegmentedApart().eval()
+    inputs = {
+        **{n: _r(6, 2, 16, seed=i) for i, n in enumerate("qkv")},
+        "angle": _r(6, 1, 8, seed=3),
+        "cu_q": torch.tensor([0, 1, 6], dtype=torch.int32),
+        "cu_k": torch.tensor([0, 3, 6], dtype=torch.int32),
+    }
+    gm, gi = _rewrite(model, inputs, NATIVE, dynamic=False)
+    assert fuse_rotary(gm, NATIVE).modified and len(_fused_attentions(gm)) == 1
+    gm.recompile()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(**gi), model(**inputs))

@@ -1010,6 +1010,8 @@ def test_a_conv_read_by_strides_keeps_its_layout():
     opt = amxopt.optimize(model, (x,), NATIVE)
     if count(opt.graph_module, aten.conv2d.default):  # (a replacement laid out as eager's is taken)
         assert "as_strided after it reads its memory by strides" in opt.report.left[0].detail, str(opt.report)
+        # the refused replacement is taken out again: no dead amxopt.conv2d runs beside the kept conv
+        assert count(opt.graph_module, amx.conv2d.default) == 0 and opt.report.counts()["conv2d"] == 0
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
 
@@ -1027,6 +1029,16 @@ def test_two_attentions_alike_but_their_scale_are_replaced_apart():
     with torch.no_grad():
         for got, want in zip(opt(*qkv), model(*qkv), strict=True):
             torch.testing.assert_close(got, want)
+
+
+def test_a_graph_rewritten_in_this_process_runs_its_rewritten_code():
+    # Captured and rewritten here (no forked child, whose graph is recompiled when restored): the
+    # passes' deferred recompile is what makes the GraphModule run amxopt's ops.
+    model, x = MLP("gelu").eval(), torch.randn(4, 24)
+    opt = amxopt.optimize(model, (x,), dataclasses.replace(NATIVE, isolate_capture=False, graph_cache=False))
+    assert "amxopt.linear" in opt.graph_module.code and "aten.linear" not in opt.graph_module.code
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
 
 
 # --- pack_weights ------------------------------------------------------------------------------
