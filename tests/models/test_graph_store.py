@@ -1076,18 +1076,6 @@ class _Tabled(torch.nn.Module):
         return self.fc(x) + _TABLE
 
 
-@pytest.mark.parametrize("isolate", [True, False])
-def test_a_non_contiguous_constant_is_stored_and_restored(tmp_path, isolate):
-    config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), isolate_capture=isolate)
-    x = torch.randn(8, 4)
-    for run in range(2):
-        model = _Tabled().eval()
-        opt = amxopt.optimize(model, (x,), config)
-        with torch.no_grad():
-            assert torch.equal(opt(x), model(x))
-        assert any(RESTORED in note for note in opt.report.notes) == (run == 1)
-
-
 _WHOLE = torch.arange(64.0) / 64
 _HALF = _WHOLE[:32]  # globals of one memory: two constants of the graph that safetensors cannot write apart
 
@@ -1102,13 +1090,15 @@ class _Halves(torch.nn.Module):
 
 
 @pytest.mark.parametrize("isolate", [True, False])
-def test_constants_that_share_memory_are_stored_and_restored(tmp_path, isolate):
-    # optimize() itself raised safetensors' "Some tensors share memory" (its graph cache write caught
-    # only OSError), or, isolated, captured twice.
+@pytest.mark.parametrize(
+    "model_class, x", [(_Tabled, torch.randn(8, 4)), (_Halves, torch.randn(3, 32))], ids=["non-contiguous", "shared"]
+)
+def test_a_constant_of_the_graph_is_stored_and_restored(tmp_path, isolate, model_class, x):
+    # Constants that share memory: optimize() itself raised safetensors' "Some tensors share memory"
+    # (its graph cache write caught only OSError), or, isolated, captured twice.
     config = dataclasses.replace(CONFIG, autotune_cache=str(tmp_path), isolate_capture=isolate)
-    x = torch.randn(3, 32)
     for run in range(2):
-        model = _Halves().eval()
+        model = model_class().eval()
         opt = amxopt.optimize(model, (x,), config)
         with torch.no_grad():
             assert torch.equal(opt(x), model(x))
