@@ -222,7 +222,10 @@ def relayout(old: fx.Node, new: fx.Node) -> str | None:
     for view in (n for n in after if n.target is _aten.view.default):
         written = written_alias(view)
         if written is not None:
-            return f"{otherwise}, and a view after it ({view.name}) shares memory with a tensor {written.name} writes in place"
+            return (
+                f"{otherwise}, and a view after it ({view.name}) shares memory with a tensor {written.name} "
+                "writes in place"
+            )
     new.meta[LAYOUT] = True
     return None
 
@@ -478,6 +481,11 @@ def cleanup(gm: fx.GraphModule) -> None:
     gm.graph.lint()
     if not getattr(gm, DEFER_RECOMPILE, False):
         gm.recompile()
+
+
+def hint(size: Any) -> Any:
+    """A size's value in the example: a dynamic size's hint (None for an unbacked one), else the size."""
+    return size.node.hint if isinstance(size, torch.SymInt) else size
 
 
 def dtype_of(node: Any) -> torch.dtype | None:

@@ -38,6 +38,7 @@ from amxopt.passes._graph import (
     GLUE_LEFT,
     LEFT_KIND,
     erase_inserted,
+    hint,
     insert_traced,
     leave,
     relayout,
@@ -124,18 +125,11 @@ def _unlike(out: fx.Node, new: fx.Node) -> str | None:
     was, now = val(out), val(new)
     if not isinstance(was, torch.Tensor) or not isinstance(now, torch.Tensor):
         return None
-    if was.dtype != now.dtype or list(map(_hint, was.shape)) != list(map(_hint, now.shape)):
+    if was.dtype != now.dtype or list(map(hint, was.shape)) != list(map(hint, now.shape)):
         return (
             f"its replacement computes {now.dtype} {tuple(now.shape)}, not the match's {was.dtype} {tuple(was.shape)}"
         )
     return None
-
-
-def _hint(size) -> object:
-    """A size's value in the example (a dynamic size's hint), or the size itself where it has none."""
-    if isinstance(size, torch.SymInt):
-        return size.node.hint if size.node.hint is not None else str(size)
-    return size
 
 
 def kept_for_speed(root: fx.Node, rule: Rule, timing) -> bool:

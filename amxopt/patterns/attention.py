@@ -15,7 +15,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from amxopt.passes import _autotune
-from amxopt.passes._graph import dtype_of, val
+from amxopt.passes._graph import dtype_of, hint, val
 from amxopt.patterns import DTYPES, Match, Rule, sdpa_replacement
 
 aten = torch.ops.aten
@@ -72,7 +72,7 @@ def _sdpa_refusal(match: Match) -> str | None:
     # Sizes equal in the example: separate dynamic inputs get separate symbols, and a later call
     # where they differ is refused by the op's own checks (k/v alike, bounds in range), never wrong.
     def same(a, b) -> bool:
-        return statically_known_true(a == b) or (_example(a) is not None and _example(a) == _example(b))
+        return statically_known_true(a == b) or (hint(a) is not None and hint(a) == hint(b))
 
     if not (same(q.shape[0], k.shape[0]) and same(k.shape[0], v.shape[0])):
         return f"q/k/v batches {q.shape[0]}/{k.shape[0]}/{v.shape[0]} may differ (SDPA broadcasts them)"
@@ -90,10 +90,6 @@ def _sdpa_refusal(match: Match) -> str | None:
         # dim comes from its weights and is static.
         return f"no scale, and a head dim {q.shape[3]} that varies with the input (SDPA's default scale follows it)"
     return None
-
-
-def _example(size):
-    return size.node.hint if isinstance(size, torch.SymInt) else size
 
 
 def _sdpa_timing(match: Match, fn, config) -> _autotune.Timing | None:

@@ -327,8 +327,8 @@ class _Traced:
     What they compute is in the graphs; they are not called when the graphs run. One changed since
     makes the graphs stale. ``changed()`` costs one dict lookup per module, an identity comparison
     per parameter, buffer and submodule (on a Zen 4: about 100 us a call for Wan 1.3B's 858 modules,
-    against 20 us without the identities), a length per empty dict and a counter: hooks are scanned again only when torch's
-    handle counter moved (a hook registered anywhere) or a hook dict that was not empty shrank (one
+    against 20 us without the identities), a length per empty dict and a counter: hooks are scanned
+    again only when torch's handle counter moved (a hook registered anywhere) or a hook dict that was not empty shrank (one
     removed)."""
 
     def __init__(self, source: nn.Module) -> None:

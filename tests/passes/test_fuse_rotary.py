@@ -414,7 +414,8 @@ _QKV = {"q": _r(6, 2, 16), "k": _r(6, 2, 16, seed=1), "v": _r(6, 2, 16, seed=2),
         (_RotatedQCastAsItself(), _QKV, False, None),
     ],
     ids=["table-view-write", "table-view-write-dynamic", "table-slice-assigned", "two-writes-alike", "random-angles",
-         "tables-filled-later", "rounded-otherwise", "signed-zero", "int-and-float-factor", "heads-first-regrouped", "across-heads", "heads-merged", "one-angle", "merged-size-read", "q-also-cast", "q-cast-as-itself"],
+         "tables-filled-later", "rounded-otherwise", "signed-zero", "int-and-float-factor", "heads-first-regrouped",
+         "across-heads", "heads-merged", "one-angle", "merged-size-read", "q-also-cast", "q-cast-as-itself"],
 )  # fmt: skip
 def test_fuse_rotary_leaves_what_its_checks_guard_and_matches_eager(model, inputs, dynamic, reason):
     # A helper's review: each was fused wrongly (1.0-2.1 off) or crashed the pass with its check
