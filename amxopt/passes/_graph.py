@@ -32,7 +32,8 @@ from amxopt.patterns import AMX_KINDS
 REPLACED = "amxopt_replaced"  # on a new amxopt node: the aten op it replaced
 LEFT = "amxopt_left"  # on an aten node a pass chose to keep: why
 LEFT_KIND = "amxopt_left_kind"  # on a kept glue chain's root (an add, an empty_like): the report's kind
-# on another kind's node (a modulate's layer_norm, or what replaced it): [(glue kind, why a rule left it)]
+# on another kind's node (a modulate's layer_norm, or what replaced it):
+# [(glue kind, why a rule left it, the autotune Timing if that was why, else None)]
 GLUE_LEFT = "amxopt_glue_left"
 TIMED = "amxopt_timing"  # on a new amxopt node or a kept aten node: the autotune Timing that decided it
 SHARDED = "amxopt_sharded"  # on a row-parallel Linear: which tp shard the graph computes

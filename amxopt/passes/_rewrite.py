@@ -151,8 +151,8 @@ def _leave(root: fx.Node, rule: Rule, reason: str, timing=None) -> None:
         leave(root, reason, timing)
     elif root.target in _OWNED:
         notes = root.meta.setdefault(GLUE_LEFT, [])
-        if (rule.kind, reason) not in notes:  # (the pass run again)
-            notes.append((rule.kind, reason))
+        if all(note[:2] != (rule.kind, reason) for note in notes):  # (the pass run again)
+            notes.append((rule.kind, reason, timing))
     else:
         leave(root, reason, timing)
         root.meta[LEFT_KIND] = rule.kind

@@ -82,21 +82,23 @@ class Report:
         sharded: collections.Counter = collections.Counter()
         choices: dict = {}  # op -> (winner, Timing)
         for node in gm.graph.nodes:
-            if TIMED in node.meta:
-                timing = node.meta[TIMED]
+            glue = node.meta.get(GLUE_LEFT, ())
+            timed = [(node.target in AMX_KINDS, node.meta[TIMED])] if TIMED in node.meta else []
+            # a modulate autotune kept on ATen: its layer_norm carries that timing beside its own
+            for won, timing in [(False, note[2]) for note in glue if note[2] is not None] + timed:
                 # The node of a shape that was timed: the others read the decision it cached, and
                 # would label a timing made in this very optimize() "[cached]". (Passes time in their
                 # own order, not the graph's.)
                 known = choices.get(timing.op)
                 if known is None or (known[1].cached and not timing.cached):
-                    choices[timing.op] = ("amxopt" if node.target in AMX_KINDS else "ATen", timing)
+                    choices[timing.op] = ("amxopt" if won else "ATen", timing)
             if node.op == "get_attr" and LEFT in node.meta:
                 notes.append(f"{node.target}: {node.meta[LEFT]}")
             if node.op != "call_function":
                 continue
             if SHARDED in node.meta:
                 sharded[node.meta[SHARDED]] += 1
-            left += [Entry(kind, node.name, op_name(node.target), why) for kind, why in node.meta.get(GLUE_LEFT, ())]
+            left += [Entry(kind, node.name, op_name(node.target), why) for kind, why, _ in glue]
             if LEFT_KIND in node.meta and LEFT in node.meta and node.target not in AMX_KINDS:
                 # a glue chain's root (an add, an empty_like) left as ATen: a chain of that kind left
                 left.append(Entry(node.meta[LEFT_KIND], node.name, op_name(node.target), node.meta[LEFT]))

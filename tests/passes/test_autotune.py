@@ -133,6 +133,24 @@ def test_a_fused_linear_aten_keeps_is_not_rewritten_without_its_activation(tmp_p
     assert {"aten.linear.default", "aten.silu.default"} <= calls and not any("amxopt" in c for c in calls)
 
 
+def test_a_modulate_aten_keeps_is_among_the_kernel_choices(tmp_path, monkeypatch):
+    # A modulate's root is its layer_norm, which replace_norms then takes: autotune's decision to keep
+    # the modulate on ATen rides on the norm's replacement, and the report lists it with the others.
+    from tests.passes.test_glue_rules import Block, _inputs
+
+    def compare(op, config, run_amxopt, run_aten, schedule=None):
+        return _autotune.Timing(op, *((10.0, 1.0) if op.startswith("modulate") else (1.0, 10.0)))
+
+    monkeypatch.setattr(_autotune, "compare", compare)
+    config = amxopt.AmxConfig(provider="native", autotune_cache=str(tmp_path), keep_source=True, graph_cache=False)
+    opt = amxopt.optimize(Block(torch.bfloat16).eval(), _inputs(torch.bfloat16), config)
+    assert opt.report.counts()["modulate"] == 0 and opt.report.counts()["layer_norm"] > 0, str(opt.report)
+    kept = [timing for winner, timing in opt.report.choices if timing.startswith("modulate")]
+    assert kept and all(w == "ATen" for w, t in opt.report.choices if t in kept), str(opt.report)
+    assert all("amxopt 10 ms, ATen 1 ms" in t for t in kept)
+    assert "modulate" in str(opt.report).split("kernel choices")[1]
+
+
 def _schedules(opt) -> dict[int, str | None]:
     """out_features -> amx_schedule of each amxopt.linear of the graph (None: the default)."""
     return {

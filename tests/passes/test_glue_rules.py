@@ -411,7 +411,7 @@ def test_a_glue_look_alike_is_left_or_rewritten_to_the_same_result(module, input
     gm.recompile()
     if reason is not None:  # (a modulate's on its norm, which replace_norms may still take, is kept apart)
         notes = [n.meta[LEFT] for n in gm.graph.nodes if LEFT in n.meta]
-        notes += [why for n in gm.graph.nodes for _, why in n.meta.get(GLUE_LEFT, ())]
+        notes += [why for n in gm.graph.nodes for _, why, _ in n.meta.get(GLUE_LEFT, ())]
         assert any(reason in note for note in notes), gm.graph
     with torch.no_grad():
         torch.testing.assert_close(gm(**gi), module(**inputs))
