@@ -155,7 +155,7 @@ def _check_gemm(op, x_desc, in_features, dtype, packed_weight, bias, out_feature
 
 
 def _check_activation(op, activation):
-    _check(activation in ACTIVATIONS, op, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check(activation in ACTIVATIONS, op, f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
 
 
 def _check_schedule(op, amx_schedule):
@@ -204,11 +204,19 @@ def _check_attention_shapes(q, k, v, scale):
 
 def _check_attention_rotary(q, k, cos, sin, interleaved):
     op = "varlen_attention"
-    _check((cos is None) == (sin is None), op, "rotary_cos and rotary_sin come together")
+    _check(
+        (cos is None) == (sin is None),
+        op,
+        f"rotary_cos and rotary_sin come together; got only {'rotary_sin' if cos is None else 'rotary_cos'}",
+    )
     if cos is None:
         return
     t, d = q.shape[0], q.shape[2]
-    _check(k.shape[0] == t, op, f"a rotary embedding needs q and k of the same tokens; q has {t} and k {k.shape[0]}")
+    _check(
+        k.shape[0] == t,
+        op,
+        f"a rotary embedding needs q and k of the same tokens (self-attention); q has {t} and k {k.shape[0]}",
+    )
     _check(d % 2 == 0, op, f"a rotary embedding needs an even head dim, got {d}")
     _check_float(op, "rotary_cos", cos)
     _check_float(op, "rotary_sin", sin)
@@ -338,7 +346,7 @@ def _check_conv2d(x, weight, bias, stride, padding, dilation, groups, activation
 
 def _check_norm(op, x, params, eps):
     _check(x.dim() >= 1, op, f"x has shape {tuple(x.shape)}; it needs at least one dim")
-    _check(math.isfinite(eps) and eps >= 0, op, f"eps must be finite and not negative, got {eps}")
+    _check(math.isfinite(eps) and eps >= 0, op, f"eps must be finite and not negative, got {eps:g}")
     _check_float(op, "x", x)
     for name, p in params:
         if p is not None:

@@ -1002,6 +1002,31 @@ ERROR_CASES_NATIVE_ENTRY = {
         lambda p: ops.rms_norm(_NX, None, float("nan"), p),
         r"amxopt\.rms_norm: eps must be finite and not negative, got nan",
     ),
+    "norm-eps-minus-one": (
+        lambda p: ops.layer_norm(_NX, None, None, -1.0, p),
+        r"amxopt\.layer_norm: eps must be finite and not negative, got -1$",
+    ),
+    "rotary-cos-alone": (
+        lambda p: ops.varlen_attention(_Q, _K, _K, _CU, _CU, 0, 0, 0.3, False, p, rotary_cos=torch.ones(6, 4)),
+        r"amxopt\.varlen_attention: rotary_cos and rotary_sin come together; got only rotary_cos",
+    ),
+    "rotary-cross-attention": (
+        lambda p: ops.varlen_attention(
+            _Q,
+            _K[:4],
+            _K[:4],
+            _CU,
+            _cu(0, 4),
+            0,
+            0,
+            0.3,
+            False,
+            p,
+            rotary_cos=torch.ones(6, 4),
+            rotary_sin=torch.ones(6, 4),
+        ),
+        r"amxopt\.varlen_attention: a rotary embedding needs q and k of the same tokens \(self-attention\); q has 6",
+    ),
     "zero-out-features": (
         lambda p: _lin(p, out_features=0),
         r"amxopt\.linear: out_features must be in \[1, 2\*\*31\), got 0",
@@ -1019,6 +1044,20 @@ def test_kernel_entry_points_check_their_inputs(provider, case):
     call, match = ERROR_CASES_NATIVE_ENTRY[case]
     with pytest.raises(ValueError, match=match):
         call(provider)
+
+
+@pytest.mark.parametrize("case", [*ERROR_CASES, *ERROR_CASES_NATIVE_ENTRY])
+def test_native_and_reference_refuse_in_the_same_words(case):
+    # The C++ kernels check their inputs on their own, in C++: AmxOpError's promise is the same message.
+    if not native.available()[0]:
+        pytest.skip("the native kernels are not built here")
+    call, _ = {**ERROR_CASES, **ERROR_CASES_NATIVE_ENTRY}[case]
+    said = {}
+    for provider in ("native", "reference"):
+        with pytest.raises(ValueError) as e:
+            call(provider)
+        said[provider] = str(e.value)
+    assert said["native"] == said["reference"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
