@@ -14,6 +14,8 @@ message) and by the reference ops; the C++ kernels repeat them in C++ (they must
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import torch
@@ -406,19 +408,42 @@ def _check_rotary(x, cos, sin, interleaved):
 # --- fakes: checks, then shapes only ---------------------------------------------------------------
 
 
-@torch.library.register_fake("amxopt::pack_linear_weight", lib=_lib)
+def _fake(op: str):
+    """Register ``fn`` as ``op``'s fake. It is also the op's Meta kernel, which the dispatcher picks when
+    any one argument is on the meta device: tensors on two devices (a buffer left on meta beside CPU
+    inputs) are refused there, as eager's ops refuse them, rather than given an empty CPU output."""
+
+    def register(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            devices: dict[torch.device, list[str]] = {}
+            for name, value in signature.bind(*args, **kwargs).arguments.items():
+                if isinstance(value, torch.Tensor):
+                    devices.setdefault(value.device, []).append(name)
+            where = "; ".join(f"{', '.join(names)} on {device}" for device, names in devices.items())
+            _check(len(devices) <= 1, op, f"its tensors must be on one device, got {where}")
+            return fn(*args, **kwargs)
+
+        return torch.library.register_fake(f"amxopt::{op}", lib=_lib)(checked)
+
+    return register
+
+
+@_fake("pack_linear_weight")
 def _(weight, provider="auto"):
     _check_pack(weight)
     return weight.new_empty(packed_linear_shape(weight.shape[0], weight.shape[1], weight.dtype, provider))
 
 
-@torch.library.register_fake("amxopt::linear", lib=_lib)
+@_fake("linear")
 def _(x, packed_weight, bias, activation, out_features, provider="auto", *, residual=None, amx_schedule="default"):
     _check_linear(x, packed_weight, bias, activation, out_features, provider, residual, amx_schedule)
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-@torch.library.register_fake("amxopt::varlen_attention", lib=_lib)
+@_fake("varlen_attention")
 def _(
     q,
     k,
@@ -440,7 +465,7 @@ def _(
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
 
 
-@torch.library.register_fake("amxopt::patch_embed", lib=_lib)
+@_fake("patch_embed")
 def _(x, packed_weight, bias, kernel_size, out_channels, provider="auto"):
     _check_patch(x, packed_weight, bias, kernel_size, out_channels, provider)
     b, _, t, h, w = x.shape
@@ -464,7 +489,7 @@ def _channels_last_conv2d(x, weight, groups, provider) -> bool:
     return k <= DIRECT_CONV_K or gemm
 
 
-@torch.library.register_fake("amxopt::conv2d", lib=_lib)
+@_fake("conv2d")
 def _(x, weight, bias, stride, padding, dilation, groups, activation="none", provider="auto"):
     _check_conv2d(x, weight, bias, stride, padding, dilation, groups, activation)
     out = reference.conv2d(x, weight, bias, stride, padding, dilation, groups)
@@ -474,31 +499,31 @@ def _(x, weight, bias, stride, padding, dilation, groups, activation="none", pro
     return out
 
 
-@torch.library.register_fake("amxopt::layer_norm", lib=_lib)
+@_fake("layer_norm")
 def _(x, weight, bias, eps, provider="auto"):
     _check_norm("layer_norm", x, (("weight", weight), ("bias", bias)), eps)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("amxopt::rms_norm", lib=_lib)
+@_fake("rms_norm")
 def _(x, weight, eps, provider="auto"):
     _check_norm("rms_norm", x, (("weight", weight),), eps)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("amxopt::norm_modulate", lib=_lib)
+@_fake("norm_modulate")
 def _(x, weight, bias, scale, shift, eps, rms, provider="auto"):
     _check_norm_modulate(x, weight, bias, scale, shift, eps, rms)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("amxopt::gated_residual", lib=_lib)
+@_fake("gated_residual")
 def _(x, y, gate, provider="auto"):
     _check_gated_residual(x, y, gate)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("amxopt::rotary_embedding", lib=_lib)
+@_fake("rotary_embedding")
 def _(x, cos, sin, interleaved, provider="auto"):
     _check_rotary(x, cos, sin, interleaved)
     return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -1058,6 +1059,38 @@ def test_native_and_reference_refuse_in_the_same_words(case):
             call(provider)
         said[provider] = str(e.value)
     assert said["native"] == said["reference"]
+
+
+_META = torch.device("meta")
+ONE_ON_META = {
+    "linear-packed_weight": (lambda p: ops.linear(_X, pack(_W, p).to(_META), None, "none", 4, p),
+                             "x on cpu; packed_weight on meta"),
+    "linear-bias": (lambda p: _lin(p, bias=torch.randn(4, device=_META)), "x, packed_weight on cpu; bias on meta"),
+    "varlen_attention-cu_seqlens": (lambda p: _attn(p, cu_q=_CU.to(_META), cu_k=_CU.to(_META)),
+                                    "q, k, v on cpu; cu_seqlens_q, cu_seqlens_k on meta"),
+    "patch_embed-x": (lambda p: _patch(p, x=_PX.to(_META)), "x on meta; packed_weight on cpu"),
+    "conv2d-weight": (lambda p: ops.conv2d(_PX[:, :, 0], torch.randn(3, 2, 1, 1, device=_META), None, [1, 1], [0, 0],
+                                           [1, 1], 1, "none", p), "x on cpu; weight on meta"),
+    "layer_norm-weight": (lambda p: ops.layer_norm(_NX, torch.ones(8, device=_META), None, 1e-6, p),
+                          "x on cpu; weight on meta"),
+    "rms_norm-weight": (lambda p: ops.rms_norm(_NX, torch.ones(8, device=_META), 1e-6, p), "x on cpu; weight on meta"),
+    "norm_modulate-scale": (lambda p: ops.norm_modulate(_NX, None, None, torch.zeros(8, device=_META), torch.zeros(8),
+                                                        1e-6, True, p), "x, shift on cpu; scale on meta"),
+    "gated_residual-gate": (lambda p: ops.gated_residual(_NX, _NX, torch.ones(8, device=_META), p),
+                            "x, y on cpu; gate on meta"),
+    "rotary_embedding-cos": (lambda p: ops.rotary_embedding(_Q, torch.ones(6, 1, 4, device=_META),
+                                                            torch.zeros(6, 1, 4), True, p), "x, sin on cpu; cos on meta"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(ONE_ON_META))
+def test_a_tensor_left_on_meta_is_refused(provider, case):
+    # Any meta argument sends the call to the op's fake (its Meta kernel), which gave uninitialised CPU
+    # memory for output (helper review, stop 61); eager's ops refuse tensors on two devices.
+    call, where = ONE_ON_META[case]
+    op = case.split("-")[0]
+    with pytest.raises(ValueError, match=re.escape(f"amxopt.{op}: its tensors must be on one device, got {where}")):
+        call(provider)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
