@@ -1521,6 +1521,33 @@ def test_layer_norm_of_a_small_spread_beside_a_large_mean(provider, d):
     assert (got.double() - (want * (1 + scale.double()) + shift.double())).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [5, 40, 1152])
+def test_norms_of_rows_whose_squares_overflow_fp32(provider, dtype, d):
+    # |x| ~ 1e20: x * x overflows fp32, and the native rows came out all zeros (helper review, stop 61);
+    # ATen's layer_norm, the reference, gives NaN there, and its rms_norm zeros.
+    if provider == "reference":
+        pytest.skip("ATen's norms, the reference, overflow on these rows")
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, d, generator=g) * 1e20).to(dtype)
+    x[5] = torch.randn(d, generator=g).to(dtype)  # an ordinary row beside them
+    w, b = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    scale, shift = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    for rms in (False, True):
+        want = (
+            F.rms_norm(x.double(), (d,), w.double(), 1e-6)
+            if rms
+            else F.layer_norm(x.double(), (d,), w.double(), b.double(), 1e-6)
+        )
+        got = ops.rms_norm(x, w, 1e-6, provider) if rms else ops.layer_norm(x, w, b, 1e-6, provider)
+        assert_close_dtype(got, want.to(dtype), dtype)
+        got = ops.norm_modulate(x, w, None if rms else b, scale, shift, 1e-6, rms, provider)
+        assert_close_dtype(got, (want * (1 + scale.double()) + shift.double()).to(dtype), dtype)
+    nan = x.clone()
+    nan[0, 1] = math.inf  # an infinity still gives NaN, as in eager
+    assert ops.layer_norm(nan, w, b, 1e-6, provider)[0].isnan().all()
+
+
 def test_gelu_of_huge_negative_values_is_zero(provider):
     # gelu(v) -> -0 as v -> -inf; v times the capped erf tail grew with |v| (-1.3 at -1e36).
     x = torch.tensor([[-13.0, -1e10, -1e30, -1e36, -3e38] + [-20.0] * 11])

@@ -195,6 +195,20 @@ inline void store2(T* p, fVec a, fVec c) {
 // copy and sum (sum of squares for RMSNorm); (2) LayerNorm only: the centred sum of squares (two
 // passes, so no cancellation when |mean| >> std); (3) normalize, weight, bias, modulate
 // (v * (1 + scale) + shift, when scale is given), round and store.
+// A row's mean (LayerNorm) and 1 / sqrt(variance + eps) in double, for a row whose fp32 moments
+// overflowed; a NaN or an infinity in the row still gives NaN, as eager's norms do.
+inline float wide_moments(const float* f, int64_t D, bool rms, float eps, float& mean, float& fix) {
+  double m = 0.0, squares = 0.0;
+  if (!rms) {
+    for (int64_t i = 0; i < D; ++i) m += f[i];
+    m /= double(D);
+  }
+  for (int64_t i = 0; i < D; ++i) squares += (f[i] - m) * (f[i] - m);
+  mean = float(m);
+  fix = 0.f;
+  return float(1.0 / std::sqrt(squares / double(D) + eps));
+}
+
 template <typename T>
 void norm_rows(const T* x, int64_t ldx, T* y, int64_t rows, int64_t D, const float* w, const float* b,
                const float* scale, const float* shift, float eps, bool rms, float* f) {
@@ -240,7 +254,8 @@ void norm_rows(const T* x, int64_t ldx, T* y, int64_t rows, int64_t D, const flo
       fix = c / D;
       var = std::max((hsum(s0 + s1) + tail - c * fix) / D, 0.f);
     }
-    const float inv = 1.f / std::sqrt(var + eps);
+    // x * x overflowed fp32 (|x| above ~1.8e19; zeros, not the normalized row): its moments again in double
+    const float inv = std::isfinite(var) ? 1.f / std::sqrt(var + eps) : wide_moments(f, D, rms, eps, mean, fix);
     const fVec mu(mean), sc(inv), off(-fix * inv);
     for (int64_t i = 0; i < Dv; i += 2 * kF) {
       fVec v0 = at::vec::fmadd(fVec::loadu(f + i) - mu, sc, off);
