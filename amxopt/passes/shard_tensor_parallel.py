@@ -278,6 +278,12 @@ def _units(gm: fx.GraphModule) -> tuple[list[_Unit], list[tuple[fx.Node, str]], 
             continue
         if not is_constant(_weight(row)):
             continue
+        computed = [
+            n.name for n in (*sorted(cols, key=order.get), row) if _bias(n) is not None and not is_constant(_bias(n))
+        ]
+        if computed:  # (a shard slices its bias, or adds it once: a constant's, at load time)
+            left.append((row, f"the bias of {', '.join(computed)} is computed in the graph, not a constant"))
+            continue
         units.append(_Unit(sorted(cols, key=order.get), sorted(inside, key=order.get), row))
     # A Linear that ends one unit and starts another (a LoRA adapter's B on q: A -> B is an MLP of
     # rank r, and B's output joins q's heads) is a column of the second: the first stays replicated.
@@ -572,7 +578,21 @@ def _not_finite_at_zero(node: fx.Node, layouts: dict[fx.Node, Layout]) -> bool:
     if node.target is aten.pow.Tensor_Scalar:
         exponent = node.args[1]
         return node.args[0] in layouts and not (isinstance(exponent, (int, float)) and exponent >= 0)
+    if node.target in _NORMS:  # a per-head norm without eps: the zero head's variance is 0
+        names = [a.name for a in node.target._schema.arguments]
+        at = names.index("eps")
+        eps = node.kwargs.get("eps", node.args[at] if at < len(node.args) else None)
+        return node.args[0] in layouts and eps == 0
     return False
+
+
+_NORMS = (
+    aten.layer_norm.default,
+    aten.rms_norm.default,
+    torch.ops.amxopt.layer_norm.default,
+    torch.ops.amxopt.rms_norm.default,
+    torch.ops.amxopt.norm_modulate.default,
+)
 
 
 def _size_slot(node: fx.Node, out: Layout | None) -> tuple[list, int] | None:

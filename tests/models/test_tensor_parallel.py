@@ -597,6 +597,40 @@ class _SlicedQKVBlock(_MaskedAttentionBlock):
         return x + self.o(o.transpose(1, 2).reshape(b, s, c))
 
 
+class _ZeroEpsHeadNormBlock(torch.nn.Module):
+    """3 heads (padded to 4 at tp 2) with a per-head norm of q and k with eps 0: 0 * rsqrt(0) on the padding."""
+
+    def __init__(self, dim: int = 48, heads: int = 3, norm=torch.nn.RMSNorm) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.norm_q, self.norm_k = norm(self.head_dim, eps=0.0), norm(self.head_dim, eps=0.0)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.norm_q(self.q(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.norm_k(self.k(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
+        v = self.v(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + self.o(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class _ComputedBiasMLP(torch.nn.Module):
+    """A bias scaled by the input (a conditioned bias): a shard would slice it, or add it on every rank."""
+
+    def __init__(self, which: str, dim: int = 48) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+        self.which = which
+
+    def forward(self, x):
+        b1, b2 = (
+            f.bias * x.mean() if self.which == name else f.bias for f, name in ((self.fc1, "fc1"), (self.fc2, "fc2"))
+        )
+        h = torch.nn.functional.gelu(torch.nn.functional.linear(x, self.fc1.weight, b1))
+        return x + torch.nn.functional.linear(h, self.fc2.weight, b2)
+
+
 _UNSHARDABLE = {  # block, what the report says of it
     # untested: the padding column's NaN, all-reduced, made every output NaN
     "a division of padded columns": (_DividedMLP, "5 columns are padded to 6 at tp 2, and div"),
@@ -628,6 +662,15 @@ _UNSHARDABLE = {  # block, what the report says of it
     # untested: gelu of each rank's partial sum (0.127 off eager at tp 2); every call failed
     "activation fused into the row Linear": (_ActivatedRowMLP, "has a fused gelu (it must follow the all-reduce)"),
     "q, k and v sliced from one Linear": (_SlicedQKVBlock, "slices or concatenates along the sharded dim"),
+    # untested: every output NaN at tp 2 (helper review, stop 61)
+    "per-head RMSNorm with eps 0": (_ZeroEpsHeadNormBlock, "3 heads are padded to 4 at tp 2, and rms_norm"),
+    "per-head LayerNorm with eps 0": (
+        functools.partial(_ZeroEpsHeadNormBlock, norm=torch.nn.LayerNorm),
+        "3 heads are padded to 4 at tp 2, and layer_norm",
+    ),
+    # untested: optimize() raised TypeError ('str' object is not callable) at tp 2
+    "column bias computed in the graph": (functools.partial(_ComputedBiasMLP, "fc1"), "is computed in the graph"),
+    "row bias computed in the graph": (functools.partial(_ComputedBiasMLP, "fc2"), "is computed in the graph"),
 }
 
 
