@@ -63,6 +63,7 @@ from amxopt.passes._graph import (
     op_name,
     source_attr,
     val,
+    written_alias,
 )
 
 logger = logging.getLogger(__name__)
@@ -732,6 +733,14 @@ def shard_tensor_parallel(gm: fx.GraphModule, config: AmxConfig) -> PassResult:
     tp, rank, group = config.tp, config.tp_rank, config.tp_group
     if not 0 <= rank < tp:
         raise ValueError(f"amxopt: shard_tensor_parallel: tp_rank {rank} is not a rank of tp {tp} (0..{tp - 1})")
+    for node in gm.graph.nodes:
+        write = written_alias(node) if node.op == "get_attr" else None
+        if write is not None:  # in the memory every rank shares with the caller's model
+            raise ValueError(
+                f"amxopt: tp {tp} cannot run a model that writes its own tensor {node.target} in forward "
+                f"({write.name}: {op_name(write.target)}): each rank would write it, in the memory the ranks "
+                "share with the model; optimize it with tp=1"
+            )
     units, left, why_not = _units(gm)
     if _unfuse_column_residuals(gm, units):
         units, left, why_not = _units(gm)

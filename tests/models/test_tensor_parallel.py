@@ -696,6 +696,32 @@ class _PlainMLP(torch.nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
+class _CountingBlocks(torch.nn.Module):
+    """Counts its calls in a buffer, written in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_PlainMLP()])
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.blocks[0](x) * self.calls
+
+
+def test_a_model_that_writes_its_buffers_is_refused_at_tp():
+    # Each rank wrote the buffer the ranks share with the caller's model: counted twice per call, the
+    # output 10.65 off eager, and the next call refused as if the user had changed a weight (helper
+    # review, stop 61). Shape propagation in the pass wrote it too, at optimize().
+    torch.manual_seed(0)
+    model, x = _CountingBlocks().eval(), torch.randn(2, 10, 48)
+    adapter, graph_inputs = prepare(model, (x,))
+    config = dataclasses.replace(CONFIG, tp=2, tp_rank=0, tp_group="unused")
+    with pytest.raises(ValueError, match=r"tp 2 cannot run a model that writes its own tensor calls in forward"):
+        build_graph(model, adapter, graph_inputs, config)
+    assert model.calls.item() == 0
+
+
 class _Held(torch.nn.Module):
     """Two MLP blocks in a ModuleList named ``holder``."""
 
