@@ -231,9 +231,10 @@ def _worker(rank: int, world: int, port: int, cores, model, example_inputs, conf
         failed = False  # the last call raised: its error stays readable until the next call starts
         for call in itertools.count(1):
             _wait_for_call(store, call)
-            kind, args, kwargs = pickle.loads(_received())
+            kind, args, kwargs, rng = pickle.loads(_received())
             if kind == "stop":
                 break
+            torch.set_rng_state(rng)  # rank 0's: a random op in forward draws the same numbers on every rank
             if failed:
                 # Dropped as this call starts, not after it: rank 0 returns from the call while this
                 # rank is still finishing it, and a death then is not to be told with the old error.
@@ -483,7 +484,7 @@ class TPModule(nn.Module):
         if not self._finalizer.alive:
             raise RuntimeError("amxopt: this TPModule is closed (a rank failed, or close() was called)")
         self.module.check_inputs(*args, **kwargs)  # before any rank runs the call
-        message = _pickled(("call", args, kwargs))
+        message = _pickled(("call", args, kwargs, torch.get_rng_state()))
         try:
             self._check_workers()
             call = _send(self._store, self._state, message)
@@ -550,7 +551,7 @@ def _shut_down(workers: list, store: dist.TCPStore, state: dict, previous: tuple
         state["group"] = False
         if state["in_step"] and all(w.is_alive() for w in workers):
             try:
-                _send(store, state, _pickled(("stop", (), {})))
+                _send(store, state, _pickled(("stop", (), {}, None)))
             except RuntimeError:
                 pass
         if dist.is_initialized():
