@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -186,29 +187,56 @@ def _kept_tensor_parallel(part: TPModule) -> str:
 def _tower_parts(module: nn.Module, prefix: str, parts: list[_Part], left: dict[str, str]) -> None:
     for name, child in module.named_children():
         path = f"{prefix}{name}"
-        if isinstance(child, TPModule):
-            left[path] = _kept_tensor_parallel(child)
-        elif isinstance(child, OptimizedModule) or _tower(child):
-            parts.append(_Part(path, child, False, functools.partial(_install_tower, module, name, child)))
+        inner = compiled(child) or child  # torch.compile's wrapper: the part is the module it compiles
+        if isinstance(inner, TPModule):
+            left[path] = _kept_tensor_parallel(inner)
+        elif isinstance(inner, OptimizedModule) or _tower(inner):
+            install = functools.partial(_install_tower, module, name, child, inner)
+            parts.append(_Part(path, inner, False, install))
         elif _contains_part(child):
             _tower_parts(child, f"{path}.", parts, left)
         elif any(True for _ in child.parameters()):
             left[path] = _left_reason(name, child)
 
 
-def _install_tower(parent: nn.Module, name: str, was: nn.Module, opt: OptimizedModule) -> None:
-    if opt is not was:
+def _install_tower(parent: nn.Module, name: str, was: nn.Module, part: nn.Module, opt: OptimizedModule) -> None:
+    if opt is not part:
+        _dropping_compile(f"{type(parent).__name__}.{name}", was)
         setattr(parent, name, opt)
+
+
+def compiled(value: Any) -> nn.Module | None:
+    """The module a ``torch.compile`` wrapper compiles (``None`` if ``value`` is no such wrapper)."""
+    dynamo = torch._dynamo.eval_frame.OptimizedModule if "torch._dynamo" in sys.modules else ()
+    return value._orig_mod if isinstance(value, dynamo) else None
+
+
+def optimized_part(value: Any) -> OptimizedModule | None:
+    """The amxopt module ``value`` is, or that its ``torch.compile`` wrapper compiles."""
+    value = compiled(value) or value
+    return value if isinstance(value, OptimizedModule) else None
+
+
+def _dropping_compile(path: str, was: nn.Module) -> None:
+    # Its forward is the compiled module's own: the optimized module could not run under it.
+    if compiled(was) is not None:
+        logger.warning(
+            "amxopt: %s was compiled by torch.compile; amxopt's optimized module replaces it, compiled graph and "
+            "all (torch.compile the optimized module, after amxopt.optimize, to have both)",
+            path,
+        )
 
 
 def _part_at(obj: Any, path: str) -> Any:
     """The part at ``path`` of a whole model or pipeline now (``None`` where there is none)."""
     if is_pipeline(obj):
-        return getattr(obj, path, None)
-    try:
-        return obj.get_submodule(path)
-    except AttributeError:
-        return None
+        part = getattr(obj, path, None)
+    else:
+        try:
+            part = obj.get_submodule(path)
+        except AttributeError:
+            return None
+    return compiled(part) or part
 
 
 def _left_reason(name: str, module: nn.Module, pipeline: bool = False) -> str:
@@ -271,27 +299,31 @@ def _pipeline_parts(pipe: Any, parts: list[_Part], left: dict[str, str]) -> None
     for name, component in pipe.components.items():
         if not isinstance(component, nn.Module):
             continue
-        if isinstance(component, TPModule):
-            left[name] = _kept_tensor_parallel(component)
-        elif isinstance(component, OptimizedModule) or name in PIPELINE_COMPONENTS:
-            parts.append(_Part(name, component, True, functools.partial(_install_component, pipe, name, component)))
+        inner = compiled(component) or component  # torch.compile's wrapper: the part is the module it compiles
+        if isinstance(inner, TPModule):
+            left[name] = _kept_tensor_parallel(inner)
+        elif isinstance(inner, OptimizedModule) or name in PIPELINE_COMPONENTS:
+            install = functools.partial(_install_component, pipe, name, component, inner)
+            parts.append(_Part(name, inner, True, install))
         else:
             left[name] = _left_reason(name, component, pipeline=True)
 
 
-def _install_component(pipe: Any, name: str, was: nn.Module, opt: OptimizedModule) -> None:
-    if isinstance(was, OptimizedModule):
+def _install_component(pipe: Any, name: str, was: nn.Module, part: nn.Module, opt: OptimizedModule) -> None:
+    if isinstance(part, OptimizedModule):
         # Assigned by the caller (pipe.transformer = amxopt.optimize(...)): diffusers recorded
         # OptimizedModule as the part's class, which save_pretrained would write to
         # model_index.json and from_pretrained cannot load (or (None, None), once a save
         # skipped it: setattr then keeps that). Record the source's class instead.
         register = getattr(pipe, "register_modules", None)
         if register is not None:
-            register(**{name: was.__dict__["_source"]})
+            register(**{name: part.__dict__["_source"]})
         else:
-            setattr(pipe, name, was.__dict__["_source"])
+            setattr(pipe, name, part.__dict__["_source"])
+    if opt is not part:
+        _dropping_compile(f"{type(pipe).__name__}.{name}", was)
     # Not setattr: diffusers would record the new class in the pipeline's config.
-    pipe.__dict__[name] = opt
+    pipe.__dict__[name] = was if opt is part else opt  # (a compiled optimized part stays compiled)
 
 
 def _route_lora_calls(pipe: Any) -> None:
@@ -330,7 +362,7 @@ def _saving_sources(save: Callable) -> Callable:
         released = [
             n
             for n, v in pipe.__dict__.items()
-            if isinstance(v, OptimizedModule) and weights.has_released(v.__dict__["_source"])
+            if optimized_part(v) is not None and weights.has_released(optimized_part(v).__dict__["_source"])
         ]
         if released:
             raise RuntimeError(
@@ -338,6 +370,13 @@ def _saving_sources(save: Callable) -> Callable:
                 "and released their unpacked copies (one copy in memory), which diffusers would save: save the "
                 "pipeline before amxopt.optimize, or optimize it with AmxConfig(keep_source=True)"
             )
+        register = getattr(pipe, "register_modules", None)
+        for name, value in list(pipe.__dict__.items()):
+            # A part the caller assigned since optimize() (compiled, or optimized alone): diffusers recorded
+            # its class as amxopt's, which model_index.json would name and from_pretrained cannot load.
+            if optimized_part(value) is not None and register is not None:
+                register(**{name: optimized_part(value).__dict__["_source"]})
+                pipe.__dict__[name] = value
         return _with_sources(save)(pipe, *args, **kwargs)
 
     return call
@@ -370,12 +409,12 @@ _ROUTED: dict[type, type] = {}
 def _with_sources(function: Callable) -> Callable:
     @functools.wraps(function)
     def call(pipe: Any, *args: Any, **kwargs: Any) -> Any:
-        swapped = {n: v for n, v in pipe.__dict__.items() if isinstance(v, OptimizedModule)}
-        for n, opt in swapped.items():
-            pipe.__dict__[n] = opt.__dict__["_source"]
+        swapped = {n: v for n, v in pipe.__dict__.items() if optimized_part(v) is not None}
+        for n, value in swapped.items():  # (a compiled one as the source, as diffusers saves a compiled model)
+            pipe.__dict__[n] = optimized_part(value).__dict__["_source"]
         run = functools.partial(function, pipe)
-        for opt in swapped.values():  # load_lora_weights(..., hotswap=True): see hotswap_watched
-            run = functools.partial(opt.hotswap_watched, run)
+        for value in swapped.values():  # load_lora_weights(..., hotswap=True): see hotswap_watched
+            run = functools.partial(optimized_part(value).hotswap_watched, run)
         try:
             return run(*args, **kwargs)
         finally:

@@ -318,6 +318,42 @@ def test_an_optimized_pipeline_saves_its_parts_as_their_source_models(tmp_path):
     assert not (tmp_path / "released").exists()
 
 
+def test_a_part_compiled_after_optimize_is_saved_kept_and_reported(tmp_path):
+    # torch.compile(pipe.transformer) after optimize(): save_pretrained skipped the part (diffusers
+    # unwraps the compile, then finds amxopt's class) and recorded (None, None); optimize(pipe) again
+    # wrapped the compile in a second optimized module, whose calls failed (helper review, stop 61).
+    from diffusers import WanPipeline
+    from torch._dynamo.eval_frame import OptimizedModule as Compiled
+
+    pipe = pipelines.build_wan_pipeline("tiny-wan", torch.float32)
+    expected = _frames(pipe)
+    amxopt.optimize(pipe, config=CONFIG)
+    optimized = pipe.transformer
+    pipe.transformer = torch.compile(pipe.transformer, backend="eager")
+    pipe.save_pretrained(tmp_path / "saved")
+    assert pipe.config.transformer == ("diffusers", "WanTransformer3DModel"), pipe.config.transformer
+    torch.testing.assert_close(_frames(WanPipeline.from_pretrained(tmp_path / "saved")), expected)
+    amxopt.optimize(pipe)
+    assert isinstance(pipe.transformer, Compiled) and pipe.transformer._orig_mod is optimized
+    assert pipe.amxopt_report.optimized["transformer"] is optimized and "replaced" not in str(pipe.amxopt_report)
+    torch.testing.assert_close(_frames(pipe), expected, atol=1e-5, rtol=1e-5)
+    assert optimized.graphs
+
+
+def test_a_tower_compiled_before_optimize_is_replaced_compile_and_all(qwen3_vl, caplog):
+    # Its forward is the compiled tower's own: optimize() put its module inside the compile, which never
+    # called it, and the report said "optimized" (helper review, stop 61).
+    model = pipelines.build_qwen3_vl("tiny", torch.float32)
+    model.model.visual = torch.compile(model.model.visual, backend="eager")
+    inputs = pipelines.qwen3_vl_prompt(model, images=[(64, 96)])
+    amxopt.optimize(model, config=CONFIG)
+    assert isinstance(model.model.visual, amxopt.OptimizedModule)
+    assert "Qwen3VLModel.visual was compiled by torch.compile; amxopt's optimized module replaces it" in caplog.text
+    with torch.no_grad():
+        assert max_abs_error(model(**inputs).logits, qwen3_vl(**inputs).logits) < 1e-4
+    assert model.model.visual.graphs
+
+
 def test_a_whole_model_call_asking_for_hidden_states_runs_its_tower_without_them(qwen3_vl, caplog):
     """transformers passes the call's output_hidden_states on to the vision tower and returns the
     language model's: the tower's graph has none to give and says so."""
