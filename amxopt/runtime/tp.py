@@ -344,8 +344,9 @@ class TPModule(nn.Module):
         # Not in step until every rank has optimized: a worker may be waiting for an autotune decision
         # of rank 0's, which a stop message would answer.
         self._state = {"calls": 0, "group": False, "in_step": False}
-        # One call at a time: every rank must see the calls, and their collectives, in one order.
-        self._calls = threading.Lock()
+        # One call at a time: every rank must see the calls, and their collectives, in one order. Re-entrant:
+        # a failed call closes the module while it holds it.
+        self._calls = threading.RLock()
         _check_importable(model)
         port = _free_port()
         timeout = datetime.timedelta(seconds=config.tp_timeout_s)
@@ -541,8 +542,10 @@ class TPModule(nn.Module):
 
     def close(self) -> None:
         """Stop the workers, leave the process group and give back the caller's cores and threads;
-        the module cannot be called afterwards. Closing again does nothing."""
-        self._finalizer()
+        the module cannot be called afterwards. Closing again does nothing. A call running in another
+        thread ends first (the stop message sent amid its collectives broke them)."""
+        with self._calls:
+            self._finalizer()
 
 
 def _shut_down(workers: list, store: dist.TCPStore, state: dict, previous: tuple) -> None:

@@ -923,11 +923,13 @@ def test_an_argument_that_cannot_be_sent_is_refused_and_the_module_stays_usable(
 
 @torch.library.custom_op("amxopt_tests::fails_in_a_worker", mutates_args=())
 def _fails_in_a_worker(x: torch.Tensor, parent: int) -> torch.Tensor:
-    """Fails in a worker alone on 3 rows, in rank 0 alone on 5."""
+    """Fails in a worker alone on 3 rows, in rank 0 alone on 5; takes a second in rank 0 on 7."""
     if os.getpid() != parent and x.shape[0] == 3:
         raise MemoryError("out of memory in this worker alone")
     if os.getpid() == parent and x.shape[0] == 5:
         raise MemoryError("out of memory in rank 0 alone")
+    if os.getpid() == parent and x.shape[0] == 7:
+        time.sleep(1)
     return x.clone()
 
 
@@ -1006,6 +1008,26 @@ def test_every_call_reaches_the_ranks_with_its_own_values_and_a_rank_that_raises
             # A worker raising alone: rank 0 waits in a collective; the error was "no rank exited".
             with pytest.raises(RuntimeError, match=r"rank 1 raised in call \d+:(.|\n)*out of memory in this worker"):
                 sharded(torch.randn(3, 32))
+    finally:
+        sharded.close()
+
+
+def test_a_close_from_another_thread_lets_the_running_call_end():
+    # The stop went out amid the call's collectives: close() hung for tp_timeout_s and the call failed
+    # with "rank 0 raised in call 3" (the stop's number; helper review, stop 61).
+    model, x = _ScaledBlocks(os.getpid()).eval(), torch.randn(7, 32)  # 7 rows: a second in rank 0's op
+    sharded = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, tp=2, tp_timeout_s=3))
+    got = []
+    try:
+        with torch.no_grad():
+            sharded(x)
+            caller = threading.Thread(target=lambda: got.append(sharded(x)))
+            caller.start()
+            time.sleep(0.5)
+            sharded.close()
+            caller.join()
+            torch.testing.assert_close(got[0], model(x))
+            assert [w.exitcode for w in sharded._workers] == [0]
     finally:
         sharded.close()
 
