@@ -59,6 +59,9 @@ _ERROR = "amxopt/error/{}"
 _CALL = "amxopt/call/{}"
 _IDLE_WAIT = datetime.timedelta(days=1)
 _DONE = "amxopt/done/{}"  # the last call worker r finished, returned or raised
+# Worker r has read call n's arguments ("") or could not (the error): an object a worker cannot
+# unpickle (a class defined under the script's main guard) is refused before rank 0 runs the call.
+_READ = "amxopt/read/{}/{}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,9 +234,16 @@ def _worker(rank: int, world: int, port: int, cores, model, example_inputs, conf
         failed = False  # the last call raised: its error stays readable until the next call starts
         for call in itertools.count(1):
             _wait_for_call(store, call)
-            kind, args, kwargs, rng = pickle.loads(_received())
+            message = _received()
+            try:
+                kind, args, kwargs, rng = pickle.loads(message)
+            except Exception as e:  # noqa: BLE001 - rank 0 refuses the call; no rank runs it
+                store.set(_READ.format(call, rank), f"{type(e).__name__}: {e}"[-4000:] or "?")
+                store.set(_DONE.format(rank), str(call))
+                continue
             if kind == "stop":
                 break
+            store.set(_READ.format(call, rank), "")
             torch.set_rng_state(rng)  # rank 0's: a random op in forward draws the same numbers on every rank
             if failed:
                 # Dropped as this call starts, not after it: rank 0 returns from the call while this
@@ -489,11 +499,17 @@ class TPModule(nn.Module):
         try:
             self._check_workers()
             call = _send(self._store, self._state, message)
+            unread = self._unread(call)
         except Exception as e:  # the workers may have seen the call announced and not received it
             raise self._failed(e) from e
         except BaseException:  # KeyboardInterrupt: as above, and raised as it is
             self._failed(None)
             raise
+        if unread:  # no rank runs it: still in step
+            raise TypeError(
+                f"amxopt: a tensor-parallel call's arguments could not be read in a worker process ({unread}); "
+                "no rank ran it. Define the classes of the arguments at a module's top level"
+            )
         try:
             with torch.no_grad():
                 return self.module(*args, **kwargs)
@@ -505,6 +521,15 @@ class TPModule(nn.Module):
         except BaseException:
             self._failed(None)
             raise
+
+    def _unread(self, call: int) -> str:
+        """Wait until every worker has read ``call``'s arguments; what one could not read, or ""."""
+        keys = [_READ.format(call, r) for r in range(1, self.tp)]
+        self._store.wait(keys, datetime.timedelta(seconds=self._timeout_s))
+        said = {r: self._store.get(k).decode() for r, k in enumerate(keys, 1)}
+        for k in keys:
+            self._store.delete_key(k)
+        return "; ".join(f"rank {r}: {error}" for r, error in said.items() if error)
 
     def _finished(self, call: int) -> bool:
         """Whether every worker finishes ``call`` (returns or raises) within tp_timeout_s."""

@@ -891,12 +891,31 @@ class _MLPBlock(torch.nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
+class _ReadInRank0Only:
+    """Pickles, and unpickles in rank 0 only: as a class defined under a script's main guard."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+
+    def __reduce__(self):
+        return _read_in_rank_0_only, (self.parent,)
+
+
+def _read_in_rank_0_only(parent: int) -> _ReadInRank0Only:
+    if os.getpid() != parent:
+        raise AttributeError("Can't get attribute 'Note' on <module '__mp_main__'>")
+    return _ReadInRank0Only(parent)
+
+
 def test_an_argument_that_cannot_be_sent_is_refused_and_the_module_stays_usable():
     model, x = _Blocks(_MLPBlock(), _MLPBlock()).eval(), torch.randn(4, 32)
     sharded = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, tp=2))
     try:
         with pytest.raises(TypeError, match="cannot be pickled"):
             sharded(x, note=threading.Lock())
+        # The worker died reading it, the call failed and the module closed (helper review, stop 61).
+        with pytest.raises(TypeError, match=r"could not be read in a worker process \(rank 1: AttributeError: Can't"):
+            sharded(x, note=_ReadInRank0Only(os.getpid()))
         with torch.no_grad():
             expected = model(x)
             torch.testing.assert_close(sharded(x), expected)
