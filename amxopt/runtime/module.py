@@ -79,8 +79,10 @@ def _refuse_meta(model: nn.Module, name: str) -> None:
     if on_meta is not None and weights.has_released(model):
         raise RuntimeError(
             f"amxopt: {name}: {on_meta} is on the meta device, with no values to capture: "
-            "built beside weights amxopt.optimize packed and released (a LoRA adapter loaded after optimize?). "
-            "Load adapters before amxopt.optimize, or optimize with AmxConfig(keep_source=True)"
+            "built from or beside weights amxopt.optimize packed and released (a LoRA adapter loaded after "
+            "optimize, or layers fused after it, as fuse_qkv_projections() does). Load adapters and fuse layers "
+            "before amxopt.optimize (or undo the change: unfuse_qkv_projections()), or optimize with "
+            "AmxConfig(keep_source=True)"
         )
     if on_meta is not None:
         raise RuntimeError(

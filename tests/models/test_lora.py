@@ -148,6 +148,13 @@ def test_an_adapter_loaded_after_weights_were_released_is_a_clear_error(tmp_path
         _run(opt, inputs)
     model.delete_adapters("style")
     _run(opt, inputs)
+    # diffusers' fused q/k/v, built from released weights: the message guessed a LoRA adapter
+    # (helper review, stop 61)
+    model.fuse_qkv_projections()
+    with pytest.raises(RuntimeError, match=r"to_qkv\.weight is on the meta device.*fuse_qkv_projections\(\)"):
+        _run(opt, inputs)
+    model.unfuse_qkv_projections()
+    _run(opt, inputs)
 
 
 def _adapter_weights(seed: int) -> dict:
