@@ -441,12 +441,17 @@ def _parse_guard(code: str) -> ast.Expression:
         tree = ast.parse(code, mode="eval")
     except (SyntaxError, ValueError) as e:  # (ValueError: a null byte)
         raise GraphStoreError(f"guard {code!r} is not an expression ({e.msg if isinstance(e, SyntaxError) else e})")
+    # a tensor's method is called, with no arguments (args[0].size(), not args[0].size(0) or args[0].dim)
+    methods = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    methods &= {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call) and not (n.args or n.keywords)}
     for node in ast.walk(tree):
         ok = isinstance(node, (ast.Expression, ast.Constant, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare,
                                ast.Subscript, ast.Call, ast.Attribute, ast.Name, ast.Load, ast.And, ast.Or,
                                *_BINARY, *_COMPARE, *_UNARY))  # fmt: skip
         ok = ok and not (isinstance(node, ast.Name) and node.id not in ("args", *_CALLS))
-        ok = ok and not (isinstance(node, ast.Attribute) and node.attr not in _METHODS)
+        ok = ok and not (isinstance(node, ast.Attribute) and (node.attr not in _METHODS or id(node) not in methods))
+        ok = ok and not (isinstance(node, ast.Call) and not isinstance(node.func, (ast.Name, ast.Attribute)))
+        ok = ok and not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.keywords)
         ok = ok and not (isinstance(node, ast.Constant) and not isinstance(node.value, (int, float)))
         if not ok:
             raise GraphStoreError(f"guard {code!r}: {ast.unparse(node)} is outside what amxopt evaluates")
@@ -497,7 +502,7 @@ class GuardCheck:
         for text, tree in self.code:
             try:
                 ok = _evaluate(tree, args)
-            except (IndexError, TypeError) as e:
+            except (IndexError, TypeError, ArithmeticError) as e:  # (a damaged entry's // 0)
                 raise AssertionError(f"Guard failed: {text} ({e})") from None
             if not ok:
                 raise AssertionError(f"Guard failed: {text}")

@@ -103,11 +103,27 @@ def test_stored_guards_decide_like_exports(qwen_capture, rows, width, skew):
 
 @pytest.mark.parametrize(
     "code",
-    ["__import__('os').system('true')", "args[0].numpy()", "args[0].size()[0] == 'x'", "(lambda: 1)() == 1"],
+    [
+        "__import__('os').system('true')",
+        "args[0].numpy()",
+        "args[0].size()[0] == 'x'",
+        "(lambda: 1)() == 1",
+        # parsed, then raised in the evaluator as optimize() ran (helper review, stop 61)
+        "args[0].size(0) >= 1",
+        "args[0].dim >= 1",
+        "args[0].size()[0](1) >= 1",
+        "max(1, key=abs) == 1",
+    ],
 )
 def test_a_guard_outside_the_vocabulary_is_refused(code):
     with pytest.raises(graph_store.GraphStoreError, match="outside what amxopt evaluates"):
         graph_store.GuardCheck([code])
+
+
+def test_a_guard_that_raises_as_it_is_evaluated_fails_as_a_guard():
+    # A damaged entry's division by zero ended optimize() (helper review, stop 61): the graph rejects the call.
+    with pytest.raises(AssertionError, match="Guard failed"):
+        graph_store.GuardCheck(["args[0].size()[0] // 0 >= 0"])(torch.zeros(2))
 
 
 @pytest.mark.parametrize("code", ["args[0].size()[0] ==", "args[0]\x00"])
