@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from amxopt.capture.base import Adapter, Captured, CaptureError, export
+from amxopt.capture.base import Adapter, Captured, CaptureError, export, refuse_inference_tensors
 from amxopt.capture.qwen import QwenAudioAdapter, QwenVisionAdapter
 from amxopt.capture.wan import WanAdapter
 from amxopt.config import AmxConfig
@@ -74,5 +74,6 @@ __all__ = [
     "export",
     "find_adapter",
     "prepare",
+    "refuse_inference_tensors",
     "split_inputs",
 ]

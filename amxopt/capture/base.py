@@ -169,6 +169,19 @@ class Captured:
             self.guards(*pytree.tree_leaves(graph_inputs))
 
 
+def refuse_inference_tensors(module: nn.Module, model_name: str) -> None:
+    """Refuse a module with a parameter or buffer made under ``torch.inference_mode``: export cannot
+    trace it, and a graph restored for it (the graph cache) would not see writes to it (an inference
+    tensor counts no versions)."""
+    inference = next((n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_inference()), None)
+    if inference is not None:
+        raise CaptureError(
+            f"amxopt: {model_name}'s {inference} was created under torch.inference_mode, and torch.export "
+            "cannot trace inference tensors: build or load the model outside inference_mode (calling it inside "
+            "is fine)"
+        )
+
+
 def export(
     model: nn.Module, adapter: Adapter, graph_inputs: dict[str, Any], dynamic: bool, stamp_blocks: bool = True
 ) -> Captured:
@@ -178,13 +191,7 @@ def export(
     (amxopt/capture/repeated.py); a stack that cannot be is traced block by block, with a note.
     """
     module = adapter.export_module(model)
-    inference = next((n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_inference()), None)
-    if inference is not None:
-        raise CaptureError(
-            f"amxopt: {adapter.model_name}'s {inference} was created under torch.inference_mode, and torch.export "
-            "cannot trace inference tensors: build or load the model outside inference_mode (calling it inside "
-            "is fine)"
-        )
+    refuse_inference_tensors(module, adapter.model_name)
     attempts = [True, False] if dynamic else [False]
     errors = []
     members = _member_names(module)

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.utils.hooks import RemovableHandle
 
-from amxopt.capture import Adapter, CaptureError, export, repeated, split_inputs
+from amxopt.capture import Adapter, CaptureError, export, refuse_inference_tensors, repeated, split_inputs
 from amxopt.config import AmxConfig
 from amxopt.ops import packed
 from amxopt.passes import run_passes
@@ -50,6 +50,7 @@ def build_graph(
     """
     _refuse_meta(model, adapter.model_name)  # (before the cache: a stored graph would pack no values)
     module = adapter.export_module(model)
+    refuse_inference_tensors(module, adapter.model_name)  # (before the cache too: writes to them are unseen)
     key = None
     if config.graph_cache and not keep_text and config.tp == 1:
         key = graph_store.cache_key(module, adapter.name, graph_inputs, config)
