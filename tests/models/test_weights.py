@@ -351,3 +351,79 @@ def test_a_kept_packed_weight_saves_and_loads_with_torch_load(tmp_path):
     loaded = torch.load(tmp_path / "state.pt")
     torch.testing.assert_close(loaded["0.weight"], model[0].weight)
     assert not packed.packings(loaded["0.weight"])  # another storage: the copy is packed anew
+
+
+# --- holes a mutation review found (helper review, stop 61): each mutant gave a wrong result ------------
+
+
+class _FunctionalLinear(nn.Module):
+    """Reads its Linear's weight through F.linear, not by calling the Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(48, 64)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.a.weight, self.a.bias)
+
+
+class _ReadsItsWeight(nn.Module):
+    """A 2-D input runs the Linear; a 3-D one reads the weight itself (a graph that needs it unpacked)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(48, 64)
+
+    def forward(self, x):
+        return self.a(x) if x.dim() == 2 else self.a.weight.sum() + x.sum(-1)
+
+
+def _plain(**kw) -> amxopt.AmxConfig:
+    return dataclasses.replace(CONFIG, graph_cache=False, isolate_capture=False, **kw)
+
+
+def test_the_released_source_called_eagerly_is_refused():
+    # (mutant: the tracing mark left on after export: the call read the stand-ins, ~1e9 values)
+    torch.manual_seed(0)
+    model, x = _FunctionalLinear().eval(), torch.randn(8, 48)
+    opt = amxopt.optimize(model, (x,), _plain(keep_source=False))
+    with torch.no_grad():
+        opt(x)
+        with pytest.raises(RuntimeError, match="released"):
+            model(x)
+
+
+def test_new_data_at_another_offset_of_the_same_storage_is_packed_again():
+    # (mutant: a packing's stamp without the data pointer: 32.7 off)
+    torch.manual_seed(0)
+    model, x = _Mlp().eval(), torch.randn(8, 48)
+    flat = torch.randn(2 * 64 * 48)
+    model.a.weight.data = flat[: 64 * 48].view(64, 48)
+    opt = amxopt.optimize(model, (x,), _plain())
+    with torch.no_grad():
+        opt(x)
+        model.a.weight.data = flat[64 * 48 :].view(64, 48)
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_recapture_that_reads_a_released_weight_unpacked_is_refused():
+    # (mutant: the release mark not carried onto the stand-in: the graph read its zeros, 1.73 off)
+    torch.manual_seed(0)
+    model = _ReadsItsWeight().eval()
+    opt = amxopt.optimize(model, (torch.randn(8, 48),), _plain(keep_source=False))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="a.weight exists only packed"):
+        opt(torch.randn(2, 8, 48))
+
+
+def test_a_weight_of_a_graph_restored_from_the_cache_is_watched(tmp_path):
+    # (mutant: the restore's packing not remembered on the source: an in-place write unseen, 1.94 off)
+    config = dataclasses.replace(CONFIG, graph_cache=True, isolate_capture=False, autotune_cache=str(tmp_path))
+    x = torch.randn(8, 48)
+    with torch.no_grad():
+        amxopt.optimize(_Mlp().eval(), (x,), config)(x)
+        model = _Mlp().eval()
+        opt = amxopt.optimize(model, (x,), config)
+        opt(x)
+        assert any("graph restored" in n for n in opt.report.notes), opt.report.notes
+        model.a.weight.mul_(2)
+        torch.testing.assert_close(opt(x), model(x))
