@@ -427,3 +427,15 @@ def test_a_weight_of_a_graph_restored_from_the_cache_is_watched(tmp_path):
         assert any("graph restored" in n for n in opt.report.notes), opt.report.notes
         model.a.weight.mul_(2)
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_a_released_model_optimized_for_another_provider_is_refused_in_a_child_capture():
+    # (mutant: a released weight's meta placeholder listed as unpacked: the parent packed it, and the
+    # restored graph computed on no values, 2.1e37 off)
+    torch.manual_seed(0)
+    model, x = _Mlp().eval(), torch.randn(8, 48)
+    config = dataclasses.replace(CONFIG, keep_source=False, graph_cache=False, isolate_capture=True)
+    with torch.no_grad():
+        amxopt.optimize(model, (x,), config)(x)
+        with pytest.raises(RuntimeError, match=r"a.weight was released after packing, but this graph packs it again"):
+            amxopt.optimize(model, (x,), dataclasses.replace(config, provider="native"))(x)
