@@ -120,6 +120,17 @@ def test_a_guard_outside_the_vocabulary_is_refused(code):
         graph_store.GuardCheck([code])
 
 
+@pytest.mark.parametrize("size, ok", [(1, False), (2, True), (4, True), (8, False)])
+def test_a_chained_comparison_holds_each_link(size, ok):
+    # (mutant: each link compared with the chain's first value, accepting 8 under 2 <= s <= 4)
+    check = graph_store.GuardCheck(["2 <= args[0].size()[0] <= 4"])
+    if ok:
+        check(torch.zeros(size))
+    else:
+        with pytest.raises(AssertionError, match="Guard failed"):
+            check(torch.zeros(size))
+
+
 def test_a_guard_that_raises_as_it_is_evaluated_fails_as_a_guard():
     # A damaged entry's division by zero ended optimize() (helper review, stop 61): the graph rejects the call.
     with pytest.raises(AssertionError, match="Guard failed"):
