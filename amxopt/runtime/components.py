@@ -187,7 +187,7 @@ def _kept_tensor_parallel(part: TPModule) -> str:
 def _tower_parts(module: nn.Module, prefix: str, parts: list[_Part], left: dict[str, str]) -> None:
     for name, child in module.named_children():
         path = f"{prefix}{name}"
-        inner = compiled(child) or child  # torch.compile's wrapper: the part is the module it compiles
+        inner = _compiled(child) or child  # torch.compile's wrapper: the part is the module it compiles
         if isinstance(inner, TPModule):
             left[path] = _kept_tensor_parallel(inner)
         elif isinstance(inner, OptimizedModule) or _tower(inner):
@@ -205,21 +205,21 @@ def _install_tower(parent: nn.Module, name: str, was: nn.Module, part: nn.Module
         setattr(parent, name, opt)
 
 
-def compiled(value: Any) -> nn.Module | None:
+def _compiled(value: Any) -> nn.Module | None:
     """The module a ``torch.compile`` wrapper compiles (``None`` if ``value`` is no such wrapper)."""
     dynamo = torch._dynamo.eval_frame.OptimizedModule if "torch._dynamo" in sys.modules else ()
     return value._orig_mod if isinstance(value, dynamo) else None
 
 
-def optimized_part(value: Any) -> OptimizedModule | None:
+def _optimized_part(value: Any) -> OptimizedModule | None:
     """The amxopt module ``value`` is, or that its ``torch.compile`` wrapper compiles."""
-    value = compiled(value) or value
+    value = _compiled(value) or value
     return value if isinstance(value, OptimizedModule) else None
 
 
 def _dropping_compile(path: str, was: nn.Module) -> None:
     # Its forward is the compiled module's own: the optimized module could not run under it.
-    if compiled(was) is not None:
+    if _compiled(was) is not None:
         logger.warning(
             "amxopt: %s was compiled by torch.compile; amxopt's optimized module replaces it, compiled graph and "
             "all (torch.compile the optimized module, after amxopt.optimize, to have both)",
@@ -236,7 +236,7 @@ def _part_at(obj: Any, path: str) -> Any:
             part = obj.get_submodule(path)
         except AttributeError:
             return None
-    return compiled(part) or part
+    return _compiled(part) or part
 
 
 def _left_reason(name: str, module: nn.Module, pipeline: bool = False) -> str:
@@ -299,7 +299,7 @@ def _pipeline_parts(pipe: Any, parts: list[_Part], left: dict[str, str]) -> None
     for name, component in pipe.components.items():
         if not isinstance(component, nn.Module):
             continue
-        inner = compiled(component) or component  # torch.compile's wrapper: the part is the module it compiles
+        inner = _compiled(component) or component  # torch.compile's wrapper: the part is the module it compiles
         if isinstance(inner, TPModule):
             left[name] = _kept_tensor_parallel(inner)
         elif isinstance(inner, OptimizedModule) or name in PIPELINE_COMPONENTS:
@@ -362,7 +362,7 @@ def _saving_sources(save: Callable) -> Callable:
         released = [
             n
             for n, v in pipe.__dict__.items()
-            if optimized_part(v) is not None and weights.has_released(optimized_part(v).__dict__["_source"])
+            if _optimized_part(v) is not None and weights.has_released(_optimized_part(v).__dict__["_source"])
         ]
         if released:
             raise RuntimeError(
@@ -374,8 +374,8 @@ def _saving_sources(save: Callable) -> Callable:
         for name, value in list(pipe.__dict__.items()):
             # A part the caller assigned since optimize() (compiled, or optimized alone): diffusers recorded
             # its class as amxopt's, which model_index.json would name and from_pretrained cannot load.
-            if optimized_part(value) is not None and register is not None:
-                register(**{name: optimized_part(value).__dict__["_source"]})
+            if _optimized_part(value) is not None and register is not None:
+                register(**{name: _optimized_part(value).__dict__["_source"]})
                 pipe.__dict__[name] = value
         return _with_sources(save)(pipe, *args, **kwargs)
 
@@ -409,12 +409,12 @@ _ROUTED: dict[type, type] = {}
 def _with_sources(function: Callable) -> Callable:
     @functools.wraps(function)
     def call(pipe: Any, *args: Any, **kwargs: Any) -> Any:
-        swapped = {n: v for n, v in pipe.__dict__.items() if optimized_part(v) is not None}
+        swapped = {n: v for n, v in pipe.__dict__.items() if _optimized_part(v) is not None}
         for n, value in swapped.items():  # (a compiled one as the source, as diffusers saves a compiled model)
-            pipe.__dict__[n] = optimized_part(value).__dict__["_source"]
+            pipe.__dict__[n] = _optimized_part(value).__dict__["_source"]
         run = functools.partial(function, pipe)
         for value in swapped.values():  # load_lora_weights(..., hotswap=True): see hotswap_watched
-            run = functools.partial(optimized_part(value).hotswap_watched, run)
+            run = functools.partial(_optimized_part(value).hotswap_watched, run)
         try:
             return run(*args, **kwargs)
         finally:
