@@ -525,7 +525,15 @@ class TPModule(nn.Module):
     def _unread(self, call: int) -> str:
         """Wait until every worker has read ``call``'s arguments; what one could not read, or ""."""
         keys = [_READ.format(call, r) for r in range(1, self.tp)]
-        self._store.wait(keys, datetime.timedelta(seconds=self._timeout_s))
+        deadline = time.monotonic() + self._timeout_s
+        while True:  # in slices: a worker that died meanwhile is told at once, with its exit code
+            try:
+                self._store.wait(keys, datetime.timedelta(seconds=min(1.0, self._timeout_s)))
+                break
+            except dist.DistStoreError:
+                self._check_workers()
+                if time.monotonic() > deadline:
+                    raise
         said = {r: self._store.get(k).decode() for r, k in enumerate(keys, 1)}
         for k in keys:
             self._store.delete_key(k)
