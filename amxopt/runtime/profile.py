@@ -7,7 +7,7 @@ interpreter adds. Rows are per op (``amxopt.linear``, ``aten.mul.Tensor``, ...) 
 GEMMs, attention and convolutions, and the ATen ones they replace) a row also has its GFLOP and
 TFLOP/s, so a GEMM's speed can be read against the CPU's limit.
 
-A profile is the node-timed run of median total among ``repeats`` runs after one warm-up call
+A profile is the node-timed run of median total among ``repeats`` runs after one warm-up of each kind
 (per-op medians of a noisy machine's runs add up to more than any run took). It says what a node costs inside
 the model: small ops after a large GEMM read their inputs from memory and cost 2-3x what they cost
 alone, which a per-op benchmark does not show.
@@ -239,6 +239,7 @@ def profile_graph(
     graph_times, timed_times, runs = [], [], []
     with torch.no_grad():
         gm(**graph_inputs)  # warm-up: first-call allocations, thread pools
+        _NodeTimer(gm, by_shape).run(*inputs, enable_io_processing=False)  # and the interpreter's first run (~40 ms)
         for _ in range(repeats):
             start = time.perf_counter()
             gm(**graph_inputs)
