@@ -140,6 +140,17 @@ def test_dump_of_any_model_from_a_factory(tmp_path, capsys):
     assert final["replaced"] == 2  # layer_norm, linear with gelu fused
     assert "whole graph" in (tmp_path / "00_captured.svg").read_text()
     assert "rewrite report: _Tiny" in capsys.readouterr().out
+    # pack_weights: the weight and its packing op removed, the packed weight added; the text diff from before to after
+    pack = (tmp_path / f"{len(DEFAULT_PASSES):02d}_pack_weights.diff.txt").read_text()
+    assert re.findall(r"^(removed|added|changed) (\d+) nodes:$", pack, re.M) == [
+        ("removed", "2"),
+        ("added", "1"),
+        ("changed", "0"),
+    ]
+    text = pack.split("+++ after\n")[1].splitlines()
+    assert any(line.startswith("-") and "pack_linear_weight.default" in line for line in text), pack
+    assert any(line.startswith("+") and "self._packed.fc_weight" in line for line in text), pack
+    assert "<td>pack_weights</td><td>yes</td><td>-2 +1 ~0</td>" in (tmp_path / "index.html").read_text()
     # A second dump captures again: a graph from the graph cache has no text of its passes.
     again = tmp_path / "again"
     assert cli.main(["dump", "tests.test_cli:build_tiny", "--out", str(again), "--dtype", "fp32", "--no-autotune"]) == 0
@@ -166,7 +177,9 @@ def test_dump_of_a_bad_factory_says_what_is_wrong(spec, error, capsys):
         (["--size", "abc"], "sizes are positive numbers"),
         (["--size", "-64"], "sizes must be positive"),
         (["--size", "1.e400"], "sizes must be positive and finite"),
+        (["--size", "0,32,32"], "sizes must be positive and finite"),
         (["--tp", "2", "--rank", "5"], "--rank 5 is not a rank of --tp 2"),
+        (["--tp", "2", "--rank", "2"], "--rank 2 is not a rank of --tp 2 (0..1)"),
         (["--tp", "0"], "--tp is a rank count >= 2"),
         (["--rank", "1"], "--tp is a rank count >= 2"),
         (["--out", __file__], "a file is there, not a directory"),
@@ -190,6 +203,14 @@ def test_a_json_symlink_to_a_file_not_there_yet_is_left_as_it_was(tmp_path):
     link.symlink_to(tmp_path / "run1.json")
     cli.check_run_options(argparse.ArgumentParser(), 1, str(link))
     assert link.is_symlink() and not (tmp_path / "run1.json").exists()
+
+
+def test_a_json_file_there_is_left_as_it_was(tmp_path):
+    # (an earlier run's results: the check neither removes nor empties it)
+    earlier = tmp_path / "run1.json"
+    earlier.write_text('{"earlier": "results"}')
+    cli.check_run_options(argparse.ArgumentParser(), 1, str(earlier))
+    assert earlier.read_text() == '{"earlier": "results"}'
 
 
 def test_a_json_pipe_is_not_opened_to_try_it(tmp_path):
@@ -245,6 +266,35 @@ def test_a_factorys_processor_output_is_cast_to_the_dtype_asked_for():
     assert model.fc.weight.dtype == torch.bfloat16 and inputs["x"].dtype == torch.bfloat16
 
 
+def build_ids():
+    return nn.Sequential(nn.Embedding(10, 16), nn.Linear(16, 8)).eval(), (torch.tensor([[1, 2, 9]]),)
+
+
+def test_a_factorys_integer_inputs_are_not_cast():
+    model, (ids,) = dump.load_target("tests.test_cli:build_ids", torch.bfloat16)
+    assert model[0].weight.dtype == torch.bfloat16 and ids.dtype == torch.int64
+
+
+def test_a_factory_is_found_from_the_working_directory(tmp_path, monkeypatch):
+    # As the console script runs: its sys.path starts at its bin/, without the working directory.
+    (tmp_path / "amxopt_cwd_factory.py").write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Linear(4, 4).eval(), (torch.randn(2, 4),)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    try:
+        model, (x,) = dump.load_target("amxopt_cwd_factory:build", torch.bfloat16)
+    finally:
+        sys.modules.pop("amxopt_cwd_factory", None)
+    assert model.weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
+
+
+def test_dump_writes_into_dumps_named_after_the_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["dump", "tests.test_cli:build_tiny", "--dtype", "fp32", "--no-autotune"]) == 0
+    assert (tmp_path / "dumps" / "tests.test_cli.build_tiny" / "index.html").is_file()  # (no ':' in a path)
+
+
 @pytest.mark.parametrize(
     "args, error",
     [
@@ -269,6 +319,30 @@ def test_dump_draws_every_edge_downward():
     g.add_edges_from([("a", "b"), ("b", "c"), ("a", "d"), ("c", "d")])
     row = {n: i for i, names in enumerate(dump._rows(g)) for n in names}
     assert all(row[u] < row[v] for u, v in g.edges), row
+
+
+def _chain(modules: list[tuple[str, ...]]):
+    """A graph input, then one node per entry of ``modules`` (the module paths it is in), in a chain."""
+    import networkx as nx
+
+    g, prev = nx.DiGraph(), "x"
+    g.add_node(prev, kind="input", label="x", detail="", modules=())
+    for i, mods in enumerate(modules):
+        g.add_node(f"n{i}", kind="aten", label="op", detail="", modules=mods)
+        g.add_edge(prev, f"n{i}")
+        prev = f"n{i}"
+    return g
+
+
+def test_dump_draws_a_large_graphs_first_block():
+    assert dump.layer(_chain([()] * 399))[1] == "whole graph"  # 400 nodes: drawn whole
+    assert dump.layer(_chain([()] * 400))[1] == "first 400 nodes"
+    # The first block of a stack (blocks.0 beside blocks.1), not a one-element list's proj.0; the node
+    # feeding it drawn as an input.
+    blocks = [("blocks", f"blocks.{b}") for b in range(50) for _ in range(10)]
+    sub, title = dump.layer(_chain([("proj", "proj.0"), *blocks]))
+    assert title == "blocks.0"
+    assert sorted(kind for _, kind in sub.nodes(data="kind")) == ["aten"] * 10 + ["input"]
 
 
 def build_wrong():
@@ -396,9 +470,81 @@ def build_swapped_tokens():
     return _SwappedTokens().eval(), (torch.randn(1, 2, 16, 8) * 0.1,)
 
 
+class _Off(nn.Module):
+    """An output near a tolerance's edge case, and a captured form off by a chosen amount."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.fc, self.kind = nn.Linear(8, 8), kind
+
+    def forward(self, x):
+        y, captured = self.fc(x), torch.compiler.is_compiling()
+        if self.kind == "nan":  # NaN where captured
+            return y * torch.nan if captured else y
+        if self.kind == "nan_second":  # two outputs, the second NaN where captured
+            return y, (y * torch.nan if captured else y)
+        if self.kind == "tiny":  # magnitude 1e-6, off by 1e-9 in fp32: within 2e-5 of the 0.01 floor
+            y = y * 1e-6
+            return y + 1e-9 if captured and y.dtype == torch.float32 else y
+        if self.kind == "zero":  # all zeros, off by 1e-6 in bf16: within 2% of the 1e-3 floor
+            y = y * 0
+            return y + 1e-6 if captured and y.dtype == torch.bfloat16 else y
+        # "skewed": one column of 1000s beside values near 1, off by 5e-3 in fp32: within 2e-5 of its
+        # largest magnitude (2e-2), not of its mean one (~2e-3)
+        y = torch.cat([torch.full_like(y[:, :1], 1000.0), y], dim=1)
+        return y + 5e-3 if captured and y.dtype == torch.float32 else y
+
+
+def build_nan():
+    return _Off("nan").eval(), (torch.randn(3, 8),)
+
+
+def build_nan_second():
+    return _Off("nan_second").eval(), (torch.randn(3, 8),)
+
+
+def build_tiny_output():
+    return _Off("tiny").eval(), (torch.randn(3, 8),)
+
+
+def build_zero_output():
+    return _Off("zero").eval(), (torch.randn(3, 8),)
+
+
+def build_skewed_output():
+    return _Off("skewed").eval(), (torch.randn(3, 8),)
+
+
+class _Cancelling(nn.Module):
+    """``x (1 + 2**-6) - x``: bf16 keeps little of it (an error near 10% of the output, past the 2% floor);
+    the captured form 1.25x as far from fp32 as eager bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("a", torch.tensor(1 + 2**-6))
+        self.register_buffer("b", torch.tensor(1.0))
+
+    def forward(self, x):
+        y = x * self.a - x * self.b
+        if torch.compiler.is_compiling() and y.dtype == torch.bfloat16:
+            exact = x.float() * self.a.float() - x.float() * self.b.float()
+            return exact + 1.25 * (y.float() - exact)
+        return y
+
+
+def build_cancelling():
+    return _Cancelling().eval(), (torch.randn(4, 64),)
+
+
 @pytest.mark.parametrize(
     "factory, fails",
     [
+        ("build_nan", ["fp32", "bf16"]),  # a NaN is never within a bound
+        ("build_nan_second", ["fp32", "bf16"]),
+        ("build_tiny_output", []),  # the 0.01 floor: 2e-5 of magnitude 1e-6 would fail summation order
+        ("build_zero_output", []),  # the 1e-3 floor: 2% of zero would fail any bf16 rounding
+        ("build_skewed_output", []),  # the largest magnitude, not the mean one
+        ("build_cancelling", []),  # bf16: within 1.5x eager bf16's error
         ("build_masked_wrong", ["fp32", "bf16"]),  # an infinity in the output made the tolerance infinite
         ("build_wrong_in_bf16", ["bf16"]),  # within 10% of the largest magnitude, the old bf16 bound
         ("build_with_plain_outputs", []),  # None and a number beside the tensor: compared, not a crash
@@ -410,6 +556,46 @@ def test_check_judges_each_output_as_the_tests_do(factory, fails, capsys):
     assert cli.main(["check", f"tests.test_cli:{factory}", "--provider", "reference"]) == (1 if fails else 0)
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines if "FAILS" in line] == fails, lines
+
+
+def test_check_names_a_nan_output_as_the_one_nearest_its_bound(capsys):
+    # A NaN error over its bound compares as nothing: counted as infinitely near, not output 0 (exact).
+    assert cli.main(["check", "tests.test_cli:build_nan_second", "--provider", "reference"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines if "nearest its bound: output 1, nan FAILS" in line] == [
+        "fp32",
+        "bf16",
+    ], lines
+
+
+def test_commands_pass_their_options_on(tmp_path, monkeypatch):
+    import amxopt
+    import amxopt.runtime
+    from amxopt.runtime import module
+
+    calls = []
+    optimize, profile_graph, build_graph = amxopt.optimize, module.profile_graph, amxopt.runtime.build_graph
+
+    def record(name, real):
+        def call(*args, **kwargs):
+            config = next((a for a in [*args, *kwargs.values()] if isinstance(a, amxopt.AmxConfig)), None)
+            calls.append((name, config.autotune if config else kwargs))
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(amxopt, "optimize", record("optimize", optimize))
+    monkeypatch.setattr(module, "profile_graph", record("profile_graph", profile_graph))
+    monkeypatch.setattr(amxopt.runtime, "build_graph", record("build_graph", build_graph))
+    factory = "tests.test_cli:build_tiny"
+    assert cli.main(["check", factory, "--no-autotune", "--provider", "reference"]) == 0
+    assert calls == [("optimize", False)] * 2
+    calls.clear()
+    assert cli.main(["profile", factory, "--dtype", "fp32", "--no-autotune", "--repeats", "1", "--by-shape"]) == 0
+    assert calls == [("optimize", False), ("profile_graph", dict(repeats=1, by_shape=True))]
+    calls.clear()
+    assert cli.main(["dump", factory, "--dtype", "fp32", "--no-autotune", "--out", str(tmp_path)]) == 0
+    assert calls == [("build_graph", False)]
 
 
 def test_dump_of_a_tp_shard_shows_the_collectives(tmp_path, capsys):
