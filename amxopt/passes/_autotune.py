@@ -297,7 +297,14 @@ def _agreed(config: AmxConfig, decide: Callable[[], T]) -> T:
         return decide()
     group = dist.distributed_c10d._resolve_process_group(config.tp_group)
     box = [decide() if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(box, group=group, group_src=0)
+    try:
+        dist.broadcast_object_list(box, group=group, group_src=0)
+    except RuntimeError as e:  # gloo's own words name neither the wait nor the setting
+        raise RuntimeError(
+            f"amxopt: tp rank {dist.get_rank(group)}: rank 0's autotune decision did not reach every rank within "
+            f"tp_timeout_s ({config.tp_timeout_s:g} s; the ranks' captures took longer than that apart): raise "
+            f"tp_timeout_s, or optimize with AmxConfig(autotune=False) ({e})"
+        ) from e
     return box[0]
 
 

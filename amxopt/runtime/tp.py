@@ -570,7 +570,10 @@ class TPModule(nn.Module):
                 f"amxopt: a tensor-parallel call failed: rank 0 raised in call {self._state['calls']}: "
                 f"{type(e).__name__}: {e}{after}"
             )
-        detail = "; ".join(failed) if failed else "no rank exited: one hung past tp_timeout_s or failed in the call"
+        detail = "; ".join(failed) or (
+            f"no rank exited: one hung past tp_timeout_s ({self._timeout_s:g} s; a call that captures a graph again, "
+            "for a new shape or dtype, must finish that capture within it too) or failed in the call"
+        )
         return RuntimeError(f"amxopt: a tensor-parallel call failed: {detail} ({e})")
 
     def close(self) -> None:

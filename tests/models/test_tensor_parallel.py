@@ -1005,6 +1005,17 @@ def test_a_workers_optimize_is_not_bounded_by_the_calls_timeout():
         sharded.close()
 
 
+def test_an_autotune_decision_past_the_timeout_says_so(tmp_path):
+    # With autotune on, rank 0 sends each decision in a collective, which the slow worker reaches after
+    # tp_timeout_s: optimize() failed with gloo's own words (helper review, stop 61).
+    model, x = _SlowToCaptureBlocks(os.getpid()).eval(), torch.randn(4, 32)
+    config = dataclasses.replace(
+        CONFIG, tp=2, tp_timeout_s=1, autotune=True, provider="auto", autotune_cache=str(tmp_path)
+    )
+    with pytest.raises(RuntimeError, match=r"autotune decision did not reach every rank within tp_timeout_s \(1 s"):
+        amxopt.optimize(model, (x,), config)
+
+
 def test_every_call_reaches_the_ranks_with_its_own_values_and_a_rank_that_raises_is_named():
     model = _ScaledBlocks(os.getpid()).eval()
     sharded = amxopt.optimize(model, (torch.randn(4, 32),), dataclasses.replace(CONFIG, tp=2, tp_timeout_s=3))
