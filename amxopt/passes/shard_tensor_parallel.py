@@ -579,17 +579,20 @@ def _not_finite_at_zero(node: fx.Node, layouts: dict[fx.Node, Layout]) -> bool:
     if node.target is aten.pow.Tensor_Scalar:
         exponent = node.args[1]
         return node.args[0] in layouts and not (isinstance(exponent, (int, float)) and exponent >= 0)
-    if node.target in _NORMS:  # a per-head norm without eps: the zero head's variance is 0
+    if node.target in _NORMS and node.args[0] in layouts:
+        # A per-head norm without eps: the padding head's variance is 0. (One across the heads dim
+        # all-reduces its moments over the whole row, which the padding's zeros leave finite.)
         names = [a.name for a in node.target._schema.arguments]
         at = names.index("eps")
         eps = node.kwargs.get("eps", node.args[at] if at < len(node.args) else None)
-        return node.args[0] in layouts and eps == 0
+        normalized = len(node.args[1]) if node.target in _ATEN_NORMS else 1  # the trailing dims it normalizes
+        return eps == 0 and layouts[node.args[0]].dim < len(_shape(node.args[0])) - normalized
     return False
 
 
+_ATEN_NORMS = (aten.layer_norm.default, aten.rms_norm.default)
 _NORMS = (
-    aten.layer_norm.default,
-    aten.rms_norm.default,
+    *_ATEN_NORMS,
     torch.ops.amxopt.layer_norm.default,
     torch.ops.amxopt.rms_norm.default,
     torch.ops.amxopt.norm_modulate.default,

@@ -767,6 +767,18 @@ def test_a_division_of_columns_that_need_no_padding_is_sharded():
     assert any("1 attention/MLP units sharded" in n for n in report.notes), report.notes
 
 
+def test_a_norm_across_padded_heads_without_eps_is_sharded():
+    # Wan's norm_q / norm_k span every head: their moments are all-reduced over the whole row, which the
+    # padding's zeros leave finite. Only a per-head norm without eps is refused (review of stop 61's change).
+    model = models.build_model("tiny-wan", torch.float32, num_attention_heads=5, attention_head_dim=16)
+    for block in model.blocks:
+        block.attn1.norm_q.eps = block.attn1.norm_k.eps = block.attn2.norm_q.eps = block.attn2.norm_k.eps = 0.0
+    adapter, graph_inputs = prepare(model, models.example_inputs("tiny-wan", torch.float32))
+    config = dataclasses.replace(CONFIG, tp=3, tp_rank=0, tp_group="unused")
+    report = build_graph(model, adapter, graph_inputs, config).report
+    assert any("6 attention/MLP units sharded" in n for n in report.notes), report.notes
+
+
 @pytest.mark.parametrize("rank", range(4))
 def test_every_rank_refuses_a_norm_across_kv_heads_kept_per_q_head(rank):
     """4 q / 2 kv heads at tp 4: each rank keeps one kv head, none twice, but each kv head is on two
