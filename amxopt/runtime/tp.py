@@ -30,6 +30,7 @@ import logging
 import os
 import pathlib
 import pickle
+import re
 import signal
 import socket
 import sys
@@ -62,6 +63,7 @@ _DONE = "amxopt/done/{}"  # the last call worker r finished, returned or raised
 # Worker r has read call n's arguments ("") or could not (the error): an object a worker cannot
 # unpickle (a class defined under the script's main guard) is refused before rank 0 runs the call.
 _READ = "amxopt/read/{}/{}"
+_UNIMPORTABLE = re.compile(r"(AttributeError|ImportError|ModuleNotFoundError): ")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -237,13 +239,17 @@ def _worker(rank: int, world: int, port: int, cores, model, example_inputs, conf
             message = _received()
             try:
                 kind, args, kwargs, rng = pickle.loads(message)
+                unread = ""
             except Exception as e:  # noqa: BLE001 - rank 0 refuses the call; no rank runs it
-                store.set(_READ.format(call, rank), f"{type(e).__name__}: {e}"[-4000:] or "?")
-                store.set(_DONE.format(rank), str(call))
-                continue
+                kind, unread = "call", f"{type(e).__name__}: {e}"[-4000:]
             if kind == "stop":
                 break
-            store.set(_READ.format(call, rank), "")
+            store.set(_READ.format(call, rank), unread or "")
+            peers = [_READ.format(call, r) for r in range(1, world)]
+            store.wait(peers)
+            if any(store.get(k) for k in peers):  # one could not read it: rank 0 refuses it, and no rank runs it
+                store.set(_DONE.format(rank), str(call))
+                continue
             torch.set_rng_state(rng)  # rank 0's: a random op in forward draws the same numbers on every rank
             if failed:
                 # Dropped as this call starts, not after it: rank 0 returns from the call while this
@@ -505,10 +511,12 @@ class TPModule(nn.Module):
         except BaseException:  # KeyboardInterrupt: as above, and raised as it is
             self._failed(None)
             raise
-        if unread:  # no rank runs it: still in step
+        if unread:  # no rank runs it (every worker saw it refused): still in step
+            hint = ". Define the classes of the arguments at a module's top level (not under the main guard)"
+            hint = hint if _UNIMPORTABLE.search(unread) else ""
             raise TypeError(
                 f"amxopt: a tensor-parallel call's arguments could not be read in a worker process ({unread}); "
-                "no rank ran it. Define the classes of the arguments at a module's top level"
+                f"no rank ran it{hint}"
             )
         try:
             with torch.no_grad():
@@ -535,8 +543,9 @@ class TPModule(nn.Module):
                 if time.monotonic() > deadline:
                     raise
         said = {r: self._store.get(k).decode() for r, k in enumerate(keys, 1)}
-        for k in keys:
-            self._store.delete_key(k)
+        if call > 1:  # every worker has passed the previous call's (each read its peers' keys before this one)
+            for r in range(1, self.tp):
+                self._store.delete_key(_READ.format(call - 1, r))
         return "; ".join(f"rank {r}: {error}" for r, error in said.items() if error)
 
     def _finished(self, call: int) -> bool:

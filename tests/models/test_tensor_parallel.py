@@ -919,6 +919,40 @@ def _read_in_rank_0_only(parent: int) -> _ReadInRank0Only:
     return _ReadInRank0Only(parent)
 
 
+class _ReadInRank2Only(torch.Tensor):
+    """A tensor that unpickles (as a plain one) everywhere but in rank 2: as an allocation that fails there."""
+
+    def __reduce_ex__(self, protocol):
+        return _read_but_in_rank_2, (self.as_subclass(torch.Tensor).clone(),)
+
+
+def _read_but_in_rank_2(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() == 2:
+        raise MemoryError("cannot allocate in rank 2 alone")
+    return t
+
+
+def test_an_argument_one_worker_cannot_read_is_run_by_no_rank():
+    # Rank 1 read it and ran the call, alone in its collectives; the next call's message paired with them,
+    # and the module closed after tp_timeout_s (review of stop 61's change).
+    model, x = _Blocks(_MLPBlock(), _MLPBlock()).eval(), torch.randn(4, 32)
+    sharded = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, tp=3, tp_timeout_s=10))
+    try:
+        with torch.no_grad():
+            with pytest.raises(
+                TypeError, match=r"\(rank 2: MemoryError: cannot allocate in rank 2 alone\); no rank ran it$"
+            ):
+                sharded(x.as_subclass(_ReadInRank2Only))
+            for scale in (1, 2, 3):
+                torch.testing.assert_close(sharded(x * scale), model(x * scale))
+        sharded.close()
+        assert [w.exitcode for w in sharded._workers] == [0, 0]  # stopped in step, by the stop message
+    finally:
+        sharded.close()
+
+
 def test_an_argument_that_cannot_be_sent_is_refused_and_the_module_stays_usable():
     model, x = _Blocks(_MLPBlock(), _MLPBlock()).eval(), torch.randn(4, 32)
     sharded = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, tp=2))
