@@ -687,7 +687,7 @@ _UNSHARDABLE = {  # block, what the report says of it
         functools.partial(_ZeroEpsHeadNormBlock, norm=torch.nn.LayerNorm),
         "3 heads are padded to 4 at tp 2, and layer_norm",
     ),
-    # untested (helper review, stop 60): each rank's heads beside every head's sinks
+    # untested (helper reviews, stops 60 and 61): a rank's heads beside every head's sinks
     "kv sink tokens concatenated to sharded heads": (_SinkKVBlock, "concatenates sharded and replicated tensors"),
     # untested: optimize() raised TypeError ('str' object is not callable) at tp 2
     "column bias computed in the graph": (functools.partial(_ComputedBiasMLP, "fc1"), "is computed in the graph"),
