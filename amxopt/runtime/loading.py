@@ -931,12 +931,18 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
         key = stored[name]
         entry = manifest["tensors"].get(key)
         dtype = entry.get("dtype") if isinstance(entry, dict) else None
-        if entry is None or entry.get("shape") != list(like.shape) or not (isinstance(dtype, str) and dtype in _DTYPES):
+        packs = entry.get("packed") if isinstance(entry, dict) else None
+        if (
+            entry is None
+            or entry.get("shape") != list(like.shape)
+            or not (isinstance(dtype, str) and dtype in _DTYPES)
+            or not isinstance(packs, bool)
+        ):
             raise CheckpointError(
                 f"amxopt: {weights}: manifest entry for {key} is {entry}, model has {tuple(like.shape)}"
             )
-        kept = [_PACKED_PREFIX + key] if entry.get("packed") else []
-        kept += [key] if not entry.get("packed") or entry.get("plain") else []
+        kept = [_PACKED_PREFIX + key] if packs else []
+        kept += [key] if not packs or entry.get("plain") else []
         if missing := [k for k in kept if k not in tensors]:
             raise CheckpointError(
                 f"amxopt: {weights}: the manifest stores {key} as {' and '.join(kept)}; {missing[0]} is not in the file"
@@ -945,9 +951,9 @@ def load(directory: str | pathlib.Path, config: AmxConfig | None = None) -> Any:
             # In the dtype it was saved in: the model may have been cast whole (``.to(bf16)``), modules
             # the class keeps in fp32 included, and its graphs read them so.
             like = torch.empty(like.shape, dtype=_DTYPES[entry["dtype"]], device="meta")
-            if entry["packed"]:
+            if packs:
                 _check_packing(tensors[_PACKED_PREFIX + key], like, key, config.provider, weights)
-            if not entry["packed"]:
+            if not packs:
                 done[id(expected[name])] = _set(model, name, _convert(key, tensors[key], like, str(weights)))
             elif entry.get("plain"):  # also read unpacked by a graph: the plain tensor, carrying its packing
                 done[id(expected[name])] = _set(model, name, _convert(key, tensors[key], like, str(weights)))

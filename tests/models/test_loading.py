@@ -219,6 +219,12 @@ def _entry_unpacked(directory):
     return {"tensors": manifest["tensors"]}
 
 
+def _entry_without_packed(directory):
+    manifest = json.loads((directory / loading.MANIFEST).read_text())
+    del manifest["tensors"]["blocks.0.norm1.weight"]["packed"]
+    return {"tensors": manifest["tensors"]}
+
+
 def _graph_without_output(directory):
     graphs = json.loads((directory / loading.MANIFEST).read_text())["graphs"]
     del graphs[0]["nodes"][-1]
@@ -253,6 +259,8 @@ def _config_field(field, value):
         # A packed tensor under its plain name, or an entry that says unpacked: a KeyError.
         (_rename_packed_tensor, r"stores blocks.0.attn.qkv.weight as packed::blocks.0.attn.qkv.weight; .* not in the"),
         (_entry_unpacked, r"stores blocks.0.attn.qkv.weight as blocks.0.attn.qkv.weight; .* not in the file"),
+        # (a raw KeyError: 'packed'; helper review, stop 61)
+        (_entry_without_packed, r"manifest entry for blocks.0.norm1.weight is \{'shape'"),
         # Fields gone or of another type: a KeyError, an AttributeError.
         (lambda d: {"file_bytes": None}, r"field 'file_bytes' is None, not a int"),
         (lambda d: {"graphs": {"0": {}}}, r"field 'graphs' is \{'0': \{\}\}, not a list"),
@@ -279,6 +287,7 @@ def _config_field(field, value):
     ids=[
         "packed-renamed",
         "entry-unpacked",
+        "entry-without-packed",
         "no-file-bytes",
         "graphs-dict",
         "dtype",
@@ -1019,15 +1028,22 @@ def _rewrite_header_entry(directory, name, edit):
     path.write_bytes(raw)
 
 
-def test_a_packing_of_another_shape_is_named_at_load(artifact):
+@pytest.mark.parametrize("other", ["shape", "dtype"])
+def test_a_packing_of_another_shape_is_named_at_load(artifact, other):
     # It was accepted; a call then failed inside amxopt.linear, naming neither the tensor nor the artifact.
+    # (Another dtype, same shape: the mutant that dropped that comparison survived; helper review, stop 61.)
     def swap(stored):
-        stored["packed::blocks.0.attn.qkv.weight"] = stored["packed::blocks.0.mlp.linear_fc1.weight"].clone()
+        name = "packed::blocks.0.attn.qkv.weight"
+        if other == "shape":
+            stored[name] = stored["packed::blocks.0.mlp.linear_fc1.weight"].clone()
+        else:
+            stored[name] = stored[name].half()
 
     _rewrite_weights(artifact, swap)
+    found = r"BF16 \(128, .*\)" if other == "shape" else r"F16 \(192, .*\)"
     with pytest.raises(
         amxopt.CheckpointError,
-        match=r"the packing of blocks.0.attn.qkv.weight is BF16 \(128, .*\), but a BF16 \(192, 64\) weight packs to ",
+        match=rf"the packing of blocks.0.attn.qkv.weight is {found}, but a BF16 \(192, 64\) weight packs to ",
     ):
         amxopt.load(artifact, RELEASE)
 
