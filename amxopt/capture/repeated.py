@@ -212,22 +212,27 @@ def _constant(v: Any) -> tuple:
     return type(v), repr(v) if isinstance(v, float) else v
 
 
-def _value(v: Any, depth: int) -> Any:
+# How deep an attribute's objects are compared: a per-layer value the parent writes two objects below a
+# block's attribute (block.ctx.state.layer) was missed at 2, and every copy computed with block 0's.
+_DEPTH = 8
+
+
+def _value(v: Any, depth: int, path: frozenset = frozenset()) -> Any:
     if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device)):
         return _constant(v)
     if isinstance(v, (tuple, list)):
-        return type(v), tuple(_value(x, depth + 1) for x in v)
+        return type(v), tuple(_value(x, depth + 1, path) for x in v)
     if isinstance(v, dict):
-        return dict, tuple((repr(k), _value(x, depth + 1)) for k, x in v.items())
+        return dict, tuple((repr(k), _value(x, depth + 1, path)) for k, x in v.items())
     if isinstance(v, functools.partial):
-        return functools.partial, v.func, _value(v.args, depth + 1), _value(v.keywords, depth + 1)
+        return functools.partial, v.func, _value(v.args, depth + 1, path), _value(v.keywords, depth + 1, path)
     if isinstance(v, types.MethodType):
         return types.MethodType, v.__func__
     if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type)):
         return v
-    if depth < 2 and hasattr(v, "__dict__") and not isinstance(v, torch.Tensor):
-        return type(v), _value(vars(v), depth + 1)  # an attention processor, a config
-    return type(v), id(v)  # a tensor attribute, or deeper: the same object, or not the same setting
+    if depth < _DEPTH and id(v) not in path and hasattr(v, "__dict__") and not isinstance(v, torch.Tensor):
+        return type(v), _value(vars(v), depth + 1, path | {id(v)})  # an attention processor, a config
+    return type(v), id(v)  # a tensor attribute, a cycle, or deeper: the same object, or not the same setting
 
 
 @contextlib.contextmanager

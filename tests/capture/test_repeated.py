@@ -4,16 +4,19 @@ are traced block by block, with the reason in the capture note."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+import amxopt
 from amxopt import models
 from amxopt.capture import prepare
 from amxopt.capture.base import export
 from amxopt.capture.repeated import find_stacks
+from tests.helpers import CONFIG
 
 _TINY = ("tiny-qwen3-vl-vision", "tiny-qwen3-omni-vision", "tiny-qwen3-omni-audio", "tiny-wan")
 
@@ -331,3 +334,47 @@ def test_blocks_called_with_inputs_of_another_dtype_are_traced_one_by_one():
     assert "blocks.1 (traced: blocks.0) is called with inputs of other shapes or dtypes" in captured.note
     with torch.no_grad():
         assert captured.gm(**graph_inputs).dtype == model(x).dtype == torch.float64
+
+
+class _State:
+    def __init__(self) -> None:
+        self.layer = 0
+
+
+class _SharedContext:
+    """Held by every block as an attribute; the parent writes the layer two objects below it."""
+
+    def __init__(self) -> None:
+        self.state, self.scales = _State(), [1.0, 0.5, 0.25, 2.0]
+
+
+class _ContextBlock(nn.Module):
+    def __init__(self, context: _SharedContext) -> None:
+        super().__init__()
+        self.fc, self.context = nn.Linear(16, 16), context
+
+    def forward(self, x):
+        return x + self.fc(x) * self.context.scales[self.context.state.layer]
+
+
+class _ContextBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.context = _SharedContext()
+        self.blocks = nn.ModuleList(_ContextBlock(self.context) for _ in range(4))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            self.context.state.layer = i
+            x = block(x)
+        return x
+
+
+def test_a_setting_written_two_objects_below_a_blocks_attribute_is_seen():
+    # Compared two levels deep, block.context.state.layer was missed: every copy of block 0 computed
+    # with its layer (2.5 off eager; helper review, stop 61).
+    torch.manual_seed(0)
+    model, x = _ContextBlocks().eval(), torch.randn(5, 16)
+    opt = amxopt.optimize(model, (x,), dataclasses.replace(CONFIG, graph_cache=False, isolate_capture=False))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
