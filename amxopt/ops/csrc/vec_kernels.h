@@ -191,10 +191,6 @@ inline void store2(T* p, fVec a, fVec c) {
   }
 }
 
-// Three fused passes per row, all but the first on an fp32 copy in L1: (1) load, convert, keep the
-// copy and sum (sum of squares for RMSNorm); (2) LayerNorm only: the centred sum of squares (two
-// passes, so no cancellation when |mean| >> std); (3) normalize, weight, bias, modulate
-// (v * (1 + scale) + shift, when scale is given), round and store.
 // A row's mean (LayerNorm) and 1 / sqrt(variance + eps) in double, for a row whose fp32 moments
 // overflowed; a NaN or an infinity in the row still gives NaN, as eager's norms do.
 inline float wide_moments(const float* f, int64_t D, bool rms, float eps, float& mean, float& fix) {
@@ -209,6 +205,10 @@ inline float wide_moments(const float* f, int64_t D, bool rms, float eps, float&
   return float(1.0 / std::sqrt(squares / double(D) + eps));
 }
 
+// Three fused passes per row, all but the first on an fp32 copy in L1: (1) load, convert, keep the
+// copy and sum (sum of squares for RMSNorm); (2) LayerNorm only: the centred sum of squares (two
+// passes, so no cancellation when |mean| >> std); (3) normalize, weight, bias, modulate
+// (v * (1 + scale) + shift, when scale is given), round and store.
 template <typename T>
 void norm_rows(const T* x, int64_t ldx, T* y, int64_t rows, int64_t D, const float* w, const float* b,
                const float* scale, const float* shift, float eps, bool rms, float* f) {
