@@ -315,15 +315,23 @@ def _install_component(pipe: Any, name: str, was: nn.Module, part: nn.Module, op
         # OptimizedModule as the part's class, which save_pretrained would write to
         # model_index.json and from_pretrained cannot load (or (None, None), once a save
         # skipped it: setattr then keeps that). Record the source's class instead.
-        register = getattr(pipe, "register_modules", None)
-        if register is not None:
-            register(**{name: part.__dict__["_source"]})
-        else:
-            setattr(pipe, name, part.__dict__["_source"])
+        _record_source_class(pipe, name, part)
     if opt is not part:
         _dropping_compile(f"{type(pipe).__name__}.{name}", was)
     # Not setattr: diffusers would record the new class in the pipeline's config.
     pipe.__dict__[name] = was if opt is part else opt  # (a compiled optimized part stays compiled)
+
+
+def _record_source_class(pipe: Any, name: str, part: OptimizedModule) -> None:
+    """Record ``part``'s source model's class as the pipeline's ``name`` in its config (what
+    ``model_index.json`` names); the attribute itself is left as it was."""
+    value = pipe.__dict__.get(name)
+    register = getattr(pipe, "register_modules", None)
+    if register is not None:
+        register(**{name: part.__dict__["_source"]})
+    else:
+        setattr(pipe, name, part.__dict__["_source"])
+    pipe.__dict__[name] = value
 
 
 def _route_lora_calls(pipe: Any) -> None:
@@ -359,24 +367,18 @@ def _saving_sources(save: Callable) -> Callable:
 
     @functools.wraps(save)
     def call(pipe: Any, *args: Any, **kwargs: Any) -> Any:
-        released = [
-            n
-            for n, v in pipe.__dict__.items()
-            if _optimized_part(v) is not None and weights.has_released(_optimized_part(v).__dict__["_source"])
-        ]
+        parts = {n: part for n, v in pipe.__dict__.items() if (part := _optimized_part(v)) is not None}
+        released = [n for n, part in parts.items() if weights.has_released(part.__dict__["_source"])]
         if released:
             raise RuntimeError(
                 f"amxopt: {type(pipe).__name__}.save_pretrained: amxopt.optimize packed the weights of {released} "
                 "and released their unpacked copies (one copy in memory), which diffusers would save: save the "
                 "pipeline before amxopt.optimize, or optimize it with AmxConfig(keep_source=True)"
             )
-        register = getattr(pipe, "register_modules", None)
-        for name, value in list(pipe.__dict__.items()):
+        for name, part in parts.items():
             # A part the caller assigned since optimize() (compiled, or optimized alone): diffusers recorded
             # its class as amxopt's, which model_index.json would name and from_pretrained cannot load.
-            if _optimized_part(value) is not None and register is not None:
-                register(**{name: _optimized_part(value).__dict__["_source"]})
-                pipe.__dict__[name] = value
+            _record_source_class(pipe, name, part)
         return _with_sources(save)(pipe, *args, **kwargs)
 
     return call

@@ -442,8 +442,8 @@ def _parse_guard(code: str) -> ast.Expression:
     except (SyntaxError, ValueError) as e:  # (ValueError: a null byte)
         raise GraphStoreError(f"guard {code!r} is not an expression ({e.msg if isinstance(e, SyntaxError) else e})")
     # a tensor's method is called, with no arguments (args[0].size(), not args[0].size(0) or args[0].dim)
-    methods = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
-    methods &= {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call) and not (n.args or n.keywords)}
+    calls = (n for n in ast.walk(tree) if isinstance(n, ast.Call))
+    methods = {id(n.func) for n in calls if isinstance(n.func, ast.Attribute) and not (n.args or n.keywords)}
     for node in ast.walk(tree):
         ok = isinstance(node, (ast.Expression, ast.Constant, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare,
                                ast.Subscript, ast.Call, ast.Attribute, ast.Name, ast.Load, ast.And, ast.Or,

@@ -244,7 +244,7 @@ def _worker(rank: int, world: int, port: int, cores, model, example_inputs, conf
                 kind, unread = "call", f"{type(e).__name__}: {e}"[-4000:]
             if kind == "stop":
                 break
-            store.set(_READ.format(call, rank), unread or "")
+            store.set(_READ.format(call, rank), unread)
             peers = [_READ.format(call, r) for r in range(1, world)]
             store.wait(peers)
             if any(store.get(k) for k in peers):  # one could not read it: rank 0 refuses it, and no rank runs it
