@@ -95,16 +95,16 @@ def _sdpa_refusal(match: Match) -> str | None:
 def _sdpa_timing(match: Match, fn, config) -> _autotune.Timing | None:
     """Dense attention: amxopt's varlen op against the aten SDPA call it replaces."""
     node = match.root
-    q, k, v = (_autotune.materialize(val(match[n])) for n in ("q", "k", "v"))
-    rest = [_autotune.materialize(val(a)) for a in node.args[3:]]
-    kwargs = {n: _autotune.materialize(val(a)) for n, a in node.kwargs.items()}
+
+    def setup():
+        q, k, v = (_autotune.materialize(val(match[n])) for n in ("q", "k", "v"))
+        rest = [_autotune.materialize(val(a)) for a in node.args[3:]]
+        kwargs = {n: _autotune.materialize(val(a)) for n, a in node.kwargs.items()}
+        return lambda: fn(q, k, v), lambda: node.target(q, k, v, *rest, **kwargs)
+
     causal = " causal" if match["is_causal"] else ""
-    return _autotune.compare(
-        f"attention [{_autotune.describe(q, k, v)}]{causal}",
-        config,
-        lambda: fn(q, k, v),
-        lambda: node.target(q, k, v, *rest, **kwargs),
-    )
+    qkv = (val(match[n]) for n in ("q", "k", "v"))
+    return _autotune.compare(f"attention [{_autotune.describe(*qkv)}]{causal}", config, setup)
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, provider):

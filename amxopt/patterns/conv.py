@@ -89,24 +89,23 @@ def _patch_timing(conv, match: Match, fn, config) -> _autotune.Timing | None:
     """amxopt.patch_embed (weight packed once, as after pack_weights) against the ATen convolution."""
     if released_source(match["weight"]):
         return None
-    x, w = _autotune.materialize(val(match["x"])), _autotune.materialize(val(match["weight"]), scale=0.05)
-    b = _autotune.materialize(val(match["bias"]))
-    out_channels = w.shape[0]
-    packed = torch.ops.amxopt.pack_linear_weight(w.reshape(out_channels, -1), config.provider)
-    kernel = [1, *w.shape[2:]] if w.dim() == 4 else list(w.shape[2:])
+    xv, wv, bv = val(match["x"]), val(match["weight"]), val(match["bias"])
 
-    def run(x):
-        x = crop_to_kernel(x, list(w.shape[2:]))  # as the replacement does where sizes are not multiples
-        x5 = x.unsqueeze(2) if w.dim() == 4 else x
-        y = torch.ops.amxopt.patch_embed(x5, packed, b, kernel, out_channels, config.provider)
-        return y.squeeze(2) if w.dim() == 4 else y
+    def setup():
+        x, w, b = _autotune.materialize(xv), _autotune.materialize(wv, scale=0.05), _autotune.materialize(bv)
+        out_channels = w.shape[0]
+        packed = torch.ops.amxopt.pack_linear_weight(w.reshape(out_channels, -1), config.provider)
+        kernel = [1, *w.shape[2:]] if w.dim() == 4 else list(w.shape[2:])
 
-    return _autotune.compare(
-        f"patch_embed [{_autotune.describe(x, w, b)}]",
-        config,
-        lambda: run(x),
-        lambda: conv(x, w, b, stride=list(w.shape[2:])),
-    )
+        def run():
+            cropped = crop_to_kernel(x, list(w.shape[2:]))  # as the replacement does where sizes are not multiples
+            x5 = cropped.unsqueeze(2) if w.dim() == 4 else cropped
+            y = torch.ops.amxopt.patch_embed(x5, packed, b, kernel, out_channels, config.provider)
+            return y.squeeze(2) if w.dim() == 4 else y
+
+        return run, lambda: conv(x, w, b, stride=list(w.shape[2:]))
+
+    return _autotune.compare(f"patch_embed [{_autotune.describe(xv, wv, bv)}]", config, setup)
 
 
 # target -> (spatial dims, the ATen convolution autotune times against, replacement)
@@ -160,16 +159,15 @@ def _conv2d_refusal(match: Match) -> str | None:
 
 def _conv2d_timing(activation: str, match: Match, fn, config) -> _autotune.Timing | None:
     """amxopt.conv2d (+ fused activation) against aten.conv2d + the activation, at this node's shapes."""
-    x, w = _autotune.materialize(val(match["x"])), _autotune.materialize(val(match["weight"]))
-    b = _autotune.materialize(val(match["bias"]))
+    xv, wv, bv = val(match["x"]), val(match["weight"]), val(match["bias"])
     params = _conv2d_params(match)
     act = reference.ACTIVATIONS[activation]
-    return _autotune.compare(
-        f"conv2d [{_autotune.describe(x, w, b)}] {params} {activation}",
-        config,
-        lambda: fn(x, w, b),
-        lambda: act(torch.nn.functional.conv2d(x, w, b, **params)),
-    )
+
+    def setup():
+        x, w, b = (_autotune.materialize(v) for v in (xv, wv, bv))
+        return lambda: fn(x, w, b), lambda: act(torch.nn.functional.conv2d(x, w, b, **params))
+
+    return _autotune.compare(f"conv2d [{_autotune.describe(xv, wv, bv)}] {params} {activation}", config, setup)
 
 
 def _conv2d_activation_pattern(target, act: ActivationRule):

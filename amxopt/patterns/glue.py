@@ -225,12 +225,13 @@ def _rotate_half_refusal(match: Match) -> str | None:
 
 
 def _timing(kind: str, pattern, match: Match, fn, config) -> _autotune.Timing | None:
-    real = {name: _autotune.materialize(val(v)) for name, v in match.values.items()}
-    tensors = [t for t in real.values() if isinstance(t, torch.Tensor)]
-    args = [real[name] for name in _INPUTS[kind]]
-    return _autotune.compare(
-        f"{kind} [{_autotune.describe(*tensors)}]", config, lambda: fn(*args), lambda: pattern(**real)
-    )
+    def setup():
+        real = {name: _autotune.materialize(val(v)) for name, v in match.values.items()}
+        args = [real[name] for name in _INPUTS[kind]]
+        return lambda: fn(*args), lambda: pattern(**real)
+
+    tensors = [val(v) for v in match.values.values() if isinstance(val(v), torch.Tensor)]
+    return _autotune.compare(f"{kind} [{_autotune.describe(*tensors)}]", config, setup)
 
 
 # --- the rules ------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from amxopt.ops import reference
+from amxopt.ops.library import packed_linear_shape
 from amxopt.passes import _autotune
 from amxopt.passes._graph import dtype_of, not_constant, released_source, val
 from amxopt.patterns import (
@@ -96,44 +97,40 @@ def _timing(activation: str, residual: bool, match: Match, fn, config) -> _autot
     add), at this node's shapes; on the amx tier, in the faster of its GEMM schedules."""
     if released_source(match["weight"]):
         return None
-    xv, wv, bias = val(match["x"]), val(match["weight"]), match["bias"]
-    x = _autotune.materialize(xv)
-    # Rows as one matrix (one key for every batch shape), unless x is a view that flattening would
-    # copy (a transpose): the kernels on both sides then see the strides the graph gives them.
-    x = x[None] if x.dim() == 1 else x.flatten(0, -2) if x.is_contiguous() else x
-    rows = x.numel() // x.shape[-1]
-    w = _autotune.materialize(wv, scale=x.shape[-1] ** -0.5)
-    b = _autotune.materialize(val(bias))
-    packed = torch.ops.amxopt.pack_linear_weight(w, config.provider)
-    extra = {}
-    if residual:
-        extra["residual"] = r = _autotune.materialize(val(_residual(match))).reshape(*x.shape[:-1], w.shape[0])
-        op, aten = f"linear [{_autotune.describe(x, w, b)}] + residual", lambda: torch.nn.functional.linear(x, w, b) + r
-    else:
-        act = reference.ACTIVATIONS[activation]
-        op, aten = (
-            f"linear [{_autotune.describe(x, w, b)}] {activation}",
-            lambda: act(torch.nn.functional.linear(x, w, b)),
-        )
+    xv, wv, bv = val(match["x"]), val(match["weight"]), val(match["bias"])
+    x = _rows(_autotune.meta(xv))  # described without data: the random inputs are made only to time
+    rows, k, n = x.numel() // x.shape[-1], x.shape[-1], _autotune.concrete(wv.shape)[0]
+    op = f"linear [{_autotune.describe(x, wv, bv)}] {'+ residual' if residual else activation}"
 
-    def amxopt(schedule: str = "default"):
-        return functools.partial(
-            torch.ops.amxopt.linear,
-            x,
-            packed,
-            b,
-            activation,
-            w.shape[0],
-            config.provider,
-            amx_schedule=schedule,
-            **extra,
-        )
+    @functools.cache
+    def real():
+        """amxopt's run by schedule, and ATen's run, on random inputs."""
+        x = _rows(_autotune.materialize(xv))
+        w, b = _autotune.materialize(wv, scale=k**-0.5), _autotune.materialize(bv)
+        packed = torch.ops.amxopt.pack_linear_weight(w, config.provider)
+        r = _autotune.materialize(val(_residual(match))).reshape(*x.shape[:-1], n) if residual else None
+        act = None if residual else reference.ACTIVATIONS[activation]
+
+        def run_aten():
+            y = torch.nn.functional.linear(x, w, b)
+            return y + r if residual else act(y)
+
+        extra = {"residual": r} if residual else {}
+        amxopt = functools.partial(torch.ops.amxopt.linear, x, packed, b, activation, n, config.provider, **extra)
+        return lambda schedule: functools.partial(amxopt, amx_schedule=schedule), run_aten
 
     # Only a VNNI-packed (bf16) weight runs the tile GEMM: an fp32 Linear runs alike in both schedules.
-    order = _autotune.amx_schedule(op, config, rows, x.shape[-1], amxopt) if packed.dim() == 3 else None
-    if order and order.choice == "rows":
-        return _autotune.compare(f"{op}, AMX rows schedule", config, amxopt("rows"), aten, order)
-    return _autotune.compare(op, config, amxopt(), aten, order)
+    vnni = len(packed_linear_shape(n, k, wv.dtype, config.provider)) == 3
+    order = _autotune.amx_schedule(op, config, rows, k, lambda s: real()[0](s)) if vnni else None
+    schedule = "rows" if order and order.choice == "rows" else "default"
+    named = f"{op}, AMX rows schedule" if schedule == "rows" else op
+    return _autotune.compare(named, config, lambda: (real()[0](schedule), real()[1]), order)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x's rows as one matrix (one key for every batch shape), unless x is a view that flattening
+    would copy (a transpose): the kernels on both sides then see the strides the graph gives them."""
+    return x[None] if x.dim() == 1 else x.flatten(0, -2) if x.is_contiguous() else x
 
 
 def _rule(activation: str, pattern, when: str | None) -> Rule:

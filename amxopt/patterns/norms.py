@@ -103,21 +103,21 @@ def _real(a):
 def _timing(kind: str, params: tuple[str, ...], upcast: bool, match: Match, fn, config) -> _autotune.Timing | None:
     """The amxopt norm against the aten norm it replaces (with the up/down casts when folded)."""
     node = match.root
-    xs = _real(match["x"])
-    ps = [_real(match[p]) for p in params]
-    rest = [_real(a) for a in node.args[1:]]
-    kwargs = {k: _real(v) for k, v in node.kwargs.items()}
 
-    def run_aten():
-        y = node.target(xs.float() if upcast else xs, *rest, **kwargs)
-        return y.to(xs.dtype) if upcast else y
+    def setup():
+        xs = _real(match["x"])
+        ps = [_real(match[p]) for p in params]
+        rest = [_real(a) for a in node.args[1:]]
+        kwargs = {k: _real(v) for k, v in node.kwargs.items()}
 
-    return _autotune.compare(
-        f"{kind} [{_autotune.describe(xs, *ps)}]{' fp32 upcast' if upcast else ''}",
-        config,
-        lambda: fn(xs, *ps),
-        run_aten,
-    )
+        def run_aten():
+            y = node.target(xs.float() if upcast else xs, *rest, **kwargs)
+            return y.to(xs.dtype) if upcast else y
+
+        return lambda: fn(xs, *ps), run_aten
+
+    described = _autotune.describe(val(match["x"]), *(val(match[p]) for p in params))
+    return _autotune.compare(f"{kind} [{described}]{' fp32 upcast' if upcast else ''}", config, setup)
 
 
 def _rule(kind: str, pattern, upcast: bool) -> Rule:

@@ -43,8 +43,10 @@ def test_every_decision_is_reported_with_both_timings_and_cached(tmp_path, monke
         assert winner in ("amxopt", "ATen") and " ms, ATen " in timing and "amxopt " in timing
     assert "kernel choices" in str(opt.report)
     assert (tmp_path / "kernel_choices.json").exists()
-    # A second capture of the same model reads every decision from disk: nothing is timed.
+    # A second capture of the same model reads every decision from disk: nothing is timed, and no
+    # random inputs are made (they cost seconds at real sizes).
     monkeypatch.setattr(_autotune, "_time", lambda *a: pytest.fail("timed a cached shape"))
+    monkeypatch.setattr(_autotune, "materialize", lambda *a, **k: pytest.fail("made inputs for a cached shape"))
     again, _ = _optimize(_model(), tmp_path, graph_cache=False)
     assert [w for w, _ in again.report.choices] == [w for w, _ in choices]
     assert all(t.endswith("[cached]") for _, t in again.report.choices)
@@ -52,6 +54,44 @@ def test_every_decision_is_reported_with_both_timings_and_cached(tmp_path, monke
     restored, _ = _optimize(_model(), tmp_path)
     assert any("graph restored" in n for n in restored.report.notes), restored.report.notes
     assert len(restored.report.choices) == 6 and all(t.endswith("[cached]") for _, t in restored.report.choices)
+
+
+def _glue_block():
+    from tests.passes.test_glue_rules import Block, _inputs
+
+    return Block(torch.bfloat16).eval(), _inputs(torch.bfloat16)
+
+
+def _patchify():
+    from tests.passes.test_passes import Patchify
+
+    return Patchify().to(torch.bfloat16).eval(), {"x": torch.randn(1, 4, 2, 8, 8, dtype=torch.bfloat16)}
+
+
+def _audio_convs():
+    from tests.passes.test_passes import AudioConvs
+
+    return AudioConvs().eval(), {"x": torch.randn(1, 1, 16, 10)}
+
+
+@pytest.mark.parametrize(
+    "build,kinds",
+    [(_glue_block, {"modulate", "residual", "rotary"}), (_patchify, {"patch_embed"}), (_audio_convs, {"conv2d"})],
+    ids=["glue", "patch_embed", "conv2d"],
+)
+def test_every_kind_is_timed_on_real_inputs_and_read_back_without_them(tmp_path, monkeypatch, build, kinds):
+    # The first optimize makes random inputs and times both sides on them (the real timer: each kind's
+    # runs are called); the second reads each decision from disk, making no input at all.
+    model, inputs = build()
+    config = amxopt.AmxConfig(provider="native", autotune_cache=str(tmp_path), keep_source=True, graph_cache=False)
+    first = amxopt.optimize(model, inputs, config).report
+    assert kinds <= {t.split(" ")[0] for _, t in first.choices}, str(first)
+    monkeypatch.setattr(_autotune, "_time", lambda *a: pytest.fail("timed a cached shape"))
+    monkeypatch.setattr(_autotune, "materialize", lambda *a, **k: pytest.fail("made inputs for a cached shape"))
+    again = amxopt.optimize(model, inputs, config).report
+    ops = [t.split(": amxopt ")[0] for _, t in first.choices]
+    assert [t.split(": amxopt ")[0] for _, t in again.choices] == ops, str(again)
+    assert all(t.endswith("[cached]") for _, t in again.choices), str(again)
 
 
 def test_decisions_are_timed_again_at_another_thread_count(tmp_path, monkeypatch):
@@ -119,7 +159,7 @@ def test_aten_must_win_by_a_margin_and_twice(tmp_path, monkeypatch):
 def test_a_fused_linear_aten_keeps_is_not_rewritten_without_its_activation(tmp_path, monkeypatch):
     # The Linear + silu root autotune kept on ATen is settled: the plain Linear rule, which amxopt
     # would win, does not take the Linear out of it (the report would count a rewrite autotune refused).
-    def compare(op, config, run_amxopt, run_aten, schedule=None):
+    def compare(op, config, setup, schedule=None):
         return _autotune.Timing(op, *((10.0, 1.0) if "silu" in op else (1.0, 10.0)))
 
     monkeypatch.setattr(_autotune, "compare", compare)
@@ -138,7 +178,7 @@ def test_a_modulate_aten_keeps_is_among_the_kernel_choices(tmp_path, monkeypatch
     # the modulate on ATen rides on the norm's replacement, and the report lists it with the others.
     from tests.passes.test_glue_rules import Block, _inputs
 
-    def compare(op, config, run_amxopt, run_aten, schedule=None):
+    def compare(op, config, setup, schedule=None):
         return _autotune.Timing(op, *((10.0, 1.0) if op.startswith("modulate") else (1.0, 10.0)))
 
     monkeypatch.setattr(_autotune, "compare", compare)
@@ -375,11 +415,11 @@ def test_a_damaged_decision_is_timed_again(tmp_path, monkeypatch, value):
     monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: (1.0, 3.0))
     config = amxopt.AmxConfig(provider="native", autotune_cache=str(tmp_path))
     _autotune.reload()
-    assert not _autotune.compare("linear 1x2x3", config, None, None).cached
+    assert not _autotune.compare("linear 1x2x3", config, lambda: (None, None)).cached
     path = tmp_path / "kernel_choices.json"
     path.write_text(json.dumps(dict.fromkeys(json.loads(path.read_text()), value)))
     _autotune.reload()
-    timing = _autotune.compare("linear 1x2x3", config, None, None)
+    timing = _autotune.compare("linear 1x2x3", config, lambda: (None, None))
     assert not timing.cached and (timing.amxopt_ms, timing.aten_ms) == (1.0, 3.0)
     _autotune.reload()
 
@@ -399,14 +439,14 @@ def test_a_decision_holds_for_the_context_it_was_timed_in(tmp_path, monkeypatch,
     monkeypatch.setattr(_autotune, "_time", lambda run_amxopt, run_aten: (1.0, 3.0))
     config = amxopt.AmxConfig(provider="native", autotune_cache=str(tmp_path))
     _autotune.reload()
-    assert not _autotune.compare("linear 1x2x3", config, None, None).cached
-    assert _autotune.compare("linear 1x2x3", config, None, None).cached  # (in memory, as a second optimize)
+    assert not _autotune.compare("linear 1x2x3", config, lambda: (None, None)).cached
+    assert _autotune.compare("linear 1x2x3", config, lambda: (None, None)).cached  # (in memory, as a second optimize)
     _autotune._build_context.cache_clear()
     try:
         with monkeypatch.context() as mp:
             change(mp)
             _autotune._build_context.cache_clear()
-            assert not _autotune.compare("linear 1x2x3", config, None, None).cached
+            assert not _autotune.compare("linear 1x2x3", config, lambda: (None, None)).cached
     finally:
         _autotune._build_context.cache_clear()
         _autotune.reload()
