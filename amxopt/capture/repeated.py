@@ -180,12 +180,13 @@ def _settings(block: nn.Module, tracing: bool = False) -> tuple:
     an attention processor and its settings), and which are in training mode: blocks that differ in
     one may trace differently (``nn.SiLU`` and ``nn.ReLU`` have the same attributes). While
     :func:`tracing`, the block's own forward is its call wrapper, one per block: not a setting."""
+    own = {id(sub): path for path, sub in block.named_modules()}
     return tuple(
         (
             path,
             type(sub),
             tuple(
-                (name, _value(v, 0))
+                (name, _value(v, own, 0))
                 for name, v in sorted(vars(sub).items())
                 if _setting(name) and not (tracing and sub is block and name == "forward")
             ),
@@ -217,21 +218,29 @@ def _constant(v: Any) -> tuple:
 _DEPTH = 8
 
 
-def _value(v: Any, depth: int, path: frozenset = frozenset()) -> Any:
+def _value(v: Any, own: dict[int, str], depth: int, path: frozenset = frozenset()) -> Any:
+    """``v`` as compared with the same attribute of another block; ``own`` maps the block's modules
+    (whose settings :func:`_settings` compares apart) to their paths in it."""
     if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device)):
         return _constant(v)
     if isinstance(v, (tuple, list)):
-        return type(v), tuple(_value(x, depth + 1, path) for x in v)
+        return type(v), tuple(_value(x, own, depth + 1, path) for x in v)
     if isinstance(v, dict):
-        return dict, tuple((repr(k), _value(x, depth + 1, path)) for k, x in v.items())
+        return dict, tuple((repr(k), _value(x, own, depth + 1, path)) for k, x in v.items())
+    if isinstance(v, (set, frozenset)):  # (a module's names of non-persistent buffers)
+        return type(v), frozenset(_value(x, own, depth + 1, path) for x in v)
     if isinstance(v, functools.partial):
-        return functools.partial, v.func, _value(v.args, depth + 1, path), _value(v.keywords, depth + 1, path)
+        parts = (v.func, v.args, v.keywords)
+        return functools.partial, *(_value(x, own, depth + 1, path) for x in parts)
     if isinstance(v, types.MethodType):
-        return types.MethodType, v.__func__
+        # Bound to one of the block's modules: that module, by its path. Bound to another object
+        # (``Scaler(k).apply``): that object's state too, which may differ from block to block.
+        bound = v.__self__
+        return types.MethodType, v.__func__, own[id(bound)] if id(bound) in own else _value(bound, own, depth + 1, path)
     if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type)):
         return v
     if depth < _DEPTH and id(v) not in path and hasattr(v, "__dict__") and not isinstance(v, torch.Tensor):
-        return type(v), _value(vars(v), depth + 1, path | {id(v)})  # an attention processor, a config
+        return type(v), _value(vars(v), own, depth + 1, path | {id(v)})  # an attention processor, a config
     return type(v), id(v)  # a tensor attribute, a cycle, or deeper: the same object, or not the same setting
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -75,16 +77,19 @@ def _users_in(gm, target):
 
 
 class _Block(nn.Module):
-    def __init__(self, width: int = 8, mutate: bool = False, outside: bool = False) -> None:
+    def __init__(self, width: int = 8, mutate: bool = False, outside: bool = False, by_layout: bool = False) -> None:
         super().__init__()
         self.fc = nn.Linear(width, width)
         self.mutate = mutate
         self.outside = outside
+        self.by_layout = by_layout
 
-    def forward(self, x, scale=1.0):
+    def forward(self, x, scale=1.0, shift=0.0):
         if self.mutate:
             x.mul_(2.0)
-        y = torch.relu(self.fc(x)) * scale + x
+        y = torch.relu(self.fc(x)) * scale + x + shift
+        if self.by_layout and not x.is_contiguous():  # a path chosen by the input's strides
+            y = y * 0.5
         return y + _OUTSIDE if self.outside else y
 
 
@@ -101,6 +106,10 @@ class _Stack(nn.Module):
         for i, block in enumerate(self.blocks):
             if self.call == "scaled":
                 x = block(x, scale=float(i + 1))
+            elif self.call == "keywords":  # the same values, for other parameters
+                x = block(x, scale=2.0) if i == 0 else block(x, shift=2.0)
+            elif self.call == "strided" and i == 2:  # the same shape, column-major
+                x = block(x.t().contiguous().t())
             elif self.call == "sliced" and i == 2:
                 x = torch.cat([block(x[:-1]), x[-1:]])
             else:
@@ -129,13 +138,18 @@ def test_plain_stack_is_stamped():
     "call, note",
     [
         ("scaled", "called with other non-tensor arguments"),
+        ("keywords", "called with other non-tensor arguments"),
         ("sliced", "called with inputs of other shapes"),
+        ("strided", "called with inputs of other shapes"),
     ],
 )
 def test_stack_called_differently_is_traced_block_by_block(call, note):
+    # Checked by flat values alone, "keywords" (other parameters, equal values) would be stamped from
+    # block 0's trace (scale=2.0 for every block); checked by sizes alone, "strided" (equal sizes,
+    # other strides) would take block 0's contiguous path for block 2.
     _check(
-        _Stack(call).eval(),
-        f"blocks traced one by one: blocks.{2 if call == 'sliced' else 1} (traced: blocks.0) is {note}",
+        _Stack(call, by_layout=call == "strided").eval(),
+        f"blocks traced one by one: blocks.{2 if call in ('sliced', 'strided') else 1} (traced: blocks.0) is {note}",
     )
 
 
@@ -153,12 +167,23 @@ def test_blocks_of_other_shapes_or_settings_or_one_block_twice_are_no_stack():
     model.blocks[1].mutate = True  # a Python attribute such as a layer index or a sliding window
     assert find_stacks(model) == []
     model.blocks[1].mutate = False
-    model.blocks[3] = _Block(width=8)
+    model.blocks[3] = _Block(width=8).eval()  # (in eval mode as the others: only its parameters differ)
     model.blocks[3].fc = nn.Linear(8, 8, bias=False)
+    assert find_stacks(model) == []
+    model.blocks[3] = _Block().eval().double()  # parameters of another dtype
+    assert find_stacks(model) == []
+    model = _Stack().eval()
+    for block in model.blocks:
+        block.register_buffer("table", torch.ones(8))
+    model.blocks[3].table = torch.ones(4)  # a buffer of another shape (a block reading its size computes otherwise)
     assert find_stacks(model) == []
     shared = _Block()
     model.blocks = nn.ModuleList([shared, shared, _Block()])
     assert find_stacks(model) == []
+    # The same blocks in a second list are one stack (as two, each block would be patched twice).
+    model.blocks = nn.ModuleList(_Block() for _ in range(4))
+    model.again = nn.ModuleList(list(model.blocks))
+    assert [s.path for s in find_stacks(model)] == ["blocks"]
 
 
 class _Skips(nn.Module):
@@ -190,16 +215,52 @@ def test_stamped_copies_are_distinct_tensors_to_a_fused_replacement():
         torch.testing.assert_close(opt(x), model(x))
 
 
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return x + h, h.sigmoid()
+
+
+class _GatedStack(nn.Module):
+    """Blocks with two outputs; the parent reads the second one of two stamped blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Gated() for _ in range(3))
+
+    def forward(self, x):
+        gates = []
+        for block in self.blocks:
+            x, gate = block(x)
+            gates.append(gate)
+        return x * gates[2] + gates[1]
+
+
+def test_each_output_of_a_stamped_block_is_its_own():
+    # Each output read from a stamped copy is its own (read as its first, gates[1] and gates[2] are x).
+    model = _GatedStack().eval()
+    _check(model, "")
+    assert [s.path for s in find_stacks(model)] == ["blocks"]
+
+
 def test_blocks_with_hooks_or_another_training_mode_are_no_stack():
     model = _Stack().eval()
     handle = model.blocks[1].fc.register_forward_hook(lambda m, i, o: o * 3)
     assert find_stacks(model) == []  # a copy of block 0 would drop block 1's hook
     handle.remove()
-    everywhere = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
-    try:
-        assert find_stacks(model) == []
-    finally:
-        everywhere.remove()
+    for register in (
+        torch.nn.modules.module.register_module_forward_hook,
+        torch.nn.modules.module.register_module_forward_pre_hook,  # copies would not run it for their blocks
+    ):
+        everywhere = register(lambda *args: None)
+        try:
+            assert find_stacks(model) == []
+        finally:
+            everywhere.remove()
     model.blocks[2].fc.train()
     assert find_stacks(model) == []
     model.blocks[2].fc.eval()
@@ -230,8 +291,29 @@ class _Context:
         self.scales, self.layer, self.stats = [1.0, 0.5, 0.25, 2.0], 0, []
 
 
+class _Processor:
+    """A callable object with settings of its own (as a diffusers attention processor): a scale held
+    as a number, in a tuple, in a dict and in a set."""
+
+    def __init__(self, scale=1.0, scales=(1.0, 1.0), config: dict | None = None, flip: frozenset = frozenset()):
+        self.scale, self.scales, self.config, self.flip = scale, scales, config or {"scale": 1.0}, set(flip)
+
+    def __call__(self, h):
+        return h * self.scale * self.scales[1] * self.config["scale"] * (-1.0 if "sign" in self.flip else 1.0)
+
+
+def _third(usual, other):
+    """Activation factories for four gates: block 2's makes ``other``, the rest ``usual``."""
+    return (usual, usual, other, usual)
+
+
+def _leaky(slope: float):
+    return lambda: functools.partial(F.leaky_relu, negative_slope=slope)
+
+
 class _Gates(nn.Module):
-    """Blocks of one class that compute differently: ``acts`` (same attributes, other classes), a
+    """Blocks of one class that compute differently: ``acts`` (factories of each block's activation:
+    same attributes but other classes, or one object, method or partial that holds another value), a
     context object handed to every block (``ctx``), or a ``mult`` the parent sets before each call."""
 
     def __init__(self, acts=(nn.SiLU, nn.SiLU, nn.SiLU, nn.SiLU), how: str = "plain") -> None:
@@ -256,10 +338,32 @@ class _Gates(nn.Module):
     "model, why",
     [
         (_Gates(acts=(nn.SiLU, nn.ReLU, nn.SiLU, nn.ReLU)), None),  # the same attributes; told apart before the trace
+        # Were an attribute compared by its type, its keys, its length or its function alone, each of
+        # these would be one stack, and block 2 a copy of block 0 (computing with its activation).
+        (_Gates(acts=_third(_Processor, lambda: _Processor(scale=-3.0))), None),
+        (_Gates(acts=_third(_Processor, lambda: _Processor(scales=(1.0, -3.0)))), None),
+        (_Gates(acts=_third(_Processor, lambda: _Processor(config={"scale": -3.0}))), None),
+        (_Gates(acts=_third(lambda: _Processor(flip={"none"}), lambda: _Processor(flip={"sign"}))), None),
+        (_Gates(acts=_third(lambda: nn.SiLU().forward, lambda: nn.ReLU().forward)), None),
+        (_Gates(acts=_third(lambda: _Processor().__call__, lambda: _Processor(scale=-3.0).__call__)), None),
+        (_Gates(acts=_third(lambda: nn.LeakyReLU(0.01).forward, lambda: nn.LeakyReLU(0.9).forward)), None),
+        (_Gates(acts=_third(_leaky(0.01), _leaky(0.9))), None),
         (_Gates(how="ctx"), "blocks.0 is called with a _Context, whose state each block may read or change"),
         (_Gates(how="mult"), "blocks.1 (traced: blocks.0) has other settings when it is called"),
     ],
-    ids=["other-classes", "context-object", "attribute-set-before-call"],
+    ids=[
+        "other-classes",
+        "object-state",
+        "tuple-item",
+        "dict-value",
+        "set-member",
+        "bound-method",
+        "method-of-an-object-holding-another-value",
+        "method-of-a-module-holding-another-value",
+        "partial-argument",
+        "context-object",
+        "attribute-set-before-call",
+    ],
 )
 def test_blocks_that_compute_differently_are_traced_one_by_one(model, why):
     model = model.eval()
@@ -270,6 +374,29 @@ def test_blocks_that_compute_differently_are_traced_one_by_one(model, why):
         assert stacks == [] and captured.note == ""
     else:  # found a stack, which the trace saw differ
         assert stacks == ["blocks"] and why in captured.note, captured.note
+    with torch.no_grad():
+        torch.testing.assert_close(captured.gm(**graph_inputs), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "act",
+    [
+        lambda gate: _Processor(scales=(1.0, 2.0), flip={"sign"}).__call__,
+        lambda gate: nn.LeakyReLU(0.2).forward,
+        lambda gate: gate.fc.forward,  # one of the block's own modules: each block's, equal by its path
+        lambda gate: functools.partial(gate.fc.forward),
+    ],
+    ids=["object-method", "module-method", "own-module-method", "partial-of-own-method"],
+)
+def test_blocks_whose_methods_are_bound_to_equal_objects_are_stamped(act):
+    model = _Gates().eval()
+    for gate in model.blocks:
+        del gate.act  # (a module until now)
+        gate.act = act(gate)
+    assert [s.path for s in find_stacks(model)] == ["blocks"]
+    x = torch.randn(6, 8)
+    captured, graph_inputs = _capture(model, {"x": x}, stamp=True)
+    assert captured.note == ""
     with torch.no_grad():
         torch.testing.assert_close(captured.gm(**graph_inputs), model(x), rtol=0, atol=0)
 
