@@ -144,9 +144,15 @@ def _trace_key(fn: Callable, args: list[Any], inputs: list[fx.Node], fakes: list
         fn_key = (fn,)
     metas = []
     for f in fakes:
-        if not isinstance(f, torch.Tensor):
+        if isinstance(f, torch.Tensor):
+            metas.append((f.dtype, f.device, tuple(map(str, f.shape)), tuple(map(str, f.stride()))))
+        elif isinstance(f, (bool, int, float, torch.SymBool, torch.SymInt, torch.SymFloat)):
+            # A number the graph computes (a varlen attention's max_seqlen): the trace reads it as its
+            # value, or as its symbolic expression where it has one (Wan's 30 rotary attentions each
+            # took a trace of 0.1 s).
+            metas.append((type(f), str(f)))
+        else:
             return None
-        metas.append((f.dtype, f.device, tuple(map(str, f.shape)), tuple(map(str, f.stride()))))
     consts = tuple(_INPUT if isinstance(a, fx.Node) else a for a in args)
     if any(isinstance(a, torch.Tensor) for a in consts):
         return None  # compared by identity, not value

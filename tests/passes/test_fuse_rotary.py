@@ -4,6 +4,7 @@ a pair it cannot take stays as it was (with the reason where the pair feeds an a
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from tests.helpers import CONFIG, captured, count
 from tests.passes.test_glue_rules import Block, _inputs
 
 amx = torch.ops.amxopt
+fuse_rotary_module = importlib.import_module("amxopt.passes.fuse_rotary")  # (the package's fuse_rotary is the pass)
 NATIVE = dataclasses.replace(CONFIG, provider="native")
 
 
@@ -51,6 +53,39 @@ def test_fuse_rotary_on_wan_block_is_bit_equal(config, batch):
     gm.recompile()
     assert _rotaries(gm) == 0 and len(_fused_attentions(gm)) == 1
     assert not fuse_rotary(gm, config).modified  # idempotent
+    with torch.no_grad():
+        assert torch.equal(gm(**gi), before)
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Block(torch.bfloat16), Block(torch.bfloat16)
+
+    def forward(self, hidden_states, latents, encoder_hidden_states, temb):
+        hidden_states = self.first(hidden_states, latents, encoder_hidden_states, temb)
+        return self.second(hidden_states, latents, encoder_hidden_states, temb)
+
+
+def test_fuse_rotary_traces_its_replacement_once_for_attentions_alike(monkeypatch):
+    # The fused attention takes max_seqlen as a number the graph computes (a SymInt under a dynamic
+    # capture): the second block's attention reuses the first one's trace (Wan2.1 traced all 30, 0.1 s
+    # each), and each still computes with its own inputs.
+    traced = []
+
+    def counted(*args, **kwargs):
+        traced.append(args)
+        return attention_with_rotary(*args, **kwargs)
+
+    attention_with_rotary = fuse_rotary_module._attention_with_rotary
+    monkeypatch.setattr(fuse_rotary_module, "_attention_with_rotary", counted)
+    gm, gi = _rewrite(_TwoBlocks().eval(), _inputs(torch.bfloat16), NATIVE)
+    with torch.no_grad():
+        before = gm(**gi)
+    assert fuse_rotary(gm, NATIVE).modified
+    gm.recompile()
+    assert len(_fused_attentions(gm)) == 2 and len(traced) == 1
+    assert any(isinstance(a, torch.SymInt) for a in traced[0])
     with torch.no_grad():
         assert torch.equal(gm(**gi), before)
 
