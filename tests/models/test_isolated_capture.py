@@ -11,7 +11,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 
 import pytest
 import torch
@@ -89,14 +91,23 @@ def test_the_weights_are_packed_here_while_the_child_captures(tmp_path, monkeypa
         pack_meanwhile(module, provider, done, lambda: False)  # all of them, however fast the child
         made.extend(packed_for(p, provider) for p in done)
 
+    parent, remember = os.getpid(), isolated.packed.remember
+
+    def remember_here(p, provider, value):  # the child's packings are shape-only: it computes none
+        if os.getpid() != parent and value.device.type != "meta":
+            (tmp_path / "packed-in-the-child").touch()
+        return remember(p, provider, value)
+
     monkeypatch.setattr(isolated.weights, "pack", count_threads)
     monkeypatch.setattr(isolated, "_pack_meanwhile", keep_packings)
+    monkeypatch.setattr(isolated.packed, "remember", remember_here)
     monkeypatch.setattr(isolated.threading, "active_count", lambda: 1)  # a thread an earlier test left
     before = torch.get_num_threads()
     model = models.build_model(name, torch.bfloat16)
     inputs = models.example_inputs(name, torch.bfloat16)
     opt = amxopt.optimize(model, inputs, _config(tmp_path, provider="native"))
     assert any(CHILD in n for n in opt.report.notes)
+    assert not (tmp_path / "packed-in-the-child").exists()
     graph_packed = list(opt.graph_module.get_submodule("_packed").buffers())
     assert graph_packed and all(any(b is t for t in made) for b in graph_packed)
     # Restore packed nothing (it would run on every thread); the packing here left the child a core.
@@ -142,17 +153,28 @@ def test_autotune_decides_in_the_child_and_the_report_shows_it(tmp_path):
     name = "tiny-qwen3-omni-audio"
     model = models.build_model(name, torch.bfloat16)
     inputs = models.example_inputs(name, torch.bfloat16)
-    child = amxopt.optimize(model, inputs, _config(tmp_path, provider="native", autotune=True))
-    here = amxopt.optimize(model, inputs, _config(tmp_path, provider="native", autotune=True, isolate_capture=False))
+    config = _config(tmp_path, provider="native", autotune=True)
+    # This process read the decisions file before (an earlier optimize): the child's additions are read again.
+    isolated._autotune._load(isolated._autotune._cache_file(config))
+    child = amxopt.optimize(model, inputs, config)
+    here = amxopt.optimize(model, inputs, dataclasses.replace(config, isolate_capture=False))
     assert child.report.choices, "the child's timings are in the report"
+    assert not any("[cached]" in str(c) for c in child.report.choices), "timed for this very optimize"
     # The child stored its decisions on disk; this process reads them instead of timing again.
     assert [c[0] for c in here.report.choices] == [c[0] for c in child.report.choices]
     assert all("[cached]" in str(c) for c in here.report.choices), here.report.choices
 
 
-def test_a_child_that_dies_falls_back_to_a_capture_here(tmp_path, monkeypatch, caplog):
+def _closes_its_end_then_exits(conn, *args):
+    conn.close()  # the parent reads the end of the pipe, and waits for the exit status
+    time.sleep(1)
+    os._exit(3)
+
+
+@pytest.mark.parametrize("child", [lambda *args: os._exit(3), _closes_its_end_then_exits], ids=["exits", "exits-later"])
+def test_a_child_that_dies_falls_back_to_a_capture_here(child, tmp_path, monkeypatch, caplog):
     name = "tiny-wan"
-    monkeypatch.setattr(isolated, "_child", lambda *args: os._exit(3))
+    monkeypatch.setattr(isolated, "_child", child)
     inputs = models.example_inputs(name, torch.float32)
     with caplog.at_level(logging.INFO, logger="amxopt.runtime.isolated"):
         opt = amxopt.optimize(models.build_model(name, torch.float32), inputs, _config(tmp_path))
@@ -211,7 +233,7 @@ def test_a_failed_fork_captures_here(tmp_path, monkeypatch):
     assert gc.get_freeze_count() == 0  # nothing left frozen
 
 
-def test_a_model_export_cannot_capture_raises_the_childs_capture_error(tmp_path):
+def test_a_model_export_cannot_capture_raises_the_childs_capture_error(tmp_path, monkeypatch, caplog):
     class DataDependent(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -222,8 +244,100 @@ def test_a_model_export_cannot_capture_raises_the_childs_capture_error(tmp_path)
                 x = self.fc(x)
             return x
 
-    with pytest.raises(CaptureError, match="could not capture DataDependent"):
-        amxopt.optimize(DataDependent().eval(), (torch.randn(2, 4),), _config(tmp_path))
+    made, pack_meanwhile = [], isolated._pack_meanwhile
+
+    def pack_all(module, provider, done, replied):  # however fast the child fails
+        pack_meanwhile(module, provider, done, lambda: False)
+        made.extend(done)
+
+    monkeypatch.setattr(isolated, "_pack_meanwhile", pack_all)
+    model = DataDependent().eval()
+    with caplog.at_level(logging.INFO, logger="amxopt.runtime.isolated"):
+        with pytest.raises(CaptureError, match="could not capture DataDependent"):
+            amxopt.optimize(model, (torch.randn(2, 4),), _config(tmp_path, provider="native"))
+    assert "capturing in this process" not in caplog.text  # the same verdict here: export is not run twice
+    assert len(made) == 1 and made[0] is model.fc.weight  # packed here meanwhile,
+    assert not packings(model.fc.weight)  # and dropped: no graph reads it
+
+
+class _Transposed(torch.nn.Module):
+    """A weight packed transposed: the packing is computed from it, so the child sends its values in a file."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 48) / 6)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.w.t())
+
+
+def _no_tensors_file(*args):
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("save", [None, _no_tensors_file], ids=["restored", "not-written"])
+def test_the_childs_tensors_file_is_deleted(save, tmp_path, monkeypatch):
+    # Restored here, the parent deletes it; one the child could not write (its reply fails) the child deletes.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    if save is not None:
+        monkeypatch.setattr(isolated, "save_tensors", save)
+    sent, restore = [], isolated._restore
+    monkeypatch.setattr(
+        isolated, "_restore", lambda reply, *args: sent.append(reply.get("tensors")) or restore(reply, *args)
+    )
+    torch.manual_seed(0)
+    model, x = _Transposed().eval(), torch.randn(8, 32)
+    opt = amxopt.optimize(model, (x,), _config(tmp_path, provider="native", keep_source=True))
+    if save is None:
+        assert any(CHILD in n for n in opt.report.notes), opt.report.notes
+        assert len(sent) == 1 and sent[0].startswith(str(scratch))
+    else:  # captured here
+        assert sent == [] and not any(CHILD in n for n in opt.report.notes)
+    assert os.listdir(scratch) == []
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        isolated.GraphStoreError("a node outside the vocabulary"),
+        KeyError("nodes"),
+        ValueError("bad guard"),
+        FileNotFoundError(2, "No such file or directory"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_a_graph_that_cannot_be_restored_here_is_captured_here(error, tmp_path, monkeypatch, caplog):
+    def restore(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(isolated.graph_store, "restore", restore)
+    torch.manual_seed(0)
+    model, x = _Transposed().eval(), torch.randn(8, 32)
+    with caplog.at_level(logging.INFO, logger="amxopt.runtime.isolated"):
+        opt = amxopt.optimize(model, (x,), _config(tmp_path))
+    assert f"its graph could not be restored: {error}" in caplog.text and "capturing in this process" in caplog.text
+    assert not any(CHILD in n for n in opt.report.notes)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_an_interrupt_while_the_child_captures_kills_it(tmp_path, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    ended, reap = [], isolated._reap
+    monkeypatch.setattr(isolated, "_child", lambda *args: time.sleep(10))  # a long capture
+    monkeypatch.setattr(isolated, "_pack_meanwhile", interrupted)
+    monkeypatch.setattr(isolated, "_reap", lambda pid: ended.append(reap(pid)) or ended[-1])
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        amxopt.optimize(_Transposed().eval(), (torch.randn(8, 32),), _config(tmp_path))
+    assert ended == ["killed by SIGKILL"]  # not waited for: the child must not outlive the call
+    assert time.monotonic() - start < 10
 
 
 def test_optimize_never_imports_torch_export_in_this_process(tmp_path):

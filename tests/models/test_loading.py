@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 
@@ -193,7 +194,13 @@ def test_load_refuses_truncated_or_incomplete_artifacts(artifact):
     weights = artifact / loading.WEIGHTS
     data = weights.read_bytes()
     weights.write_bytes(data[:-100])
-    with pytest.raises(amxopt.CheckpointError, match="truncated"):
+    with pytest.raises(amxopt.CheckpointError, match=r"truncated or replaced: the manifest says \d+ bytes, found \d+"):
+        amxopt.load(artifact, RELEASE)
+    # Of the size the manifest says, with a header length beyond the file (read, it asked for that many bytes).
+    weights.write_bytes(len(data).to_bytes(8, "little") + data[8:])
+    with pytest.raises(
+        amxopt.CheckpointError, match=rf"truncated or not a safetensors file \(header of {len(data)} bytes"
+    ):
         amxopt.load(artifact, RELEASE)
     weights.write_bytes(data)
     _rewrite_weights(artifact, lambda stored: stored.pop("packed::blocks.0.attn.qkv.weight"))
@@ -235,6 +242,11 @@ def _graph_with_two_outputs(directory):
     graphs = json.loads((directory / loading.MANIFEST).read_text())["graphs"]
     graphs[0]["nodes"].append(graphs[0]["nodes"][-1])
     return {"graphs": graphs}
+
+
+def _stored_buffer_of_another_shape(directory):
+    _rewrite_weights(directory, lambda stored: stored.update({"buffer::rotary_pos_emb.inv_freq": torch.zeros(3)}))
+    return {"buffers_stored": [["rotary_pos_emb.inv_freq"]]}
 
 
 def _buffer_dtype(dtype):
@@ -283,6 +295,16 @@ def _config_field(field, value):
         # A graph without its output node was restored, and every call returned None.
         (_graph_without_output, r"saved graph 0 cannot be restored: stored graph has 0 output node\(s\)"),
         (_graph_with_two_outputs, r"saved graph 0 cannot be restored: stored graph has 2 output node\(s\)"),
+        (
+            _stored_buffer_of_another_shape,
+            r"buffer rotary_pos_emb.inv_freq is F32 \(3,\), Qwen3VLVisionModel needs F32 \(",
+        ),
+        (
+            lambda d: {"class": "torch.nn.Linear"},
+            r"class 'torch.nn.Linear' is not a transformers or diffusers model class",
+        ),
+        # Graphs of another adapter's export module, restored on this one's.
+        (lambda d: {"adapter": "plain"}, r"captured through adapter 'plain', this amxopt picks '\w+'"),
     ],
     ids=[
         "packed-renamed",
@@ -303,14 +325,17 @@ def _config_field(field, value):
         "buffer-stored-not-in-file",
         "no-output-node",
         "two-output-nodes",
+        "buffer-stored-of-another-shape",
+        "class-not-a-model",
+        "adapter",
     ],
 )
 def test_a_damaged_manifest_is_a_checkpoint_error_naming_what(tmp_path, edit, message):
     inputs = models.example_inputs("tiny-qwen3-vl-vision")
     artifact = _optimized_and_called(models.build_model("tiny-qwen3-vl-vision"), inputs).save(tmp_path / "a")
     _edit_manifest(artifact, **edit(artifact))
-    with torch.no_grad(), pytest.raises(amxopt.CheckpointError, match=message):
-        amxopt.load(artifact, RELEASE)(**inputs)
+    with pytest.raises(amxopt.CheckpointError, match=message):
+        amxopt.load(artifact, RELEASE)  # refused as it is loaded, not at its first call
 
 
 def test_a_save_that_fails_at_the_rename_leaves_no_staged_file(tmp_path):
@@ -393,8 +418,24 @@ def test_save_onto_a_file_and_load_of_a_save_pretrained_directory_say_what_they_
         amxopt.load(checkpoint, RELEASE)
 
 
-def test_the_loaded_source_refuses_eager_calls(checkpoint):
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings from /proc")
+def test_from_pretrained_keeps_no_mapping_of_the_checkpoint(checkpoint):
+    # The weights it does not pack (norms, biases) in the checkpoint's dtype are copies, not views of its
+    # memory map: the model must not keep the file's pages (or a file replaced since) alive.
     opt = amxopt.from_pretrained(Qwen3VLVisionModel, checkpoint, torch.bfloat16, RELEASE)
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        assert str(checkpoint / "model.safetensors") not in f.read()
+    inputs = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)
+    with torch.no_grad():
+        opt(**inputs)
+
+
+@pytest.mark.parametrize("how", ["from_pretrained", "load"])
+def test_the_loaded_source_refuses_eager_calls(checkpoint, tmp_path, how):
+    opt = amxopt.from_pretrained(Qwen3VLVisionModel, checkpoint, torch.bfloat16, RELEASE)
+    if how == "load":
+        opt = amxopt.load(opt.save(tmp_path / "artifact"), RELEASE)
     inputs = models.example_inputs("tiny-qwen3-vl-vision", torch.bfloat16)
     with torch.no_grad(), pytest.raises(RuntimeError, match="weights were released"):
         opt.__dict__["_source"](**inputs)
@@ -692,6 +733,13 @@ def test_a_weight_one_graph_reads_unpacked_and_another_packed_is_saved_both_ways
         for inputs, want in zip((small, large), expected):
             for a, b in zip(_leaves(loaded(**inputs)), _leaves(want), strict=True):
                 assert torch.equal(a, b)
+    both = [k for k, e in json.loads((tmp_path / loading.MANIFEST).read_text())["tensors"].items() if e.get("plain")]
+    assert len(both) == 1
+    _rewrite_weights(tmp_path, lambda stored: stored.pop(both[0]))  # its plain form lost
+    with pytest.raises(
+        amxopt.CheckpointError, match=rf"stores {both[0]} as packed::{both[0]} and {both[0]}; {both[0]} is not"
+    ):
+        amxopt.load(tmp_path, config)
 
 
 @pytest.mark.parametrize("origin", ["code", "options"])
@@ -918,11 +966,14 @@ def test_from_pretrained_refuses_what_could_not_run_and_names_pickled_weights(tm
 def test_a_tensor_an_embedding_shares_with_a_linear_is_not_packed_as_read():
     # A tied embedding and LM head: decided by the first name, the shared tensor was released and
     # the embedding then read a placeholder.
-    model = torch.nn.ModuleDict({"lm_head": torch.nn.Linear(16, 32, bias=False), "embed": torch.nn.Embedding(32, 16)})
-    model["lm_head"].weight = model["embed"].weight
+    for first in ("lm_head", "embed"):  # by any name: the first, or the last
+        head, embed = torch.nn.Linear(16, 32, bias=False), torch.nn.Embedding(32, 16)
+        model = torch.nn.ModuleDict(
+            {"lm_head": head, "embed": embed} if first == "lm_head" else {"embed": embed, "lm_head": head}
+        )
+        model["lm_head"].weight = model["embed"].weight
+        assert loading._packed_tensors(model, loading._expected(model), [""]) == set(), first
     single = torch.nn.Linear(16, 32)
-    expected = loading._expected(model)
-    assert loading._packed_tensors(model, expected, [""]) == set()
     assert loading._packed_tensors(single, loading._expected(single), [""]) == {id(single.weight)}
 
 
