@@ -21,6 +21,7 @@ object whose state it may read, or has its attributes set apart before its call)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -180,7 +181,7 @@ def _settings(block: nn.Module, tracing: bool = False) -> tuple:
     an attention processor and its settings), and which are in training mode: blocks that differ in
     one may trace differently (``nn.SiLU`` and ``nn.ReLU`` have the same attributes). While
     :func:`tracing`, the block's own forward is its call wrapper, one per block: not a setting."""
-    own = {id(sub): path for path, sub in block.named_modules()}
+    own = {id(sub): ("own module", path) for path, sub in block.named_modules()}
     return tuple(
         (
             path,
@@ -218,30 +219,31 @@ def _constant(v: Any) -> tuple:
 _DEPTH = 8
 
 
-def _value(v: Any, own: dict[int, str], depth: int, path: frozenset = frozenset()) -> Any:
-    """``v`` as compared with the same attribute of another block; ``own`` maps the block's modules
-    (whose settings :func:`_settings` compares apart) to their paths in it."""
+def _value(v: Any, seen: dict[int, tuple], depth: int) -> Any:
+    """``v`` as compared with the same attribute of another block. ``seen`` names the objects that
+    compare by where they are, not by their state: the block's own modules by their paths (their
+    settings are compared apart), and the objects this attribute is found inside by their depth (a
+    helper that keeps a method bound to itself compares alike in every block)."""
     if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device)):
         return _constant(v)
     if isinstance(v, (tuple, list)):
-        return type(v), tuple(_value(x, own, depth + 1, path) for x in v)
+        return type(v), tuple(_value(x, seen, depth + 1) for x in v)
     if isinstance(v, dict):
-        return dict, tuple((repr(k), _value(x, own, depth + 1, path)) for k, x in v.items())
-    if isinstance(v, (set, frozenset)):  # (a module's names of non-persistent buffers)
-        return type(v), frozenset(_value(x, own, depth + 1, path) for x in v)
+        return dict, tuple((repr(k), _value(x, seen, depth + 1)) for k, x in v.items())
+    if isinstance(v, (set, frozenset)):  # (a module's names of non-persistent buffers); equal members counted
+        return type(v), frozenset(collections.Counter(_value(x, seen, depth + 1) for x in v).items())
     if isinstance(v, functools.partial):
-        parts = (v.func, v.args, v.keywords)
-        return functools.partial, *(_value(x, own, depth + 1, path) for x in parts)
-    if isinstance(v, types.MethodType):
-        # Bound to one of the block's modules: that module, by its path. Bound to another object
-        # (``Scaler(k).apply``): that object's state too, which may differ from block to block.
-        bound = v.__self__
-        return types.MethodType, v.__func__, own[id(bound)] if id(bound) in own else _value(bound, own, depth + 1, path)
+        return functools.partial, *(_value(x, seen, depth + 1) for x in (v.func, v.args, v.keywords))
+    if isinstance(v, types.MethodType):  # bound to another object (``Scaler(k).apply``): its state too
+        return types.MethodType, v.__func__, _value(v.__self__, seen, depth + 1)
     if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type)):
         return v
-    if depth < _DEPTH and id(v) not in path and hasattr(v, "__dict__") and not isinstance(v, torch.Tensor):
-        return type(v), _value(vars(v), own, depth + 1, path | {id(v)})  # an attention processor, a config
-    return type(v), id(v)  # a tensor attribute, a cycle, or deeper: the same object, or not the same setting
+    if id(v) in seen:
+        return seen[id(v)]
+    if depth < _DEPTH and hasattr(v, "__dict__") and not isinstance(v, torch.Tensor):
+        inside = {**seen, id(v): ("object at depth", depth)}
+        return type(v), _value(vars(v), inside, depth + 1)  # an attention processor, a config
+    return type(v), id(v)  # a tensor attribute, or deeper: the same object, or not the same setting
 
 
 @contextlib.contextmanager

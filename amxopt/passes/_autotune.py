@@ -145,38 +145,40 @@ def _layout(value: torch.Tensor) -> str:
 
 
 def meta(value):
-    """A tensor without data like ``value`` (a node's fake tensor), with its shape and strides: what
-    :func:`materialize` gives, for the description that keys a decision; ``value`` itself if not a tensor.
-    A cached decision then costs no random inputs (they took 4 of the 14 s of capturing Qwen3-VL-2B's
-    vision tower on a Zen 3, 104 Linears of 6 shapes)."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    shape, strides = concrete(value.shape), concrete(value.stride())
-    return torch.empty_strided(shape, strides, dtype=value.dtype, device="meta")
+    """What :func:`materialize` gives for ``value``, without data: the description that keys a
+    decision. A cached decision then costs no random inputs (they took 4 of the 14 s of capturing
+    Qwen3-VL-2B's vision tower on a Zen 3, 104 Linears of 6 shapes)."""
+    return _like(value, lambda shape, dtype: torch.empty(shape, dtype=dtype, device="meta"))
 
 
 def materialize(value, scale: float = 1.0):
     """A random real tensor like ``value`` (a node's fake tensor), with its shape and strides (the
     kernels on both sides of a timing see the layout the graph gives them), or ``value`` itself if
     not a tensor."""
+    return _like(value, lambda shape, dtype: randn(shape, dtype, scale))
+
+
+def _like(value, fill: Callable[[list[int], torch.dtype], torch.Tensor]):
+    """A tensor of ``fill``'s values with ``value``'s shape and strides; a broadcast (expanded) view
+    is ``fill``'s values along its other dims, expanded."""
     if not isinstance(value, torch.Tensor):
         return value
     shape, strides = concrete(value.shape), concrete(value.stride())
-    if 0 in strides:  # a broadcast (expanded) view: random values along its other dims, expanded
-        base = [1 if st == 0 else n for n, st in zip(shape, strides)]
-        return randn(base, value.dtype, scale).expand(shape)
-    real = torch.empty_strided(shape, strides, dtype=value.dtype)
-    return real.copy_(randn(shape, value.dtype, scale))
+    if 0 in strides:
+        return fill([1 if st == 0 else n for n, st in zip(shape, strides)], value.dtype).expand(shape)
+    values = fill(list(shape), value.dtype)
+    return torch.empty_strided(shape, strides, dtype=value.dtype, device=values.device).copy_(values)
 
 
 def describe(*tensors) -> str:
     """``1x784x1024:bf16, 4096x1024:bf16`` for the cache key and the report (plus the strides of a
-    tensor that is not contiguous)."""
+    tensor that is not contiguous): of each tensor as :func:`materialize` makes it (a node's fake
+    value is described as it is timed)."""
     return ", ".join(
         "x".join(map(str, concrete(t.shape))) + ":" + str(t.dtype).removeprefix("torch.") + _layout(t)
         if t is not None
         else "-"
-        for t in tensors
+        for t in map(meta, tensors)
     )
 
 
@@ -253,6 +255,18 @@ def _store(path: pathlib.Path, key: str, value: list[float]) -> None:
 
 
 _UNWRITABLE: set[pathlib.Path] = set()
+
+
+# Run once before this process's first timing, then dropped: the capture child's, which asks the
+# parent to stop packing weights (a timing beside it would share the cores).
+before_timing: Callable[[], None] | None = None
+
+
+def _quiet() -> None:
+    global before_timing
+    hook, before_timing = before_timing, None
+    if hook is not None:
+        hook()
 
 
 def _sample(fn: Callable[[], object], repeat: int) -> float:
@@ -341,6 +355,7 @@ def _compare(op: str, config: AmxConfig, setup: Runs, schedule: ScheduleTiming |
         amx_ms, aten_ms = table[key]
         return Timing(op, amx_ms, aten_ms, cached=True, schedule=schedule)
     runs = setup()
+    _quiet()
     amx_ms, aten_ms = _time(*runs)
     if not Timing(op, amx_ms, aten_ms).amxopt_wins and amx_ms < _FAR * aten_ms:  # confirm ATen's lead
         amx_ms, aten_ms = max((amx_ms, aten_ms), _time(*runs), key=lambda t: t[1] / t[0])
@@ -375,6 +390,7 @@ def _amx_schedule(op: str, config: AmxConfig, run: Callable[[str], Callable[[], 
     key = f"{context()}|AMX schedules|{op}"
     if key in table:
         return ScheduleTiming(*table[key], cached=True)
+    _quiet()
     groups_ms, rows_ms = _time(run("groups"), run("rows"))
     if ScheduleTiming(groups_ms, rows_ms).choice == "rows":  # confirm, rows first
         again_rows, again_groups = _time(run("rows"), run("groups"))

@@ -299,7 +299,22 @@ class _Processor:
         self.scale, self.scales, self.config, self.flip = scale, scales, config or {"scale": 1.0}, set(flip)
 
     def __call__(self, h):
-        return h * self.scale * self.scales[1] * self.config["scale"] * (-1.0 if "sign" in self.flip else 1.0)
+        sign = -1.0 if "sign" in self.flip else 1.0
+        return h * self.scale * self.scales[1] * self.config["scale"] * sign * (1 + len(self.flip))
+
+
+class _Tag:
+    """A set member hashed by identity."""
+
+
+class _Picked:
+    """A helper that picks its implementation once, as a method bound to itself."""
+
+    def __init__(self) -> None:
+        self.scale, self.fn = 0.5, self.run
+
+    def run(self, h):
+        return h * self.scale
 
 
 def _third(usual, other):
@@ -344,6 +359,7 @@ class _Gates(nn.Module):
         (_Gates(acts=_third(_Processor, lambda: _Processor(scales=(1.0, -3.0)))), None),
         (_Gates(acts=_third(_Processor, lambda: _Processor(config={"scale": -3.0}))), None),
         (_Gates(acts=_third(lambda: _Processor(flip={"none"}), lambda: _Processor(flip={"sign"}))), None),
+        (_Gates(acts=_third(lambda: _Processor(flip={_Tag()}), lambda: _Processor(flip={_Tag(), _Tag()}))), None),
         (_Gates(acts=_third(lambda: nn.SiLU().forward, lambda: nn.ReLU().forward)), None),
         (_Gates(acts=_third(lambda: _Processor().__call__, lambda: _Processor(scale=-3.0).__call__)), None),
         (_Gates(acts=_third(lambda: nn.LeakyReLU(0.01).forward, lambda: nn.LeakyReLU(0.9).forward)), None),
@@ -357,6 +373,7 @@ class _Gates(nn.Module):
         "tuple-item",
         "dict-value",
         "set-member",
+        "set-of-equal-objects",
         "bound-method",
         "method-of-an-object-holding-another-value",
         "method-of-a-module-holding-another-value",
@@ -385,8 +402,9 @@ def test_blocks_that_compute_differently_are_traced_one_by_one(model, why):
         lambda gate: nn.LeakyReLU(0.2).forward,
         lambda gate: gate.fc.forward,  # one of the block's own modules: each block's, equal by its path
         lambda gate: functools.partial(gate.fc.forward),
+        lambda gate: _Picked().fn,  # bound to the object it is found in: the same in every block
     ],
-    ids=["object-method", "module-method", "own-module-method", "partial-of-own-method"],
+    ids=["object-method", "module-method", "own-module-method", "partial-of-own-method", "self-bound-helper"],
 )
 def test_blocks_whose_methods_are_bound_to_equal_objects_are_stamped(act):
     model = _Gates().eval()

@@ -347,12 +347,20 @@ def test_timed_inputs_have_the_layout_of_the_graph():
             torch.empty(4, 10)[:, :6],
             torch.empty(1, 5, 1, 8).expand(2, 5, 3, 8),
         ]
+        # A broadcast of a slice is timed on a dense base, expanded: it is keyed so.
+        sliced = torch.empty(9, 64)[:, :32].expand(2, -1, -1)
         contiguous = torch.empty(2, 6, 4, 5)
     for fake in fakes:
         real = _autotune.materialize(fake)
         assert not isinstance(real, type(fake)) and real.shape == fake.shape and real.stride() == fake.stride()
         assert real.float().std() > 0.5  # random values, not the storage's leftovers
         assert _autotune.describe(fake) != _autotune.describe(torch.empty(fake.shape)), fake.stride()
+        assert _autotune.describe(fake) == _autotune.describe(real)  # the key names the layout timed
+    real = _autotune.materialize(sliced)
+    assert (
+        real.stride() == (0, 32, 1)
+        and _autotune.describe(sliced) == _autotune.describe(real) == "2x9x32:float32:strides 0x32x1"
+    )
     assert _autotune.describe(contiguous) == "2x6x4x5:float32"
 
 
