@@ -7,8 +7,8 @@ with every re-capture. Here the process forks; the child exports and runs the pa
 rewritten graph back as graph_store's JSON entry, which the parent restores as it would one from
 the graph cache (no stored code runs, nothing is unpickled).
 
-    parent:  fork ── packs the weights ─────────────────── restore(entry) ── graph
-    child:         └─ shape-only packings ── export ── passes ── dump ──┘
+    parent:  fork ── packs the weights ──────┐ (stops) ─────────────── restore(entry) ── graph
+    child:         └─ shape-only packings ── export ── passes: autotune ── dump ──┘
 
 The child works on a new thread: the parent's OpenMP pool does not exist in a forked child, and the
 first parallel region of the child's main thread would wait for it forever, while a new thread
@@ -16,7 +16,10 @@ builds a pool of its own (autotune's timing runs need one). The child never comp
 every packable weight carries a meta packing (shape and dtype), which ``pack_weights`` takes as it
 takes any earlier packing and the entry names by its source weight. The parent packs the weights
 meanwhile, on all its threads but the one core the child's trace runs on, and restoring the entry
-takes those packings; a packing the graph does not read is dropped.
+takes those packings; a packing the graph does not read is dropped. Before its first autotune
+timing the child asks the parent to stop packing, and waits until it has: a timing must not share
+the cores with the packing (Wan2.1-1.3B's 36 last packings ran beside the first timing); restore
+packs the rest.
 
 A capture export cannot make raises the child's CaptureError here. Any other failure of the child
 (the graph is not expressible as an entry, an error in a pass, the child dies) runs the capture
@@ -61,7 +64,7 @@ def usable(config: AmxConfig, keep_text: bool) -> bool:
 def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> GraphEntry:
     """``run`` in a forked child, the graph restored here on ``module`` (the exported module); in
     this process when the child does not send one back."""
-    ours, theirs = multiprocessing.Pipe(duplex=False)
+    ours, theirs = multiprocessing.Pipe()  # the child's reply; its request to stop packing, and the answer
     # Frozen, this process's objects are never walked by the child's collections, nor their pages
     # copied (Qwen3-VL-2B vision: the child's export 2.7 to 3.7 s in 4 runs, 3.9 s unfrozen, on a
     # noisy machine). A process that froze objects of its own is left as it is.
@@ -94,6 +97,9 @@ def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> 
         try:
             _pack_meanwhile(module, config.provider, early, ours.poll)
             reply = json.loads(ours.recv_bytes())
+            if reply == _STOP_PACKING:  # packing stopped: the child times now, then replies
+                ours.send_bytes(b"{}")
+                reply = json.loads(ours.recv_bytes())
         except (EOFError, OSError) as e:
             reply, lost = {}, type(e).__name__
         except BaseException:  # KeyboardInterrupt: the child must not outlive the call
@@ -142,8 +148,8 @@ def _pack_meanwhile(module: nn.Module, provider: str, done: list[nn.Parameter], 
     rest on every thread, and a capture that failed early wastes no more.
 
     Qwen3-VL-2B vision (771 MB packed) on 2 cores: 0.9 s on one thread, hidden behind a 3 to 4 s
-    capture, against 0.6 s of restore on two after it. It is over before the passes begin (export
-    alone takes longer), so autotune's timings in the child do not share the cores with it."""
+    capture, against 0.6 s of restore on two after it. Wan2.1-1.3B's packing outlasts export, and
+    stops when the child asks to time (:data:`_STOP_PACKING`)."""
     todo = weights.unpacked(module, provider)
     if not todo:  # a re-capture, or weights packed at load: the thread pool is left as it is
         return
@@ -192,8 +198,18 @@ def _restore(reply: dict, module: nn.Module, config: AmxConfig) -> GraphEntry | 
             os.unlink(reply["tensors"])
 
 
+# The child's request before its first autotune timing; the parent answers once it packs no more.
+_STOP_PACKING = {"stop_packing": True}
+
+
 def _child(conn, run: Run, module: nn.Module, config: AmxConfig) -> None:
     path = None
+
+    def stop_packing():
+        conn.send_bytes(json.dumps(_STOP_PACKING).encode())
+        conn.recv_bytes()
+
+    _autotune.before_timing = stop_packing
     try:
         weights.plan_packings(module, config.provider)
         graph = run()

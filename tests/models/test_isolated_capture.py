@@ -165,6 +165,49 @@ def test_autotune_decides_in_the_child_and_the_report_shows_it(tmp_path):
     assert all("[cached]" in str(c) for c in here.report.choices), here.report.choices
 
 
+def test_the_parent_stops_packing_before_the_childs_first_timing(tmp_path, monkeypatch):
+    # A timing must not share the cores with the packing here: the child asks the parent to stop, and
+    # times once it has (restore packs the rest, after the child's reply).
+    packs, pack, pack_meanwhile = [], isolated.weights.pack, isolated._pack_meanwhile  # (start, end, meanwhile)
+    meanwhile = threading.Event()
+
+    def slow_pack(p, provider):
+        start = time.monotonic()
+        if meanwhile.is_set():
+            time.sleep(1.0)  # 15 weights outlast the child's export: unstopped, it packs beside the timings
+        result = pack(p, provider)
+        packs.append((start, time.monotonic(), meanwhile.is_set()))
+        return result
+
+    def slowly(*args):
+        meanwhile.set()
+        try:
+            pack_meanwhile(*args)
+        finally:
+            meanwhile.clear()
+
+    spans = tmp_path / "timings"
+
+    def timed(run_amxopt, run_aten):  # in the child: when each timing runs (CLOCK_MONOTONIC is the system's)
+        start = time.monotonic()
+        time.sleep(0.05)
+        with open(spans, "a") as f:
+            f.write(f"{start} {time.monotonic()}\n")
+        return 1.0, 2.0
+
+    monkeypatch.setattr(isolated.weights, "pack", slow_pack)
+    monkeypatch.setattr(isolated, "_pack_meanwhile", slowly)
+    monkeypatch.setattr(isolated._autotune, "_time", timed)
+    name = "tiny-qwen3-omni-audio"
+    model, inputs = models.build_model(name, torch.bfloat16), models.example_inputs(name, torch.bfloat16)
+    opt = amxopt.optimize(model, inputs, _config(tmp_path, provider="native", autotune=True))
+    assert any(CHILD in n for n in opt.report.notes) and opt.report.choices
+    timings = [tuple(map(float, line.split())) for line in spans.read_text().splitlines()]
+    first, last = min(s for s, _ in timings), max(e for _, e in timings)
+    assert all(end <= first or start >= last for start, end, _ in packs), (packs, first, last)
+    assert any(here for *_, here in packs) and any(start >= last and not here for start, _, here in packs)
+
+
 def _closes_its_end_then_exits(conn, *args):
     conn.close()  # the parent reads the end of the pipe, and waits for the exit status
     time.sleep(1)
