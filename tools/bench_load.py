@@ -77,10 +77,9 @@ def _child(route: str, name: str, path: pathlib.Path) -> dict:
             out["packed_mb"] = _packed_mb(opt.graph_module)
             del model
         elif route == "hf+compile":
-            import torch._inductor.config as inductor
+            from bench_models import compile_baseline  # (tools/ is this script's directory)
 
-            inductor.freezing = True
-            compiled = torch.compile(model)
+            compiled = compile_baseline(model)
             t = time.perf_counter()
             with torch.no_grad():
                 compiled(**inputs)
