@@ -369,9 +369,10 @@ def amx_schedule(
     op: str, config: AmxConfig, rows: int, k: int, run: Callable[[str], Callable[[], object]]
 ) -> ScheduleTiming | None:
     """The faster of the amx tier's GEMM schedules for one GEMM of ``rows`` x ``k`` (``run(schedule)``
-    gives a run in one, its inputs made only where a timing is not cached), or the cached decision; None where there is no choice to make: another tier, a
-    shape both schedules run alike, a process that pins a schedule (then it runs everywhere), or
-    software tiles (their timings say nothing of AMX).
+    gives a run in one, its inputs made only where a timing is not cached), or the cached decision;
+    None where there is no choice to make: another tier, a shape both schedules run alike, a process
+    that pins a schedule (then it runs everywhere), or software tiles (their timings say nothing of
+    AMX).
 
     The two are amxopt's own kernels with the same result bit for bit (the same fp32 sums in the
     same order), so a near tie costs little either way: Rows, measured on fewer CPUs, must be
