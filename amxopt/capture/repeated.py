@@ -226,6 +226,8 @@ def _value(v: Any, seen: dict[int, tuple], depth: int) -> Any:
     helper that keeps a method bound to itself compares alike in every block)."""
     if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device)):
         return _constant(v)
+    if depth >= _DEPTH:  # (a dict that holds itself too)
+        return type(v), id(v)  # the same object, or not the same setting
     if isinstance(v, (tuple, list)):
         return type(v), tuple(_value(x, seen, depth + 1) for x in v)
     if isinstance(v, dict):
@@ -240,10 +242,10 @@ def _value(v: Any, seen: dict[int, tuple], depth: int) -> Any:
         return v
     if id(v) in seen:
         return seen[id(v)]
-    if depth < _DEPTH and hasattr(v, "__dict__") and not isinstance(v, torch.Tensor):
+    if hasattr(v, "__dict__") and not isinstance(v, torch.Tensor):
         inside = {**seen, id(v): ("object at depth", depth)}
         return type(v), _value(vars(v), inside, depth + 1)  # an attention processor, a config
-    return type(v), id(v)  # a tensor attribute, or deeper: the same object, or not the same setting
+    return type(v), id(v)  # a tensor attribute: the same object, or not the same setting
 
 
 @contextlib.contextmanager

@@ -186,6 +186,16 @@ def test_blocks_of_other_shapes_or_settings_or_one_block_twice_are_no_stack():
     assert [s.path for s in find_stacks(model)] == ["blocks"]
 
 
+def test_an_attribute_that_holds_itself_is_compared_to_an_end():
+    # A dict that holds itself recursed without end (RecursionError); below the depth compared, each
+    # block's is its own object: not shown alike, so no stack.
+    model = _Stack().eval()
+    for block in model.blocks:
+        block.cfg = {"scale": 1.0}
+        block.cfg["self"] = block.cfg
+    assert find_stacks(model) == []
+
+
 class _Skips(nn.Module):
     """Outputs of two blocks of one stack meet in one fused op: ``head(h2) + h1``."""
 
