@@ -19,7 +19,10 @@ meanwhile, on all its threads but the one core the child's trace runs on, and re
 takes those packings; a packing the graph does not read is dropped. Before its first autotune
 timing the child asks the parent to stop packing, and waits until it has: a timing must not share
 the cores with the packing (Wan2.1-1.3B's 36 last packings ran beside the first timing); restore
-packs the rest.
+packs the rest. The two say so through two shared semaphores, not the pipe: the parent never
+writes to a child that may have died (a SIGPIPE would end a process that does not ignore it), and
+neither holds a lock the other could wait on forever if it died holding it.
+The parent names the file the child may send tensors in, and deletes it whatever happens.
 
 A capture export cannot make raises the child's CaptureError here. Any other failure of the child
 (the graph is not expressible as an entry, an error in a pass, the child dies) runs the capture
@@ -28,6 +31,8 @@ again in this process, which raises the real error with its traceback or returns
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -37,6 +42,7 @@ import signal
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,7 +70,18 @@ def usable(config: AmxConfig, keep_text: bool) -> bool:
 def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> GraphEntry:
     """``run`` in a forked child, the graph restored here on ``module`` (the exported module); in
     this process when the child does not send one back."""
-    ours, theirs = multiprocessing.Pipe()  # the child's reply; its request to stop packing, and the answer
+    ours, theirs = multiprocessing.Pipe(duplex=False)  # the child's reply
+    handshake = _Handshake.new()
+    fd, tensors_file = tempfile.mkstemp(prefix="amxopt-capture-", suffix=".safetensors")
+    os.close(fd)
+    try:
+        return _capture(run, module, model_name, config, ours, theirs, handshake, tensors_file)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tensors_file)
+
+
+def _capture(run, module, model_name, config, ours, theirs, handshake, tensors_file) -> GraphEntry:
     # Frozen, this process's objects are never walked by the child's collections, nor their pages
     # copied (Qwen3-VL-2B vision: the child's export 2.7 to 3.7 s in 4 runs, 3.9 s unfrozen, on a
     # noisy machine). A process that froze objects of its own is left as it is.
@@ -85,7 +102,8 @@ def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> 
     if pid == 0:  # the child: never returns
         ours.close()
         try:
-            worker = threading.Thread(target=_child, args=(theirs, run, module, config), name="amxopt-capture")
+            args = (theirs, run, module, config, handshake, tensors_file)
+            worker = threading.Thread(target=_child, args=args, name="amxopt-capture")
             worker.start()
             worker.join()
         finally:
@@ -95,11 +113,11 @@ def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> 
     graph, lost = None, None
     try:
         try:
-            _pack_meanwhile(module, config.provider, early, ours.poll)
+            try:
+                _pack_meanwhile(module, config.provider, early, lambda: ours.poll() or handshake.asked())
+            finally:
+                handshake.stopped.release()  # the child may time now
             reply = json.loads(ours.recv_bytes())
-            if reply == _STOP_PACKING:  # packing stopped: the child times now, then replies
-                ours.send_bytes(b"{}")
-                reply = json.loads(ours.recv_bytes())
         except (EOFError, OSError) as e:
             reply, lost = {}, type(e).__name__
         except BaseException:  # KeyboardInterrupt: the child must not outlive the call
@@ -193,37 +211,43 @@ def _restore(reply: dict, module: nn.Module, config: AmxConfig) -> GraphEntry | 
     except (OSError, ValueError, KeyError, GraphStoreError) as e:
         reply["error"] = f"its graph could not be restored: {e}"
         return None
-    finally:
-        if "tensors" in reply:
-            os.unlink(reply["tensors"])
 
 
-# The child's request before its first autotune timing; the parent answers once it packs no more.
-_STOP_PACKING = {"stop_packing": True}
+@dataclasses.dataclass
+class _Handshake:
+    timing: Any  # released by the child before its first autotune timing
+    stopped: Any  # released by the parent once it packs no more
+
+    @classmethod
+    def new(cls) -> _Handshake:
+        fork = multiprocessing.get_context("fork")  # (shared by a fork, whatever start method the process set)
+        return cls(timing=fork.Semaphore(0), stopped=fork.Semaphore(0))
+
+    def asked(self) -> bool:
+        """In the parent: whether the child asked to time (once)."""
+        return self.timing.acquire(block=False)
+
+    def stop_packing(self) -> None:
+        """In the child: ask the parent to stop packing, and wait until it has (or is gone)."""
+        parent = os.getppid()
+        self.timing.release()
+        while not self.stopped.acquire(timeout=0.05):
+            if os.getppid() != parent:
+                raise RuntimeError("the process that forked this capture is gone")
 
 
-def _child(conn, run: Run, module: nn.Module, config: AmxConfig) -> None:
-    path = None
-
-    def stop_packing():
-        conn.send_bytes(json.dumps(_STOP_PACKING).encode())
-        conn.recv_bytes()
-
-    _autotune.before_timing = stop_packing
+def _child(conn, run: Run, module: nn.Module, config: AmxConfig, handshake: _Handshake, path: str) -> None:
+    _autotune.before_timing = handshake.stop_packing
     try:
         weights.plan_packings(module, config.provider)
         graph = run()
         entry, tensors = graph_store.dump(graph, module, for_cache=False, live=True)
         reply: dict = {"entry": entry}
-        if tensors:
-            fd, path = tempfile.mkstemp(prefix="amxopt-capture-", suffix=".safetensors")
-            os.close(fd)
-            reply["tensors"] = path
+        if tensors:  # into the parent's file, which the parent deletes
             save_tensors(tensors, path)
+            reply["tensors"] = path
     except CaptureError as e:
         reply = {"capture_error": str(e)}
     except BaseException as e:  # noqa: BLE001 - any other failure is re-run (and raised) by the parent
         reply = {"error": f"{type(e).__name__}: {_first_line(e)}"}
-    if path is not None and "tensors" not in reply:  # written, then the reply failed: not the parent's to delete
-        os.unlink(path)
     conn.send_bytes(json.dumps(reply).encode())

@@ -383,6 +383,39 @@ def test_an_interrupt_while_the_child_captures_kills_it(tmp_path, monkeypatch):
     assert time.monotonic() - start < 10
 
 
+def test_a_child_that_dies_waiting_to_time_is_captured_again_here(tmp_path):
+    # The child asks the parent to stop packing and dies (an OOM kill) before it may time, while the
+    # parent still packs. The parent must not write to it (under SIGPIPE's default action, as a CLI or
+    # an embedding host sets it, that ended the process), nor wait on a lock the child held: it
+    # captures here. A fresh interpreter, for the signal disposition.
+    script = f"""
+import os, signal, threading, time, torch, amxopt
+from amxopt import models
+from amxopt.passes import _autotune
+from amxopt.runtime import isolated
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+parent, pack, quiet = os.getpid(), isolated.weights.pack, _autotune._quiet
+def slow_pack(p, provider):  # still packing when the child asks
+    if threading.current_thread() is threading.main_thread() and os.getpid() == parent:
+        time.sleep(0.3)
+    return pack(p, provider)
+def dies_waiting():
+    if _autotune.before_timing is not None:  # (the child's hook)
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    quiet()
+isolated.weights.pack, _autotune._quiet = slow_pack, dies_waiting
+name = "tiny-qwen3-omni-audio"
+config = amxopt.AmxConfig(provider="native", graph_cache=False, autotune_cache={str(tmp_path)!r})
+model, inputs = models.build_model(name, torch.bfloat16), models.example_inputs(name, torch.bfloat16)
+opt = amxopt.optimize(model, inputs, config)
+print("child" if any("forked child" in n for n in opt.report.notes) else "here", opt.report.counts()["linear"])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    where, linears = done.stdout.split()[-2:]
+    assert where == "here" and int(linears) > 0
+
+
 def test_optimize_never_imports_torch_export_in_this_process(tmp_path):
     # A fresh interpreter: this test process has imported torch.export long ago.
     script = f"""
