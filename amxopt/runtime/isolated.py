@@ -42,6 +42,7 @@ import signal
 import tempfile
 import threading
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -81,7 +82,17 @@ def capture(run: Run, module: nn.Module, model_name: str, config: AmxConfig) -> 
             os.unlink(tensors_file)
 
 
-def _capture(run, module, model_name, config, ours, theirs, handshake, tensors_file) -> GraphEntry:
+def _capture(
+    run: Run,
+    module: nn.Module,
+    model_name: str,
+    config: AmxConfig,
+    ours: Connection,
+    theirs: Connection,
+    handshake: _Handshake,
+    tensors_file: str,
+) -> GraphEntry:
+    """:func:`capture` with its pipe, handshake and the child's tensor file made."""
     # Frozen, this process's objects are never walked by the child's collections, nor their pages
     # copied (Qwen3-VL-2B vision: the child's export 2.7 to 3.7 s in 4 runs, 3.9 s unfrozen, on a
     # noisy machine). A process that froze objects of its own is left as it is.
