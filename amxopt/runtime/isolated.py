@@ -178,7 +178,7 @@ def _pack_meanwhile(module: nn.Module, provider: str, done: list[nn.Parameter], 
 
     Qwen3-VL-2B vision (771 MB packed) on 2 cores: 0.9 s on one thread, hidden behind a 3 to 4 s
     capture, against 0.6 s of restore on two after it. Wan2.1-1.3B's packing outlasts export, and
-    stops when the child asks to time (:data:`_STOP_PACKING`)."""
+    stops when the child asks to time (:class:`_Handshake`)."""
     todo = weights.unpacked(module, provider)
     if not todo:  # a re-capture, or weights packed at load: the thread pool is left as it is
         return
